@@ -1,0 +1,56 @@
+"""``vitlab`` command line: one subcommand per tool.
+
+Each tool module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+they are imported only when their subcommand runs, so ``vitlab --help`` stays
+fast. Errors a user can fix (bad path, unknown model, bad option) print one
+line; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
+}
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitlab", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        # argument definitions are cheap to import; the heavy work is in run()
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 0
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if args.debug:
+            raise
+        print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

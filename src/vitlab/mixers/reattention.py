@@ -1,0 +1,5 @@
+"""placeholder: being written."""
+from .base import TokenMixer
+
+class ReAttention(TokenMixer):
+    pass
