@@ -1,0 +1,65 @@
+"""Shared test helpers: golden reference vectors and thread settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("VITLAB_SHARED", REPO.parent / "shared"))
+GOLDEN = SHARED / "golden"
+DATA = SHARED / "data"
+
+
+class Golden(dict):
+    """One ``golden/*.npz`` file: ``g.param("qkv.weight")``, ``g.input("x")``, ``g.output("x")``."""
+
+    def param(self, key: str) -> torch.Tensor:
+        return self[f"param/{key}"]
+
+    def buffer(self, key: str) -> torch.Tensor:
+        return self[f"buffer/{key}"]
+
+    def input(self, key: str) -> torch.Tensor:
+        return self[f"input/{key}"]
+
+    def output(self, key: str) -> torch.Tensor:
+        return self[f"output/{key}"]
+
+    def state(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Reference state_dict (params and buffers) under keys starting with ``prefix``, prefix stripped."""
+        out = {}
+        for k, v in self.items():
+            kind, _, key = k.partition("/")
+            if kind in ("param", "buffer") and key.startswith(prefix):
+                out[key[len(prefix) :]] = v
+        return out
+
+
+def load_golden(name: str) -> Golden:
+    path = GOLDEN / name
+    if not path.exists():
+        pytest.skip(f"golden vectors not found at {path} (set VITLAB_SHARED to the shared/ folder)")
+    with np.load(path) as z:
+        return Golden({k: torch.from_numpy(np.array(z[k])) for k in z.files})
+
+
+def assert_close_to_golden(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Within ``rtol`` of the reference output's largest magnitude (the golden README's bound)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = expected.abs().max().item()
+    err = (actual.detach().float() - expected.float()).abs().max().item()
+    assert err <= rtol * scale + 1e-7, f"max abs error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    if not DATA.exists():
+        pytest.skip(f"shared data not found at {DATA}")
+    return DATA
