@@ -1,0 +1,316 @@
+"""Measuring helpers shared by the benchmarks: timing and honest peak memory.
+
+* :func:`time_callable` times a zero-argument callable (warmup, then repeats)
+  and summarises the wall times robustly (median and inter-quartile range).
+* :func:`run_case` runs one benchmark case in a **fresh Python process**, so its
+  peak resident memory is its own (no allocator caches or earlier peaks from
+  other cases). A case is named by ``"package.module:function"``; the function
+  receives the case's parameters, does the setup (builds the model, allocates
+  the inputs) and returns the callable to measure (or a :class:`Prepared`).
+  The child records its resident set size after setup (the *baseline*), resets
+  the kernel's peak-RSS counter where Linux allows it, runs warmup + timed
+  repeats and reports the peak RSS and ``peak - baseline``: the memory the
+  measured work itself needed.
+
+``python -m vitlab.bench.measure --self-check`` allocates a known amount in a
+fresh process and prints what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- memory of this process
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size of this process now (Linux ``/proc``), or None where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (``VmHWM``; ``ru_maxrss`` as fallback)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter to the current RSS (Linux >= 4.0). True if it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    """Wall times (seconds) of the timed repeats, with robust summaries."""
+
+    times: list[float]
+    warmup: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def q1(self) -> float:
+        return _quantile(self.times, 0.25)
+
+    @property
+    def q3(self) -> float:
+        return _quantile(self.times, 0.75)
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "median": self.median,
+            "q1": self.q1,
+            "q3": self.q3,
+            "iqr": self.iqr,
+            "min": min(self.times),
+            "mean": statistics.fmean(self.times),
+            "n": len(self.times),
+            "warmup": self.warmup,
+            "times": self.times,
+        }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), defined for a single value too."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def time_callable(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    max_time: float | None = None,
+    min_repeats: int = 3,
+) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeats`` timed ones.
+
+    With ``max_time`` (seconds), the number of timed calls is cut so they take
+    about that long in total (estimated from the slowest warmup call), but never
+    below ``min(min_repeats, repeats)``; slow cases then still finish quickly.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    slowest = 0.0
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        fn()
+        slowest = max(slowest, time.perf_counter() - t0)
+    n = repeats
+    if max_time is not None and slowest > 0:
+        n = max(min(min_repeats, repeats), min(repeats, int(max_time / slowest)))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return Timing(times, warmup)
+
+
+# --------------------------------------------------------------------------- cases in a fresh process
+
+
+class CaseSkipped(Exception):
+    """Raised by a case's setup when the case cannot run here (the message says why)."""
+
+
+@dataclass
+class Prepared:
+    """What a case's setup returns: the callable to measure and facts about the case."""
+
+    fn: Callable[[], object]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CaseSpec:
+    """A case to run in a fresh process (everything must be JSON-serialisable)."""
+
+    target: str  # "package.module:function"
+    params: dict[str, Any] = field(default_factory=dict)
+    warmup: int = 1
+    repeats: int = 5
+    max_time: float | None = None
+    threads: int | None = None  # torch.set_num_threads in the child (None: leave torch's default)
+
+
+def run_case(spec: CaseSpec, timeout: float = 600.0, python: str | None = None) -> dict[str, Any]:
+    """Run one case in a fresh Python process and return its measurements.
+
+    Returns a dict with ``status`` in ``ok | skipped | not_implemented | error``,
+    ``reason`` (for the last three), ``time_s`` (:meth:`Timing.summary`), ``mem``
+    (bytes: ``baseline``, ``peak``, ``delta = peak - baseline``, ``import`` = RSS
+    before setup, ``peak_reset`` whether the peak counter was reset after setup)
+    and ``info`` from the case's :class:`Prepared`. Never raises for a failing
+    case: a crash, timeout or out-of-memory kill is reported as ``error``.
+    """
+    with tempfile.TemporaryDirectory(prefix="vitlab-case-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(asdict(spec), f)
+        cmd = [python or sys.executable, "-m", "vitlab.bench.measure", "--worker", spec_path, out_path]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                return json.load(f)
+        if proc.returncode < 0:
+            sig = -proc.returncode
+            hint = " (killed: out of memory?)" if sig == 9 else ""
+            return {"status": "error", "reason": f"case process died with signal {sig}{hint}"}
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"status": "error", "reason": f"case process exited {proc.returncode}: {' | '.join(tail)}"}
+
+
+def _resolve(target: str) -> Callable[..., Any]:
+    module, _, name = target.partition(":")
+    if not module or not name:
+        raise ValueError(f"case target must look like 'package.module:function', got {target!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
+    """The child's side of :func:`run_case` (also usable directly, without the fresh process)."""
+    if spec.threads:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    import_rss = current_rss_bytes()
+    try:
+        prepared = _resolve(spec.target)(**spec.params)
+    except CaseSkipped as e:
+        return {"status": "skipped", "reason": str(e)}
+    except NotImplementedError as e:
+        return {"status": "not_implemented", "reason": str(e) or "not implemented"}
+    if not isinstance(prepared, Prepared):
+        prepared = Prepared(prepared)
+    gc.collect()
+    baseline = current_rss_bytes()
+    reset = reset_peak_rss()
+    try:
+        timing = time_callable(prepared.fn, warmup=spec.warmup, repeats=spec.repeats, max_time=spec.max_time)
+    except NotImplementedError as e:
+        return {"status": "not_implemented", "reason": str(e) or "not implemented", "info": prepared.info}
+    peak = peak_rss_bytes()
+    if baseline is None:  # no /proc: the peak is all we know
+        baseline = import_rss = 0
+    return {
+        "status": "ok",
+        "time_s": timing.summary(),
+        "mem": {
+            "import": import_rss,
+            "baseline": baseline,
+            "peak": peak,
+            "delta": peak - baseline,
+            "peak_reset": reset,
+        },
+        "info": prepared.info,
+    }
+
+
+def _worker(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        spec = CaseSpec(**json.load(f))
+    try:
+        result = _measure_in_this_process(spec)
+    except Exception as e:
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        result = {"status": "error", "reason": last, "traceback": traceback.format_exc()}
+    tmp = out_path + ".part"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out_path)  # the parent sees a complete file or none
+    return 0
+
+
+# --------------------------------------------------------------------------- calibration case
+
+
+def allocation_case(mb: float = 200.0) -> Prepared:
+    """A case whose work allocates and touches ``mb`` MiB, then frees it (to check the measurement)."""
+    n = int(mb * MB)
+
+    def work() -> None:
+        buf = bytearray(b"\x01") * n  # repetition writes every byte, so every page is resident
+        del buf
+
+    return Prepared(work, {"allocates_bytes": n})
+
+
+def main(argv: list[str] | None = None) -> int:
+    doc = __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog="python -m vitlab.bench.measure", description=doc)
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--self-check", type=float, metavar="MB", nargs="?", const=200.0,
+                        help="allocate MB MiB in a fresh process and print the measured peak")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(*args.worker)
+    if args.self_check is not None:
+        res = run_case(CaseSpec("vitlab.bench.measure:allocation_case", {"mb": args.self_check}, repeats=1))
+        if res["status"] != "ok":
+            print(f"self-check failed: {res.get('reason')}")
+            return 1
+        m = res["mem"]
+        print(f"allocated {args.self_check:.0f} MiB; measured peak - baseline = {m['delta'] / MB:.1f} MiB "
+              f"(baseline {m['baseline'] / MB:.1f} MiB, peak {m['peak'] / MB:.1f} MiB, "
+              f"peak counter reset: {m['peak_reset']})")
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    # run as the package module, not as __main__, so the classes a case raises or returns
+    # (CaseSkipped, Prepared) are the ones this code checks against
+    from vitlab.bench.measure import main as _main
+
+    sys.exit(_main())
