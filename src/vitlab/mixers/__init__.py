@@ -29,11 +29,13 @@ MIXERS: dict[str, type[TokenMixer]] = {
 }
 
 
-def build(kind: str, dim: int, **kw) -> TokenMixer:
+def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMixer:
     """Build the token mixer ``kind`` of width ``dim``; ``kw`` go to its constructor.
 
-    ``external`` with ``num_heads > 1`` builds the official multi-head external
-    attention (:class:`MultiHeadExternalAttention`).
+    ``defaults`` are model-wide settings (num_heads, qkv_bias, max_len, ...) given
+    only to mixers whose constructor takes them, so one model config can place
+    any mixer in any block. ``external`` with ``num_heads > 1`` builds the
+    official multi-head external attention (:class:`MultiHeadExternalAttention`).
     """
     if kind not in MIXERS:
         close = difflib.get_close_matches(kind, MIXERS, n=3, cutoff=0.4)
@@ -43,6 +45,7 @@ def build(kind: str, dim: int, **kw) -> TokenMixer:
     if kind == "external" and kw.get("num_heads", 1) > 1:
         cls = MultiHeadExternalAttention
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
+    kw = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **kw}
     unknown = sorted(set(kw) - set(accepted))
     if unknown:
         raise ValueError(
