@@ -24,6 +24,8 @@ import importlib
 import json
 import os
 import resource
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -180,34 +182,123 @@ class CaseSpec:
     threads: int | None = None  # torch.set_num_threads in the child (None: leave torch's default)
 
 
-def run_case(spec: CaseSpec, timeout: float = 600.0, python: str | None = None) -> dict[str, Any]:
-    """Run one case in a fresh Python process and return its measurements.
+ISOLATIONS = ("forkserver", "subprocess")
 
-    Returns a dict with ``status`` in ``ok | skipped | not_implemented | error``,
-    ``reason`` (for the last three), ``time_s`` (:meth:`Timing.summary`), ``mem``
-    (bytes: ``baseline``, ``peak``, ``delta = peak - baseline``, ``import`` = RSS
-    before setup, ``peak_reset`` whether the peak counter was reset after setup)
-    and ``info`` from the case's :class:`Prepared`. Never raises for a failing
-    case: a crash, timeout or out-of-memory kill is reported as ``error``.
+
+class CaseRunner:
+    """Runs cases, each in a fresh process; use as a context manager.
+
+    ``isolation="forkserver"`` forks every case from a server process that has
+    only imported ``preload`` (it never runs a case, never starts a thread pool),
+    so a case skips the interpreter and torch start-up yet inherits no other
+    case's memory. ``"subprocess"`` starts a new interpreter per case (slower,
+    the same figures). A case that hangs past ``timeout`` seconds is killed.
     """
-    with tempfile.TemporaryDirectory(prefix="vitlab-case-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
-        with open(spec_path, "w") as f:
-            json.dump(asdict(spec), f)
-        cmd = [python or sys.executable, "-m", "vitlab.bench.measure", "--worker", spec_path, out_path]
+
+    def __init__(
+        self, isolation: str = "forkserver", timeout: float = 600.0, preload: tuple[str, ...] = ("torch",)
+    ) -> None:
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+        self.isolation, self.timeout, self.preload = isolation, timeout, preload
+        self._server: subprocess.Popen | None = None
+
+    def __enter__(self) -> CaseRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stdin.close()  # the server exits at end of input
+            try:
+                self._server.wait(10)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+                self._server.wait()
+            self._server = None
+
+    def run(self, spec: CaseSpec) -> dict[str, Any]:
+        """Run one case; returns its measurements.
+
+        A dict with ``status`` in ``ok | skipped | not_implemented | error``,
+        ``reason`` (for the last three), ``time_s`` (:meth:`Timing.summary`),
+        ``mem`` (bytes: ``baseline`` = RSS after setup, ``peak``, ``delta = peak -
+        baseline``, ``import`` = RSS before setup, ``peak_reset``: whether the
+        kernel's peak counter was reset after setup, so that ``peak`` belongs to
+        the measured work alone) and ``info`` from the case's :class:`Prepared`.
+        Never raises for a failing case: a crash, a timeout or an out-of-memory
+        kill is reported as ``error``.
+        """
+        with tempfile.TemporaryDirectory(prefix="vitlab-case-") as tmp:
+            spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+            with open(spec_path, "w") as f:
+                json.dump(asdict(spec), f)
+            run = self._run_forked if self.isolation == "forkserver" else self._run_subprocess
+            code = run(spec_path, out_path)
+            if os.path.exists(out_path):
+                with open(out_path) as f:
+                    return json.load(f)
+            if isinstance(code, str):
+                return {"status": "error", "reason": code}
+            if code is not None and code < 0:
+                hint = " (killed: out of memory?)" if code == -9 else ""
+                return {"status": "error", "reason": f"case process died with signal {-code}{hint}"}
+            return {"status": "error", "reason": f"case process exited with code {code} and no result"}
+
+    def _run_subprocess(self, spec_path: str, out_path: str) -> int | str:
+        cmd = [sys.executable, "-m", "vitlab.bench.measure", "--worker", spec_path, out_path]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(cmd, timeout=self.timeout).returncode
         except subprocess.TimeoutExpired:
-            return {"status": "error", "reason": f"timed out after {timeout:.0f} s"}
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                return json.load(f)
-        if proc.returncode < 0:
-            sig = -proc.returncode
-            hint = " (killed: out of memory?)" if sig == 9 else ""
-            return {"status": "error", "reason": f"case process died with signal {sig}{hint}"}
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"status": "error", "reason": f"case process exited {proc.returncode}: {' | '.join(tail)}"}
+            return f"timed out after {self.timeout:.0f} s"
+
+    def _run_forked(self, spec_path: str, out_path: str) -> int | str:
+        if self._server is None or self._server.poll() is not None:
+            cmd = [sys.executable, "-m", "vitlab.bench.measure", "--serve", ",".join(self.preload)]
+            self._server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        server = self._server
+        server.stdin.write(f"{spec_path}\t{out_path}\n")
+        server.stdin.flush()
+        pid = int(server.stdout.readline().split()[1])  # "pid N"
+        timed_out = False
+        if not select.select([server.stdout], [], [], self.timeout)[0]:
+            os.kill(pid, signal.SIGKILL)  # the case process this runner started
+            timed_out = True
+        line = server.stdout.readline()  # "exit CODE"
+        if timed_out:
+            return f"timed out after {self.timeout:.0f} s"
+        return int(line.split()[1]) if line else "the case server died"
+
+
+def run_case(spec: CaseSpec, *, isolation: str = "forkserver", timeout: float = 600.0) -> dict[str, Any]:
+    """Run one case in a fresh process (see :meth:`CaseRunner.run`)."""
+    with CaseRunner(isolation, timeout) as runner:
+        return runner.run(spec)
+
+
+def _serve(preload: list[str]) -> int:
+    """The fork server: import ``preload`` once, then fork one child per case read from stdin."""
+    for name in preload:
+        importlib.import_module(name)
+    out = sys.stdout
+    for line in sys.stdin:
+        spec_path, out_path = line.rstrip("\n").split("\t")
+        pid = os.fork()
+        if pid == 0:  # the case process: its prints must not reach the protocol pipe
+            os.dup2(2, 1)
+            code = 1
+            try:
+                code = _worker(spec_path, out_path)
+            finally:
+                os._exit(code)
+        out.write(f"pid {pid}\n")
+        out.flush()
+        _, status = os.waitpid(pid, 0)
+        out.write(f"exit {os.waitstatus_to_exitcode(status)}\n")
+        out.flush()
+    return 0
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -256,14 +347,17 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     }
 
 
-def _worker(spec_path: str, out_path: str) -> int:
-    with open(spec_path) as f:
-        spec = CaseSpec(**json.load(f))
+def _measure_guarded(spec: CaseSpec) -> dict[str, Any]:
     try:
-        result = _measure_in_this_process(spec)
+        return _measure_in_this_process(spec)
     except Exception as e:
         last = traceback.format_exception_only(type(e), e)[-1].strip()
-        result = {"status": "error", "reason": last, "traceback": traceback.format_exc()}
+        return {"status": "error", "reason": last, "traceback": traceback.format_exc()}
+
+
+def _worker(spec_path: str, out_path: str) -> int:
+    with open(spec_path) as f:
+        result = _measure_guarded(CaseSpec(**json.load(f)))
     tmp = out_path + ".part"
     with open(tmp, "w") as f:
         json.dump(result, f)
@@ -289,13 +383,18 @@ def main(argv: list[str] | None = None) -> int:
     doc = __doc__.splitlines()[0]
     parser = argparse.ArgumentParser(prog="python -m vitlab.bench.measure", description=doc)
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", metavar="MODULES", help=argparse.SUPPRESS)
     parser.add_argument("--self-check", type=float, metavar="MB", nargs="?", const=200.0,
                         help="allocate MB MiB in a fresh process and print the measured peak")
+    parser.add_argument("--isolation", choices=ISOLATIONS, default="forkserver")
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(*args.worker)
+    if args.serve is not None:
+        return _serve([m for m in args.serve.split(",") if m])
     if args.self_check is not None:
-        res = run_case(CaseSpec("vitlab.bench.measure:allocation_case", {"mb": args.self_check}, repeats=1))
+        spec = CaseSpec("vitlab.bench.measure:allocation_case", {"mb": args.self_check}, repeats=1)
+        res = run_case(spec, isolation=args.isolation)
         if res["status"] != "ok":
             print(f"self-check failed: {res.get('reason')}")
             return 1
