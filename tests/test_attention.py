@@ -1,0 +1,148 @@
+"""Multi-head self-attention: SDPA path == explicit path (incl. causal), the equation written out, the map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close_to_golden, load_golden
+from vitlab.mixers import Attention, attention_map, build
+
+
+def naive_attention(x, m: Attention, causal: bool = False):
+    """out = proj(concat_h softmax(Q_h K_hᵀ / sqrt(d_h)) V_h), head by head, row by row, float64."""
+    p = {k: v.double() for k, v in m.state_dict().items()}
+    x = x.double()
+    c = x.shape[-1]
+    hd = c // m.num_heads
+    q, k, v = (x @ p["qkv.weight"].T + p["qkv.bias"]).split(c, dim=-1)
+    heads, maps = [], []
+    for h in range(m.num_heads):
+        sl = slice(h * hd, (h + 1) * hd)
+        logits = q[..., sl] @ k[..., sl].transpose(1, 2) / hd**0.5
+        if causal:  # query i sees keys j <= i
+            n = logits.shape[-1]
+            logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        e = torch.exp(logits - logits.amax(-1, keepdim=True))
+        a = e / e.sum(-1, keepdim=True)
+        maps.append(a)
+        heads.append(a @ v[..., sl])
+    return torch.cat(heads, -1) @ p["proj.weight"].T + p["proj.bias"], torch.stack(maps, 1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_naive_equation_on_both_paths(causal):
+    torch.manual_seed(0)
+    m = Attention(24, num_heads=3, causal=causal).double().eval()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    ref, ref_map = naive_attention(x, m, causal)
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-10)  # SDPA
+    out, aux = m(x, return_aux=True)  # explicit
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-10)
+    torch.testing.assert_close(aux["attn"], ref_map, rtol=1e-5, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("train", [False, True])
+def test_sdpa_path_equals_explicit_path(causal, train):
+    torch.manual_seed(1)
+    fused = Attention(32, num_heads=4, causal=causal).train(train)
+    explicit = Attention(32, num_heads=4, causal=causal, fused=False).train(train)
+    explicit.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 11, 32)
+    out_fused = fused(x)
+    out_aux, _ = fused(x, return_aux=True)
+    torch.testing.assert_close(out_fused, out_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_fused, explicit(x), rtol=1e-5, atol=1e-6)
+
+
+def test_golden_plain_attention_from_deepvit_weights():
+    """dvit_repo's ReAttention is MHSA until the head mix: its q/k/v/proj give the same softmax map (sanity)."""
+    g = load_golden("deepvit_reattention.npz")
+    m = Attention(32, num_heads=4).eval()
+    m.load_state_dict({k: v for k, v in g.state().items() if k.split(".")[0] in ("qkv", "proj")})
+    _, aux = m(g.input("x"), return_aux=True)
+    w, b = g.param("reatten_matrix.weight")[:, :, 0, 0], g.param("reatten_matrix.bias")
+    mixed = torch.einsum("gh,bhij->bgij", w, aux["attn"]) + b[:, None, None]
+    bn = (mixed - g.buffer("var_norm.running_mean")[:, None, None]) / torch.sqrt(
+        g.buffer("var_norm.running_var")[:, None, None] + 1e-5
+    )
+    assert_close_to_golden(bn * g.param("var_norm.weight")[:, None, None] + g.param("var_norm.bias")[:, None, None],
+                           g.output("attn"))
+
+
+def test_aux_map_rows_sum_to_one_and_causal_map_is_lower_triangular():
+    torch.manual_seed(2)
+    x = torch.randn(2, 9, 16)
+    _, aux = Attention(16, num_heads=2)(x, return_aux=True)
+    assert aux["attn"].shape == (2, 2, 9, 9) and (aux["attn"] >= 0).all()
+    torch.testing.assert_close(aux["attn"].sum(-1), torch.ones(2, 2, 9))
+    _, aux = Attention(16, num_heads=2, causal=True)(x, return_aux=True)
+    torch.testing.assert_close(aux["attn"].sum(-1), torch.ones(2, 2, 9))
+    assert (aux["attn"].triu(1) == 0).all()
+
+
+def test_causal_output_ignores_future_tokens():
+    torch.manual_seed(3)
+    m = Attention(16, num_heads=2, causal=True).eval()
+    x = torch.randn(1, 8, 16)
+    y = x.clone()
+    y[:, 5:] = torch.randn(1, 3, 16)
+    torch.testing.assert_close(m(x)[:, :5], m(y)[:, :5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_map_is_stable_for_huge_logits(dtype):
+    q = (torch.randn(1, 2, 6, 4) * 100).to(dtype)
+    k = (torch.randn(1, 2, 6, 4) * 100).to(dtype)
+    a = attention_map(q, k, scale=1.0)
+    assert a.dtype == dtype and torch.isfinite(a).all()
+    ref = (q.double() @ k.double().transpose(-1, -2)).softmax(-1)
+    torch.testing.assert_close(a.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def test_bf16_autocast_paths_agree():
+    torch.manual_seed(4)
+    m = Attention(32, num_heads=4).eval()
+    x = torch.randn(2, 10, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = m(x)
+        explicit, aux = m(x, return_aux=True)
+    assert aux["attn"].dtype == torch.bfloat16
+    ref = m(x)
+    for out in (fused, explicit):
+        assert (out.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_gradients_reach_every_parameter_on_both_paths():
+    torch.manual_seed(5)
+    for return_aux in (False, True):
+        m = Attention(16, num_heads=2, attn_drop=0.1, proj_drop=0.1).train()
+        out = m(torch.randn(2, 5, 16), return_aux=return_aux)
+        (out[0] if return_aux else out).square().sum().backward()
+        for name, p in m.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_qk_scale_and_build():
+    m = build("attention", 32, num_heads=4, qk_scale=0.5, qkv_bias=False)
+    assert isinstance(m, Attention) and m.scale == 0.5 and m.qkv.bias is None
+    assert build("attention", 32, num_heads=4).scale == pytest.approx(8**-0.5)
+    with pytest.raises(ValueError, match="unknown mixer kind"):
+        build("atention", 32)
+    with pytest.raises(ValueError, match="has no option"):
+        build("attention", 32, heads=4)
+
+
+def test_bad_input_raises():
+    m = Attention(16, num_heads=2)
+    with pytest.raises(ValueError, match=r"expected tokens of shape \(B, N, C=16\), got \(2, 5, 8\)"):
+        m(torch.randn(2, 5, 8))
+    with pytest.raises(ValueError, match="expected tokens of shape"):
+        m(torch.randn(5, 16))
+    with pytest.raises(ValueError, match="expected tokens of shape"):
+        m([[0.0] * 16])
+    with pytest.raises(ValueError, match="divisible"):
+        Attention(16, num_heads=3)
+    with pytest.raises(ValueError, match="dim must be positive"):
+        Attention(0, num_heads=1)
