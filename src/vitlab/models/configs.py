@@ -134,4 +134,20 @@ _rows += [
         pos_embed="none", mixer=("aft_conv", dict(num_heads=16, kernel_size=5))),
 ]
 
+# --- EAMLP: T2T-ViT with external attention everywhere (EA token layers S=128, multi-head EA blocks) ---
+# The position table is a fixed sinusoid recomputed for the input's token count, so every row runs at any size.
+for depth, dim, heads, mlp, params in ((7, 256, 4, 2.0, 6.10), (14, 384, 6, 3.0, 29.80), (19, 448, 7, 3.0, 54.47)):
+    _rows.append(ModelConfig(
+        f"eamlp_{depth}", "t2t",
+        dict(img_size=384 if depth == 7 else 224, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=mlp),
+        EA, f"MenghaoGuo/EANet EAMLP/models/t2t_vit.py T2t_vit_{depth} (external attention)", params,
+        notes=("official input 384 (EAMLP_7_384/args.yaml, 71.7% top-1); img_size=224 gives the same parameters"
+               if depth == 7 else "")))
+_rows.append(ModelConfig(
+    "eamlp_mini", "t2t",
+    dict(img_size=32, embed_dim=64, depth=4, num_heads=2, mlp_ratio=4.0, token_dim=32,
+         soft_split=((3, 1, 1), (3, 2, 1), (3, 2, 1))),
+    EA, "vitlab: small EAMLP (soft splits 3/1/1, 3/2/1, 3/2/1: an 8x8 grid at 32 px, 7x7 at 28)",
+    notes="the official 7/4/2 first split would leave a 2x2 grid at 32 px"))
+
 register(*_rows)
