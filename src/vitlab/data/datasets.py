@@ -113,8 +113,10 @@ def _split_part(ds: ImageDataset, split: str, holdout: int | float, seed: int) -
     if split == "all":
         return ds
     train, test = stratified_holdout(ds.labels, holdout, seed)
-    part = ds.subset(train if split == "train" else test, f"{ds.name}-{split}")
+    idx = train if split == "train" else test
+    part = ds.subset(idx, f"{ds.name}-{split}")
     part.source += f"; seeded stratified split (holdout={holdout}, seed={seed}): {split} part"
+    part.extra["indices"] = idx  # positions in the unsplit data
     return part
 
 
