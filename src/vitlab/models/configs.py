@@ -150,4 +150,34 @@ _rows.append(ModelConfig(
     EA, "vitlab: small EAMLP (soft splits 3/1/1, 3/2/1, 3/2/1: an 8x8 grid at 32 px, 7x7 at 28)",
     notes="the official 7/4/2 first split would leave a 2x2 grid at 32 px"))
 
+# --- TNT (official non-legacy Huawei code; the frozen unused outer_tokens is not created: SPEC Decision 4) ------
+TNT_SRC = "huawei-noah/Efficient-AI-Backbones tnt_pytorch/tnt.py"
+TNT_SIZES = {"ti": (192, 12, 3, 2, 6.08, 1.40), "s": (384, 24, 6, 4, 23.77, 5.22), "b": (640, 40, 10, 4, 65.43, 14.05)}
+
+
+def tnt(name: str, source: str, params: float | None = None, macs: float | None = None, notes: str = "",
+        size: str = "s", **kw: Any) -> ModelConfig:
+    outer, inner, outer_heads, inner_heads = TNT_SIZES[size][:4]
+    base = dict(patch_size=16, outer_dim=outer, inner_dim=inner, depth=12, outer_heads=outer_heads,
+                inner_heads=inner_heads, inner_stride=4, qkv_bias=False)
+    return ModelConfig(name, "tnt", {**base, **kw}, TNT, source, params, macs, notes=notes)
+
+
+for size, (*_, params, macs) in TNT_SIZES.items():
+    _rows.append(tnt(f"tnt_{size}_patch16_224", TNT_SRC + (f" tnt_{size}_patch16_224" if size != "ti" else ""),
+                     params, macs, size=size,
+                     notes="paper Table 1 only (no official registration)" if size == "ti" else
+                     "paper 23.8M / 65.6M include the frozen unused outer_tokens"))
+# partial TNT (paper Table 5: inner transformer only in blocks [1,4,8,12], [1,6,12], [1,6], [1]; 1-based there)
+for i, (blocks, params, macs) in enumerate((((0, 3, 7, 11), 22.52, 4.8), ((0, 5, 11), 22.36, 4.7),
+                                            ((0, 5), 22.21, 4.7), ((0,), 22.05, 4.6)), 1):
+    _rows.append(tnt(f"tnt_s_{i}", f"TNT paper Table 5 (TNT-S-{i})", params, macs, tnt_blocks=blocks,
+                     notes="params computed from the config; MACs are the paper's (0.1G rounding)"))
+_rows += [
+    tnt("tnt_s_se_patch16_224", "TNT paper Table 12 (TNT-S + SE; official Block se>0 = hidden C/4)", 24.67, 5.22,
+        se=4, notes="paper 24.7M"),
+    tnt("tnt_mini", "vitlab: small TNT (patch 4 -> 2x2 words of 16 channels)", img_size=32, patch_size=4,
+        outer_dim=64, inner_dim=16, depth=4, outer_heads=2, inner_heads=2, inner_stride=2),
+]
+
 register(*_rows)
