@@ -1,0 +1,499 @@
+"""AFT token mixers: paper equations (naive float64 sums), identities, causality, stability, bad input.
+
+The goldens (community implementations) are in test_aft_golden.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
+from vitlab.mixers import aft as aft_mod
+
+# ---------------------------------------------------------------- naive references (float64, literal sums)
+
+
+def naive_full(q, k, v, w, causal=False):
+    """Paper Eq. 2 term by term: Y_t = σ(Q_t) Σ_t' e^{K_t'+w[t,t']} V_t' / Σ_t' e^{K_t'+w[t,t']}.
+
+    Every exponent is shifted by the largest one of its sum (exact in real arithmetic; without it float64
+    overflows for the 1e4-sized stability inputs).
+    """
+    q, k, v, w = (a.double() for a in (q, k, v, w))
+    b, n, c = k.shape
+    y = torch.empty(b, n, c, dtype=torch.float64)
+    for t in range(n):
+        keys = slice(0, t + 1) if causal else slice(0, n)
+        logits = k[:, keys] + w[t, keys, None]  # (B, S, C): the exponents of the sums over t'
+        weights = torch.exp(logits - logits.amax(1, keepdim=True))
+        y[:, t] = torch.sigmoid(q[:, t]) * (weights * v[:, keys]).sum(1) / weights.sum(1)
+    return y
+
+
+def naive_conv_paper(q, k, v, w, grid, num_prefix):
+    """Paper Eq. 6 literally (no shift; small inputs): global sums + Σ over the s x s window of (e^w - 1)."""
+    q, k, v, w = (a.double() for a in (q, k, v, w))
+    b, n, c = v.shape
+    h, s = k.shape[-1], w.shape[-1]
+    r, p = c // h, s // 2
+    ek = k.exp()
+    y = torch.empty(b, n, c, dtype=torch.float64)
+    for t in range(n):
+        for i in range(h):
+            ch = slice(i * r, (i + 1) * r)
+            num = sum(ek[:, u, i, None] * v[:, u, ch] for u in range(n))
+            den = sum(ek[:, u, i] for u in range(n))
+            if t >= num_prefix:
+                row, col = divmod(t - num_prefix, grid[1])
+                for dy in range(-p, p + 1):
+                    for dx in range(-p, p + 1):
+                        rr, cc = row + dy, col + dx
+                        if 0 <= rr < grid[0] and 0 <= cc < grid[1]:
+                            u = num_prefix + rr * grid[1] + cc
+                            coef = torch.expm1(w[i, dy + p, dx + p])
+                            num = num + coef * ek[:, u, i, None] * v[:, u, ch]
+                            den = den + coef * ek[:, u, i]
+            y[:, t, ch] = torch.sigmoid(q[:, t, ch]) * num / den[:, None]
+    return y
+
+
+def conv_pair_bias(w, grid, num_prefix):
+    """AFT-conv's implied pair-wise bias (h, N, N): w[i, dy+p, dx+p] inside the window between patches, else 0."""
+    h, s = w.shape[0], w.shape[-1]
+    p, n = s // 2, num_prefix + grid[0] * grid[1]
+    out = torch.zeros(h, n, n, dtype=w.dtype)
+    for t in range(num_prefix, n):
+        for u in range(num_prefix, n):
+            (r1, c1), (r2, c2) = divmod(t - num_prefix, grid[1]), divmod(u - num_prefix, grid[1])
+            if abs(r2 - r1) <= p and abs(c2 - c1) <= p:
+                out[:, t, u] = w[:, r2 - r1 + p, c2 - c1 + p]
+    return out
+
+
+def naive_conv_pairs(q, k, v, w, grid, num_prefix):
+    """AFT-conv as AFT-full per head with the implied pair bias (an independent form of Eq. 6)."""
+    b, n, c = v.shape
+    h = k.shape[-1]
+    r = c // h
+    wp = conv_pair_bias(w.double(), grid, num_prefix)
+    heads = [
+        naive_full(q[..., i * r : (i + 1) * r], k[..., i : i + 1].expand(b, n, r), v[..., i * r : (i + 1) * r], wp[i])
+        for i in range(h)
+    ]
+    return torch.cat(heads, -1)
+
+
+def naive_bias(m, n):
+    """w[t, t'] of AFTFull / AFTLocal from its parameters, entry by entry (u_t · v_t' or the table; window)."""
+    w = torch.empty(n, n, dtype=torch.float64)
+    for t in range(n):
+        for s in range(n):
+            w[t, s] = m.w[t, s].double() if m.w is not None else (m.u[t].double() * m.v[s].double()).sum()
+            if isinstance(m, AFTLocal) and abs(t - s) >= m.window:
+                w[t, s] = 0.0 if m.outside == "zero" else -math.inf
+    return w
+
+
+def split_qkv(m, x):
+    """q, k, v of module m for tokens x, in x's dtype (float64 in, float64 out)."""
+    wt = m.qkv.weight.to(x.dtype)
+    bias = None if m.qkv.bias is None else m.qkv.bias.to(x.dtype)
+    qkv = F.linear(x, wt, bias)
+    if isinstance(m, AFTConv):
+        return qkv.split([m.dim, m.num_heads, m.dim], -1)
+    return qkv.chunk(3, -1)
+
+
+def reference(m, x, layout=None, qkv=None):
+    """Float64 forward of module m through the naive formulas (qkv: precomputed projections, optional)."""
+    q, k, v = qkv if qkv is not None else split_qkv(m, x.double())
+    q, k, v = q.double(), k.double(), v.double()
+    n = x.shape[1]
+    if isinstance(m, AFTConv):
+        y = naive_conv_pairs(q, k, v, m.position_bias().double(), layout.grid, layout.num_prefix)
+    elif isinstance(m, AFTSimple) or (isinstance(m, AFTLocal) and m.window == 0):
+        y = naive_full(q, k, v, torch.zeros(n, n), m.causal)
+    else:
+        y = naive_full(q, k, v, naive_bias(m, n), m.causal)
+    return F.linear(y, m.proj.weight.double(), m.proj.bias.double())
+
+
+def assert_rel(actual, expected, rtol):
+    """max |actual - expected| <= rtol * max |expected| (and finite)."""
+    assert torch.isfinite(actual).all(), "non-finite output"
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= rtol * scale + 1e-12, f"max abs error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+GRID = TokenLayout(grid=(4, 5), num_prefix=1)  # N = 21
+
+
+def make(kind, **kw):
+    torch.manual_seed(0)
+    return {"full": AFTFull, "local": AFTLocal, "simple": AFTSimple, "conv": AFTConv}[kind](24, **kw)
+
+
+CASES = [
+    ("full", {"max_len": 21}),
+    ("full", {"max_len": 21, "bias_dim": None, "hidden_dim": 16}),
+    ("full", {"max_len": 21, "causal": True, "qkv_bias": False}),
+    ("local", {"max_len": 21, "window": 3}),
+    ("local", {"max_len": 21, "window": 4, "outside": "-inf"}),
+    ("local", {"max_len": 21, "window": 3, "causal": True, "outside": "-inf"}),
+    ("local", {"max_len": 21, "window": 5, "causal": True, "bias_dim": None}),
+    ("simple", {}),
+    ("simple", {"causal": True, "hidden_dim": 16}),
+    ("conv", {"num_heads": 4, "kernel_size": 3}),
+    ("conv", {"num_heads": 2, "kernel_size": 5, "qkv_bias": False}),
+]
+IDS = [f"{k}-{'-'.join(f'{a}={b}' for a, b in kw.items())}" for k, kw in CASES]
+
+
+def randomise_conv(m):
+    """Give γ, β non-zero values (they start at 0, which hides the local term and w's gradient)."""
+    if isinstance(m, AFTConv):
+        with torch.no_grad():
+            m.gamma.normal_(0, 1.0)
+            m.beta.normal_(0, 0.5)
+
+
+# ---------------------------------------------------------------- shapes, gradients, paper equations
+
+
+@pytest.mark.parametrize(("kind", "kw"), CASES, ids=IDS)
+def test_shapes_and_gradients(kind, kw):
+    m = make(kind, **kw)
+    randomise_conv(m)
+    x = torch.randn(2, 21, 24, requires_grad=True)
+    out, aux = m(x, GRID, return_aux=True)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    key_width = m.num_heads if kind == "conv" else m.hidden_dim
+    assert aux["keys"].shape == (2, 21, key_width)
+    assert torch.equal(m(x, GRID), out)  # aux does not change the output
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+@pytest.mark.parametrize(("kind", "kw"), CASES, ids=IDS)
+def test_matches_naive_paper_equation(kind, kw):
+    m = make(kind, **kw)
+    randomise_conv(m)
+    x = torch.randn(2, 21, 24)
+    assert_rel(m(x, GRID), reference(m, x, GRID), 1e-5)
+
+
+def test_conv_matches_literal_eq6():
+    """The exp(w) - 1 form of Eq. 6, summed literally, on a grid smaller than the kernel in one axis."""
+    torch.manual_seed(1)
+    layout = TokenLayout(grid=(3, 6), num_prefix=2)
+    b, n, h, c = 2, 20, 3, 12
+    q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h)
+    w = torch.randn(h, 5, 5)
+    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    assert_rel(y, naive_conv_paper(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
+    assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
+
+
+def test_conv_kernel_reparameterisation():
+    m = make("conv", num_heads=3, kernel_size=5)
+    randomise_conv(m)
+    w = m.w.detach().double()
+    for i in range(3):
+        std = w[i].flatten().std(unbiased=False)
+        expected = m.gamma[i].double() * (w[i] - w[i].mean()) / torch.sqrt(std**2 + m.eps) + m.beta[i].double()
+        assert torch.allclose(m.position_bias()[i].double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(m.effective_kernel(), torch.expm1(m.position_bias()))
+    assert make("conv", num_heads=3).effective_kernel().abs().max() == 0  # γ = β = 0 at init
+
+
+# ---------------------------------------------------------------- identities
+
+
+def copy_projections(dst, src):
+    dst.qkv.load_state_dict(src.qkv.state_dict())
+    dst.proj.load_state_dict(src.proj.state_dict())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_simple_equals_local_window0_and_full_with_zero_bias(causal):
+    simple = make("simple", causal=causal)
+    local0 = make("local", max_len=21, window=0, causal=causal)
+    full = make("full", max_len=21, causal=causal)
+    assert not list(local0.parameters())[4:]  # window 0: qkv and proj only, no bias parameters
+    for m in (local0, full):
+        copy_projections(m, simple)
+    with torch.no_grad():
+        full.u.zero_()
+    x = torch.randn(2, 21, 24)
+    ref = simple(x)
+    assert torch.allclose(local0(x), ref, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(full(x), ref, rtol=1e-5, atol=1e-6)
+    assert local0(torch.randn(1, 7, 24)).shape == (1, 7, 24)  # no table: any token count
+
+
+def test_local_with_window_covering_everything_equals_full():
+    full = make("full", max_len=21)
+    local = make("local", max_len=21, window=21)
+    local.load_state_dict(full.state_dict())
+    x = torch.randn(2, 21, 24)
+    assert torch.allclose(local(x), full(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_prefix", [0, 1])
+def test_conv_at_init_equals_simple_with_repeated_keys(num_prefix):
+    conv = make("conv", num_heads=4, kernel_size=3)
+    simple = make("simple")
+    d, h = 24, 4
+    with torch.no_grad():
+        wq, wk, wv = conv.qkv.weight.split([d, h, d])
+        bq, bk, bv = conv.qkv.bias.split([d, h, d])
+        simple.qkv.weight.copy_(torch.cat([wq, wk.repeat_interleave(d // h, 0), wv]))
+        simple.qkv.bias.copy_(torch.cat([bq, bk.repeat_interleave(d // h, 0), bv]))
+        simple.proj.load_state_dict(conv.proj.state_dict())
+    layout = TokenLayout(grid=(4, 5), num_prefix=num_prefix)
+    x = torch.randn(2, 20 + num_prefix, 24)
+    assert torch.allclose(conv(x, layout), simple(x, layout), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "kw"),
+    [
+        ("full", {"max_len": 16, "causal": True}),
+        ("local", {"max_len": 16, "window": 3, "causal": True}),
+        ("local", {"max_len": 16, "window": 3, "causal": True, "outside": "-inf"}),
+        ("simple", {"causal": True}),
+    ],
+)
+def test_causal_outputs_ignore_the_future(kind, kw):
+    m = make(kind, **kw)
+    x = torch.randn(2, 16, 24)
+    out = m(x)
+    for t in (0, 5, 14):
+        x2 = x.clone()
+        x2[:, t + 1 :] = torch.randn(2, 15 - t, 24) * 10
+        out2 = m(x2)
+        assert torch.allclose(out2[:, : t + 1], out[:, : t + 1], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(out2[:, t + 1 :], out[:, t + 1 :])
+    # a shorter sequence is exactly the prefix of the model's output (top-left block of w)
+    assert torch.allclose(m(x[:, :9]), out[:, :9], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- numerical stability
+
+
+class FallbackCounter:
+    def __init__(self, monkeypatch):
+        self.entries = 0
+        original = aft_mod._exact_entries
+
+        def counting(k, v, rows, b, t, g):
+            self.entries += b.numel()
+            return original(k, v, rows, b, t, g)
+
+        monkeypatch.setattr(aft_mod, "_exact_entries", counting)
+
+
+def big(*shape, scale=1e4):
+    return torch.randn(*shape) * scale
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_core_stable_for_huge_keys_and_biases(causal, monkeypatch):
+    torch.manual_seed(2)
+    counter = FallbackCounter(monkeypatch)
+    b, n, c = 2, 24, 8
+    q, v = torch.randn(b, n, c), torch.randn(b, n, c)
+    k = big(b, n, c).requires_grad_()
+    w = big(n, n).requires_grad_()
+    y = aft_mod.aft_full(q, k, v, w, causal)
+    kd, wd = k.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = naive_full(q, kd, v, wd, causal)
+    assert_rel(y, ref, 1e-5)
+    assert counter.entries > 0  # the max-shifted products underflowed: per-factor shifts are not enough
+    # gradients through the fallback entries are exact too
+    g = torch.randn(b, n, c)
+    (y * g).sum().backward()
+    (ref * g.double()).sum().backward()
+    assert_rel(w.grad, wd.grad, 1e-4)
+    assert_rel(k.grad, kd.grad, 1e-4)
+
+
+def test_no_fallback_in_normal_use(monkeypatch):
+    counter = FallbackCounter(monkeypatch)
+    x = torch.randn(4, 21, 24) * 3
+    for kind, kw in CASES:
+        m = make(kind, **kw)
+        randomise_conv(m)
+        m(x, GRID)
+    assert counter.entries == 0
+
+
+def test_local_and_simple_cores_stable(monkeypatch):
+    torch.manual_seed(3)
+    counter = FallbackCounter(monkeypatch)
+    b, n, c = 2, 20, 6
+    q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), big(b, n, c)
+    far = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs() >= 3
+    w = big(n, n).masked_fill(far, -math.inf)  # AFT-local with -inf outside, huge biases inside
+    assert_rel(aft_mod.aft_full(q, k, v, w, True), naive_full(q, k, v, w, True), 1e-5)
+    zeros = torch.zeros(n, n)
+    assert_rel(aft_mod.aft_simple(q, k, v, True), naive_full(q, k, v, zeros, True), 1e-5)
+    assert_rel(aft_mod.aft_simple(q, k, v, False), naive_full(q, k, v, zeros, False), 1e-5)
+    assert counter.entries > 0
+
+
+@pytest.mark.parametrize("bias_sign", [1.0, -1.0])
+def test_conv_core_stable(bias_sign, monkeypatch):
+    """Huge keys and kernels; bias_sign -1 makes e^w - 1 ≈ -1, where Eq. 6's literal form cancels."""
+    torch.manual_seed(4)
+    layout = TokenLayout(grid=(4, 5), num_prefix=1)
+    b, n, h, c = 2, 21, 2, 8
+    q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), big(b, n, h, scale=30)
+    w = bias_sign * big(h, 3, 3).abs()
+    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
+    k = big(b, n, h)
+    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
+
+
+def huge_module(kind, kw):
+    """A module whose keys (and biases) are of magnitude ~1e4."""
+    m = make(kind, **kw)
+    with torch.no_grad():
+        kpart = slice(24, 24 + m.num_heads) if kind == "conv" else slice(m.hidden_dim, 2 * m.hidden_dim)
+        m.qkv.weight[kpart] *= 1e4 / 3
+        if kind == "conv":
+            m.gamma.fill_(1e4)
+            m.beta.fill_(-1e4)
+        elif getattr(m, "w", None) is not None:
+            m.w.normal_(0, 1e4)
+        elif getattr(m, "u", None) is not None:
+            m.u.normal_(0, 100)
+            m.v.normal_(0, 100)
+    return m
+
+
+STRESS = [
+    ("full", {"max_len": 21}),
+    ("full", {"max_len": 21, "bias_dim": None, "causal": True}),
+    ("local", {"max_len": 21, "window": 3, "outside": "-inf"}),
+    ("simple", {"causal": True}),
+    ("conv", {"num_heads": 4, "kernel_size": 3}),
+]
+
+
+@pytest.mark.parametrize(("kind", "kw"), STRESS, ids=[s[0] for s in STRESS])
+def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
+    m = huge_module(kind, kw)
+    x = torch.randn(2, 21, 24)
+    out = m(x, GRID)
+    assert_rel(out, reference(m, x, GRID), 1e-4)  # K ~ 1e4 from an fp32 matmul: logits carry ~1e-3 abs error
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out16 = m(x, GRID)
+        qkv16 = split_qkv(m, x)  # F.linear under autocast: the same bf16 projections as the module's
+    assert out16.dtype == x.dtype
+    assert qkv16[0].dtype == torch.bfloat16  # projections did run in bf16
+    # reference: the same bf16 projections, everything after them in float64; proj ran in bf16
+    assert_rel(out16, reference(m, x, GRID, qkv=qkv16), 3e-2)
+
+
+# ---------------------------------------------------------------- bad input and token counts
+
+
+def test_bad_input_raises():
+    m = make("full", max_len=16)
+    with pytest.raises(ValueError, match=r"\(B, N, C=24\)"):
+        m(torch.randn(16, 24))
+    with pytest.raises(ValueError, match=r"\(B, N, C=24\)"):
+        m(torch.randn(2, 16, 23))
+    with pytest.raises(ValueError, match=r"N = 12.*max_len = 16.*resample=True"):
+        m(torch.randn(2, 12, 24))
+    with pytest.raises(ValueError, match=r"N = 12.*max_len = 16"):
+        make("local", max_len=16, window=2)(torch.randn(2, 12, 24))
+    with pytest.raises(ValueError, match=r"N = 20.*N <= max_len = 16"):
+        make("full", max_len=16, causal=True)(torch.randn(2, 20, 24))
+    conv = make("conv", num_heads=4)
+    with pytest.raises(ValueError, match="needs the patch grid"):
+        conv(torch.randn(2, 16, 24))
+    with pytest.raises(ValueError, match="grid 4x5 needs N = 1 prefix \\+ 20"):
+        conv(torch.randn(2, 20, 24), GRID)
+    with pytest.raises(ValueError, match="odd"):
+        AFTConv(24, 4, kernel_size=4)
+    with pytest.raises(ValueError, match="divisible"):
+        AFTConv(24, 5)
+    with pytest.raises(ValueError, match="outside"):
+        AFTLocal(24, 16, outside="inf")
+    with pytest.raises(ValueError, match="max_len"):
+        AFTFull(24, 0)
+    with pytest.raises(ValueError, match="no option"):
+        build("aft_simple", 24, max_len=16)
+
+
+def test_registry_builds_each_kind():
+    assert isinstance(build("aft_full", 24, max_len=8), AFTFull)
+    assert isinstance(build("aft_local", 24, max_len=8, window=2), AFTLocal)
+    assert isinstance(build("aft_simple", 24), AFTSimple)
+    assert isinstance(build("aft_conv", 24, num_heads=3, kernel_size=3), AFTConv)
+
+
+def test_resample_2d_keeps_prefix_and_grid_orientation():
+    m = AFTFull(24, max_len=17, bias_dim=4, resample=True)  # 1 prefix + 4 x 4 patches
+    with torch.no_grad():
+        m.u[0] = 7.0
+        m.u[1:] = torch.arange(4.0).repeat_interleave(4)[:, None]  # patch (r, c) -> r
+        m.v.fill_(0.25)  # w[t, t'] = u_t · v_t' = u_t[0]
+    layout = TokenLayout(grid=(6, 3), num_prefix=1)
+    w = m.position_bias(19, layout)
+    assert w.shape == (19, 19)
+    assert torch.allclose(w[0], torch.full((19,), 7.0))  # prefix row kept
+    rows = w[1:, 0].view(6, 3)
+    assert torch.allclose(rows, rows[:, :1].expand(6, 3), atol=1e-6)  # depends on the grid row only
+    assert (rows[1:, 0] >= rows[:-1, 0] - 1e-6).all() and rows[-1, 0] > rows[0, 0]
+    # the patch rows went through the 2-D bicubic path
+    expect = F.interpolate(m.u[1:, :1].T.reshape(1, 1, 4, 4), size=(6, 3), mode="bicubic", align_corners=False)
+    assert torch.allclose(rows.flatten(), expect.flatten(), atol=1e-5)
+    out = m(torch.randn(2, 19, 24), layout)
+    assert out.shape == (2, 19, 24) and torch.isfinite(out).all()
+
+
+def test_resample_1d_and_unchanged_at_max_len():
+    torch.manual_seed(5)
+    for bias_dim in (8, None):
+        m = AFTFull(24, max_len=10, bias_dim=bias_dim, resample=True)
+        ref = AFTFull(24, max_len=10, bias_dim=bias_dim)
+        ref.load_state_dict(m.state_dict())
+        x = torch.randn(2, 10, 24)
+        assert torch.equal(m(x), ref(x))  # N == max_len: nothing resampled
+        assert torch.equal(m(x, TokenLayout(grid=(3, 3), num_prefix=1)), ref(x))
+        out = m(torch.randn(2, 19, 24))  # no grid: 1-D linear over the sequence
+        assert out.shape == (2, 19, 24) and torch.isfinite(out).all()
+    with torch.no_grad():
+        m.w.copy_(torch.arange(10.0)[:, None] + torch.zeros(10))  # w[t, t'] = t
+    w = m.position_bias(19)
+    assert torch.allclose(w, w[:, :1].expand(19, 19))
+    assert (w[1:, 0] >= w[:-1, 0]).all() and w[0, 0] == 0 and w[-1, 0] == 9
+
+
+def test_resample_causal_longer_sequence():
+    m = AFTLocal(24, max_len=8, window=2, causal=True, resample=True)
+    assert m(torch.randn(1, 12, 24)).shape == (1, 12, 24)
+    assert m.position_bias(5).shape == (5, 5)  # shorter: the prefix block, not a resample
+    assert torch.allclose(m.position_bias(5), m.position_bias(8)[:5, :5])
+
+
+def test_conv_any_grid_size():
+    m = make("conv", num_heads=4, kernel_size=5)
+    randomise_conv(m)
+    for grid in [(1, 1), (2, 7), (6, 7)]:
+        layout = TokenLayout(grid=grid, num_prefix=0)
+        x = torch.randn(1, grid[0] * grid[1], 24)
+        assert_rel(m(x, layout), reference(m, x, layout), 1e-5)
