@@ -254,6 +254,7 @@ class T2TViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # fixed table (requires_grad=False in the official code); a function of the token count, so not saved
         self.register_buffer("pos_embed", sinusoid_1d(num_tokens, embed_dim)[None], persistent=False)
+        self._table_cache: tuple[Any, Tensor | None] = (None, None)
         self.pos_drop = nn.Dropout(drop_rate)
 
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linspace(0, rate, depth)
@@ -314,7 +315,10 @@ class T2TViT(nn.Module):
         """The fixed sinusoid ``(1, num_tokens, C)``: the stored one, or recomputed for another input size."""
         if num_tokens == self.pos_embed.shape[1]:
             return self.pos_embed
-        return sinusoid_1d(num_tokens, self.embed_dim)[None].to(self.pos_embed)
+        key = (num_tokens, self.pos_embed.device, self.pos_embed.dtype)
+        if self._table_cache[0] != key:  # one entry: evaluation at one other size recomputes nothing
+            self._table_cache = (key, sinusoid_1d(num_tokens, self.embed_dim)[None].to(self.pos_embed))
+        return self._table_cache[1]
 
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
         x, grid = self.tokens_to_token(x)
