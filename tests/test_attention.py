@@ -7,6 +7,7 @@ import torch
 
 from conftest import assert_close_to_golden, load_golden
 from vitlab.mixers import Attention, attention_map, build
+from vitlab.mixers.attention import HeadMix
 
 
 def naive_attention(x, m: Attention, causal: bool = False):
@@ -122,6 +123,16 @@ def test_gradients_reach_every_parameter_on_both_paths():
         (out[0] if return_aux else out).square().sum().backward()
         for name, p in m.named_parameters():
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_head_mix_is_a_1x1_conv_over_heads(bias):
+    torch.manual_seed(6)
+    mix = HeadMix(3, 5, bias=bias)
+    assert mix.weight.shape == (5, 3, 1, 1)  # Conv2d keys and shapes, as the official checkpoints
+    a = torch.rand(2, 3, 7, 7)
+    torch.testing.assert_close(mix(a), torch.nn.functional.conv2d(a, mix.weight, mix.bias))
+    torch.testing.assert_close(mix(a.contiguous(memory_format=torch.channels_last)), mix(a))
 
 
 def test_qk_scale_and_build():

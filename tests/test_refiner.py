@@ -189,8 +189,8 @@ def test_even_kernel_pads_the_extra_zero_after():
 def test_official_extras_structure_and_expansion_one_skips_expand():
     dla = DistributedLocalAttention(4, expansion=3, official_extras=True)
     kinds = [type(mod).__name__ for mod in (*dla.expand, *dla.local, *dla.reduce)]
-    assert kinds == ["Conv2d", "BatchNorm2d", "ReLU6", "SameDepthwiseConv2d", "BatchNorm2d", "ReLU6",
-                     "Conv2d", "BatchNorm2d"]
+    assert kinds == ["HeadMix", "BatchNorm2d", "ReLU6", "SameDepthwiseConv2d", "BatchNorm2d", "ReLU6",
+                     "HeadMix", "BatchNorm2d"]
     assert DistributedLocalAttention(4, expansion=1, official_extras=True).expand is None
     m = RefinerAttention(32, 4)
     assert m.adapt_bn is None and all(not isinstance(mod, torch.nn.BatchNorm2d) for mod in m.modules())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import Attention, attention_map
+from .attention import Attention, HeadMix, attention_map
 from .base import TokenLayout, merge_heads
 
 
@@ -43,7 +43,7 @@ class ReAttention(Attention):
     ) -> None:
         super().__init__(dim, num_heads, qkv_bias, qk_scale, attn_drop, proj_drop, fused=False)
         # Θᵀ as a 1x1 conv over the head channels: A'_g = Σ_h W[g, h] A_h + b_g
-        self.reatten_matrix = nn.Conv2d(num_heads, num_heads, 1)
+        self.reatten_matrix = HeadMix(num_heads, num_heads)
         self.var_norm = nn.BatchNorm2d(num_heads)
         self.reatten_scale = self.scale if transform_scale else 1.0
 

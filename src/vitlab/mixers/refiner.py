@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention, attention_map
+from .attention import Attention, HeadMix, attention_map
 from .base import TokenLayout, check_divisible, merge_heads, split_heads
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
@@ -111,9 +111,9 @@ class DistributedLocalAttention(nn.Module):
             extras = [nn.BatchNorm2d(conv.out_channels)] + ([nn.ReLU6()] if relu else [])
             return nn.Sequential(conv, *(extras if official_extras else []))
 
-        self.expand = stage(nn.Conv2d(num_heads, hidden, 1, bias=False), True) if expansion > 1 else None
+        self.expand = stage(HeadMix(num_heads, hidden, bias=False), True) if expansion > 1 else None
         self.local = stage(SameDepthwiseConv2d(hidden, kernel_size), True) if dla else None
-        self.reduce = stage(nn.Conv2d(hidden, num_heads, 1, bias=False), False) if reduction else None
+        self.reduce = stage(HeadMix(hidden, num_heads, bias=False), False) if reduction else None
 
     def forward(self, attn: Tensor) -> Tensor:
         if attn.dim() != 4 or attn.shape[1] != self.num_heads or attn.shape[2] != attn.shape[3]:
