@@ -102,7 +102,7 @@ def _warp(x: Tensor, a: Tensor, t: Tensor, fill: float) -> Tensor:
     h, w = x.shape[-2:]
     S = torch.tensor([w / 2, h / 2], dtype=x.dtype, device=x.device)
     theta = torch.cat([a * S[None, None, :] / S[None, :, None], (t / S)[..., None]], 2)
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
     inside = F.grid_sample(torch.ones_like(x[:, :1]), grid, align_corners=False)
     return F.grid_sample(x, grid, align_corners=False) + fill * (1 - inside)
 

@@ -22,8 +22,16 @@ def _numpy_reconstruct():
     return _reconstruct
 
 
+def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` as Python 3 protocol-2 pickles use it for bytes: latin-1 text only."""
+    if not isinstance(text, str) or encoding.replace("-", "").lower() not in ("latin1", "iso88591"):
+        raise pickle.UnpicklingError(f"refusing to load global _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin-1")
+
+
 # The only globals a pickled numpy array needs; everything else (os.system, builtins.eval, ...) is refused.
 _ALLOWED_GLOBALS = {
+    ("_codecs", "encode"): lambda: _latin1_encode,
     ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
     ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
     ("numpy", "ndarray"): lambda: np.ndarray,
