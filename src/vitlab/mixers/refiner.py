@@ -151,6 +151,12 @@ class RefinerAttention(Attention):
     maps; vitlab's reading is that they multiply V split into rH heads of width
     dim / (rH), so the output width stays dim (ValueError if not divisible).
     ``adapt_bn`` (BatchNorm2d on the refined map) defaults to ``official_extras``.
+
+    The released Refined-ViT models alternate ``RefinerAttention(refine=False,
+    residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
+    official_extras=True)`` (odd blocks), each block passing ``aux["carry"]`` on as
+    the next block's ``attn_prev``. Official ``Refined_Attention`` checkpoints load
+    after renaming keys with :func:`official_key`.
     """
 
     uses_attn_prev = True
