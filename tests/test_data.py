@@ -190,6 +190,7 @@ def test_cifar10_wrong_format(tmp_path, content, match):
 
 def test_mnist_idx_t10k(data_dir):
     ds = load_dataset(f"mnist-idx:{data_dir / 'mnist'}", "test")
+    assert load_dataset(str(data_dir / "mnist"), "test").class_counts() == MNIST_T10K_COUNTS
     assert ds.images.shape == (10000, 1, 28, 28) and ds.class_counts() == MNIST_T10K_COUNTS
     raw = gzip.decompress((data_dir / "mnist" / "t10k-images-idx3-ubyte.gz").read_bytes())
     assert np.array_equal(ds.images[:, 0].numpy(), np.frombuffer(raw, np.uint8, offset=16).reshape(10000, 28, 28))
@@ -250,6 +251,7 @@ def test_image_folder(tmp_path):
     assert gray.images.shape == (6, 1, 8, 8) and gray.mean == (0.5,)
     lazy = LazyImageFolder(tmp_path / "tree", img_size=16)
     assert len(lazy) == 6 and torch.equal(lazy[4][0], ds.images[4]) and lazy[4][1] == 1
+    assert (lazy.img_size, lazy.in_chans, lazy.num_classes) == ((16, 16), 3, 2)
     x, y = next(iter(BatchLoader(lazy, 4, shuffle=False)))
     assert torch.allclose(x, ds.images[:4].float() / 255) and y.tolist() == [0, 0, 0, 1]
 

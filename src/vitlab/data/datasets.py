@@ -286,7 +286,7 @@ class LazyImageFolder(torch.utils.data.Dataset):
 
     def __init__(self, root: str | Path, img_size: int, channels: int = 3) -> None:
         _check_channels(channels)
-        self.root, self.img_size, self.channels = Path(root).expanduser(), img_size, channels
+        self.root, self.img_size_, self.channels = Path(root).expanduser(), img_size, channels
         self.class_names, self.items = _scan_folder(self.root)
         self.num_classes, self.in_chans = len(self.class_names), channels
         self.mean, self.std = _folder_stats(channels)
@@ -295,9 +295,13 @@ class LazyImageFolder(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def img_size(self) -> tuple[int, int]:
+        return (self.img_size_, self.img_size_)
+
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         path, label = self.items[i]
-        return load_image(path, self.img_size, self.channels), label
+        return load_image(path, self.img_size_, self.channels), label
 
     def get_batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         return torch.stack([self[int(i)][0] for i in idx]), self.labels[idx]
@@ -321,7 +325,8 @@ def load_dataset(
     - ``folder:<path>``: an ImageFolder tree; uses ``<path>/<split>`` (``val`` stands for ``test``) when
       present, else a seeded stratified split of ``<path>`` (``holdout``: count or fraction, default 0.1).
       ``img_size`` is required; ``lazy=True`` decodes on access.
-    - a bare existing folder path is recognised by its contents (CIFAR batches, idx files, or class folders).
+    - a bare existing folder path is recognised by its contents (CIFAR batches, idx files, or class folders);
+      ``mnist:<folder>`` is read as ``mnist-idx:<folder>``.
     """
     _check_split(split)
     kind, sep, path = spec.partition(":")
@@ -347,10 +352,10 @@ def load_dataset(
 
 
 def _guess_kind(path: Path) -> str:
-    names = {p.name for p in path.iterdir()} | {p.name for p in path.glob("*/*")}
-    if "test_batch" in names or any(n.startswith("data_batch_") for n in names):
+    # look only where the loaders look, never walk the tree (an ImageNet folder holds a million files)
+    if any((d / "test_batch").is_file() or any(d.glob("data_batch_*")) for d in (path, path / "cifar-10-batches-py")):
         return "cifar10"
-    if any("-ubyte" in n for n in names):
+    if any(any(d.glob("*-ubyte*")) for d in (path, path / "raw", path / "MNIST" / "raw")):
         return "mnist-idx"
     return "folder"
 
