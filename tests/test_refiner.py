@@ -301,3 +301,16 @@ def test_bad_input_raises():
         DistributedLocalAttention(4, expansion=2, reduction=False, official_extras=True)
     with pytest.raises(ValueError, match=r"expected attention maps \(B, H=4, N, N\)"):
         DistributedLocalAttention(4)(torch.rand(2, 3, 5, 5))
+
+
+def test_released_block_pattern_carries_maps_as_the_official_code():
+    """Normal (residual) -> shared -> normal: block 2 adds s·(block 0's map), the shared block passes it on."""
+    torch.manual_seed(6)
+    normal = RefinerAttention(32, 4, refine=False, residual_attention=True).eval()
+    shared = RefinerAttention(32, 4, share=True, official_extras=True).eval()
+    x = torch.randn(2, 9, 32)
+    _, aux0 = normal(x, return_aux=True)
+    _, aux1 = shared(x, attn_prev=aux0["carry"], return_aux=True)
+    assert aux1["carry"] is aux0["carry"]
+    _, aux2 = normal(x, attn_prev=aux1["carry"], return_aux=True)
+    torch.testing.assert_close(aux2["attn"], aux0["attn"] + normal.scale * aux0["carry"])
