@@ -407,7 +407,12 @@ def test_random_crop():
     p, y = 3, RandomCrop((12, 10), padding=3)(x, gen(4))
     xp = F.pad(x, (p, p, p, p))
     for i in range(len(x)):  # naive: each output is some window of the zero-padded image
-        windows = [(t, l) for t in range(2 * p + 1) for l in range(2 * p + 1) if torch.equal(xp[i, :, t : t + 12, l : l + 10], y[i])]
+        windows = [
+            (t, l)
+            for t in range(2 * p + 1)
+            for l in range(2 * p + 1)
+            if torch.equal(xp[i, :, t : t + 12, l : l + 10], y[i])
+        ]
         assert windows, i
     assert RandomCrop(8, padding=0)(x, gen(0)).shape == (6, 3, 8, 8)
     with pytest.raises(ValueError, match="larger than the padded image"):
@@ -500,7 +505,7 @@ def test_randaugment_ops_match_pil(cifar_img, name, m):
     x = cifar_img[None].float() / 255
     op = A.PIXEL_OPS.get(name)
     args = (x, torch.tensor([m]), torch.ones(1))
-    out = (op(*args) if op else A.GEOMETRIC_OPS[name](*args, 128 / 255))[0]
+    out = (op(*args) if op else A.apply_geometric(name, *args, fill=128 / 255))[0]
     if name == "Rotate":  # bilinear weights differ by rounding; the rotated corners are filled
         out, ref = out[:, 6:-6, 6:-6], ref[:, 6:-6, 6:-6]
     assert (out - ref).abs().max() <= 1.5 / 255
@@ -509,12 +514,12 @@ def test_randaugment_ops_match_pil(cifar_img, name, m):
 def test_randaugment_geometry_exact_shifts():
     x = _batch(b=1, h=21, w=20)
     one, plus = torch.ones(1), torch.ones(1)
-    t = A.GEOMETRIC_OPS["TranslateX"](x, one, plus, 0.5)  # 0.45 * 20 = 9 pixels: out(x) = in(x + 9)
+    t = A.apply_geometric("TranslateX", x, one, plus, 0.5)  # 0.45 * 20 = 9 pixels: out(x) = in(x + 9)
     assert torch.allclose(t[..., :11], x[..., 9:], atol=1e-6) and torch.allclose(t[..., 11:], torch.tensor(0.5))
-    s = A.GEOMETRIC_OPS["ShearX"](x, one, plus, 0.5)  # row y shifts by 0.3 (y - 10): centre row fixed
+    s = A.apply_geometric("ShearX", x, one, plus, 0.5)  # row y shifts by 0.3 (y - 10): centre row fixed
     assert torch.allclose(s[..., 10, :], x[..., 10, :], atol=1e-6)
     assert torch.allclose(s[..., 20, :17], x[..., 20, 3:], atol=1e-6)
-    assert torch.allclose(A.GEOMETRIC_OPS["Rotate"](x, torch.zeros(1), plus, 0.5), x, atol=1e-6)
+    assert torch.allclose(A.apply_geometric("Rotate", x, torch.zeros(1), plus, 0.5), x, atol=1e-6)
 
 
 def test_randaugment_spec():
@@ -529,6 +534,22 @@ def test_randaugment_spec():
     assert torch.equal(RandAugment(prob=0.0)(x, gen(0)), x)
     only = RandAugment(num_ops=1, prob=1.0, ops=["Invert"])(x, gen(0))
     assert torch.allclose(only, 1 - x)
+    # the batched path: each sample picks its op and sign; geometric ones share one warp
+    x = _batch(b=16, h=21, w=20)
+    y = RandAugment(num_ops=1, magnitude=10, magnitude_std=0, prob=1.0, ops=["Invert", "TranslateX"])(x, gen(2))
+    shift = {
+        "+": A.apply_geometric("TranslateX", x, torch.ones(16), torch.ones(16)),
+        "-": A.apply_geometric("TranslateX", x, torch.ones(16), -torch.ones(16)),
+    }
+    kinds = [
+        next(
+            k
+            for k, ref in (("inv", 1 - x[i]), ("+", shift["+"][i]), ("-", shift["-"][i]))
+            if torch.allclose(y[i], ref, atol=1e-6)
+        )
+        for i in range(16)
+    ]
+    assert set(kinds) == {"inv", "+", "-"}
 
 
 # ---------------------------------------------------------------- mixup / cutmix / label smoothing

@@ -97,43 +97,49 @@ def sharpness(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
     return _blend(smooth, x, _factor(m, s))
 
 
-def _warp(x: Tensor, a: Tensor, t: Tensor, fill: float) -> Tensor:
-    """Sample input at ``a @ p + t`` for each output pixel offset ``p`` from the centre (pixel units)."""
+def warp(x: Tensor, a: Tensor, t: Tensor, fill: float) -> Tensor:
+    """Sample input at ``a @ p + t`` for each output pixel offset ``p`` from the centre (pixel units),
+    bilinear; pixels from outside the image get ``fill``."""
     h, w = x.shape[-2:]
     S = torch.tensor([w / 2, h / 2], dtype=x.dtype, device=x.device)
     theta = torch.cat([a * S[None, None, :] / S[None, :, None], (t / S)[..., None]], 2)
     grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
-    inside = F.grid_sample(torch.ones_like(x[:, :1]), grid, align_corners=False)
-    return F.grid_sample(x, grid, align_corners=False) + fill * (1 - inside)
+    # an extra channel of ones tells, after sampling, how much of each pixel came from inside the image
+    out = F.grid_sample(torch.cat([x, torch.ones_like(x[:, :1])], 1), grid, align_corners=False)
+    return out[:, :-1] + fill * (1 - out[:, -1:])
 
 
 def _eye(m: Tensor) -> tuple[Tensor, Tensor]:
     return torch.eye(2, dtype=m.dtype, device=m.device).repeat(len(m), 1, 1), m.new_zeros(len(m), 2)
 
 
-def rotate(x: Tensor, m: Tensor, s: Tensor, fill: float) -> Tensor:
-    r = torch.deg2rad(30 * m * s)
+# geometric ops give the affine map (a, t) of ``warp`` for magnitudes m, signs s and image size (h, w)
+def rotate(m: Tensor, s: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
+    r = torch.deg2rad(30 * m * s)  # PIL's rotate: counter-clockwise for positive angles
     cos, sin = torch.cos(r), torch.sin(r)
-    a = torch.stack([torch.stack([cos, -sin], 1), torch.stack([sin, cos], 1)], 1)
-    return _warp(x, a, m.new_zeros(len(m), 2), fill)
+    return torch.stack([torch.stack([cos, -sin], 1), torch.stack([sin, cos], 1)], 1), m.new_zeros(len(m), 2)
 
 
 def _shear(axis: int):
-    def op(x: Tensor, m: Tensor, s: Tensor, fill: float) -> Tensor:
+    def op(m: Tensor, s: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
         a, t = _eye(m)
         a[:, axis, 1 - axis] = 0.3 * m * s
-        return _warp(x, a, t, fill)
+        return a, t
 
     return op
 
 
 def _translate(axis: int):
-    def op(x: Tensor, m: Tensor, s: Tensor, fill: float) -> Tensor:
+    def op(m: Tensor, s: Tensor, h: int, w: int) -> tuple[Tensor, Tensor]:
         a, t = _eye(m)
-        t[:, axis] = 0.45 * m * s * x.shape[3 - axis]  # fraction of the width (axis 0) or height (axis 1)
-        return _warp(x, a, t, fill)
+        t[:, axis] = 0.45 * m * s * (w if axis == 0 else h)  # a fraction of the image side
+        return a, t
 
     return op
+
+
+def apply_geometric(name: str, x: Tensor, m: Tensor, s: Tensor, fill: float = 0.5) -> Tensor:
+    return warp(x, *GEOMETRIC_OPS[name](m, s, *x.shape[-2:]), fill)
 
 
 PIXEL_OPS = {
@@ -159,7 +165,9 @@ class RandAugment:
     ) -> None:  # fmt: skip
         unknown = set(ops or []) - set(ALL_OPS)
         if unknown or not 0 <= magnitude <= 10:
-            raise ValueError(f"RandAugment: ops must be among {ALL_OPS} and 0 <= magnitude <= 10, got {ops}, {magnitude}")
+            raise ValueError(
+                f"RandAugment: ops must be among {ALL_OPS} and 0 <= magnitude <= 10, got {ops}, {magnitude}"
+            )
         self.num_ops, self.magnitude, self.magnitude_std, self.prob = num_ops, magnitude, magnitude_std, prob
         self.ops, self.fill = list(ops or ALL_OPS), fill
 
@@ -191,13 +199,21 @@ class RandAugment:
             mag = (mag.clamp(0, 10) / 10).to(x)
             sign = torch.where(_rand(B, g) < 0.5, -1.0, 1.0).to(x)
             out = x.clone()
+            a, t = _eye(mag)
+            geo = torch.zeros(B, dtype=torch.bool)
             for k, name in enumerate(self.ops):
-                idx = torch.nonzero((op == k) & on)[:, 0].to(x.device)
-                if idx.numel() == 0:
+                sel = (op == k) & on
+                if not sel.any():
                     continue
-                args = (x[idx], mag[idx], sign[idx])
-                fn = PIXEL_OPS.get(name)
-                out[idx] = fn(*args) if fn else GEOMETRIC_OPS[name](*args, self.fill)
+                idx = torch.nonzero(sel)[:, 0].to(x.device)
+                if name in PIXEL_OPS:
+                    out[idx] = PIXEL_OPS[name](x[idx], mag[idx], sign[idx])
+                else:  # collect the affine maps; one warp below serves all geometric ops
+                    a[idx], t[idx] = GEOMETRIC_OPS[name](mag[idx], sign[idx], *x.shape[-2:])
+                    geo |= sel
+            if geo.any():
+                idx = torch.nonzero(geo)[:, 0].to(x.device)
+                out[idx] = warp(x[idx], a[idx], t[idx], self.fill)
             x = out
         return x
 
@@ -206,4 +222,3 @@ class RandAugment:
             f"RandAugment(num_ops={self.num_ops}, magnitude={self.magnitude}, "
             f"magnitude_std={self.magnitude_std}, prob={self.prob}, ops={len(self.ops)})"
         )
-

@@ -221,9 +221,7 @@ IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff",
 
 def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"image folder {root} does not exist; point to a folder laid out root/<class>/<image>"
-        )
+        raise FileNotFoundError(f"image folder {root} does not exist; point to a folder laid out root/<class>/<image>")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items = [
         (f, c)

@@ -46,9 +46,7 @@ class BatchLoader:
         device: torch.device | str | None = None,
     ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(
-                f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size}, {rank}, {world_size}"
-            )
+            raise ValueError(f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size}, {rank}, {world_size}")
         if len(dataset) < world_size:
             raise ValueError(f"dataset of {len(dataset)} samples cannot be sharded over {world_size} ranks")
         self.dataset, self.batch_size, self.shuffle, self.drop_last = dataset, batch_size, shuffle, drop_last

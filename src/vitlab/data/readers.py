@@ -60,14 +60,11 @@ def load_array_pickle(path: Path, what: str, fix: str) -> object:
     except pickle.UnpicklingError as e:
         if "refusing" in str(e):
             raise ValueError(
-                f"{what} {path} is not a plain data pickle ({e}): it may try to run code and was not "
-                f"loaded; {fix}"
+                f"{what} {path} is not a plain data pickle ({e}): it may try to run code and was not loaded; {fix}"
             ) from None
         raise ValueError(f"{what} {path} is truncated or corrupt ({e}); {fix}") from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as e:
-        raise ValueError(
-            f"{what} {path} is truncated or corrupt ({type(e).__name__}: {e}); {fix}"
-        ) from None
+        raise ValueError(f"{what} {path} is truncated or corrupt ({type(e).__name__}: {e}); {fix}") from None
 
 
 CIFAR_FIX = "download a complete cifar-10-batches-py folder (python version) from www.cs.toronto.edu/~kriz"
