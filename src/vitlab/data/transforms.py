@@ -62,18 +62,19 @@ def resize(x: Tensor, size: Size, interpolation: str = "bilinear", antialias: bo
 
 def sample_boxes(
     n: int, height: int, width: int, scale: Sequence[float], ratio: Sequence[float],
-    g: torch.Generator | None, attempts: int = 10,
+    g: torch.Generator | None, attempts: int = 10, strict: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """Boxes of area ``U(scale) * H * W`` and aspect ``w / h`` log-uniform in ``ratio``, as in
     torchvision's RandomResizedCrop / timm's RandomErasing: ``attempts`` tries per sample at once, first
-    one that fits wins. Returns ``(top, left, h, w, ok)`` as long tensors and a bool mask of success.
+    one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks).
+    Returns ``(top, left, h, w, ok)`` as long tensors and a bool mask of success.
     """
     area = height * width * (scale[0] + (scale[1] - scale[0]) * _rand(n * attempts, g).view(n, attempts))
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(lo + (hi - lo) * _rand(n * attempts, g).view(n, attempts))
     w = torch.sqrt(area * aspect).round().long()
     h = torch.sqrt(area / aspect).round().long()
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    fits = (w > 0) & (h > 0) & ((w < width) & (h < height) if strict else (w <= width) & (h <= height))
     first = fits.int().argmax(1, keepdim=True)  # first True (or 0 when none)
     h, w, ok = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(1)
     top = (_rand(n, g) * (height - h + 1).clamp(min=1)).long()
@@ -213,8 +214,8 @@ class RandomErasing:
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
         _check_batch(x, "RandomErasing")
         B, _, H, W = x.shape
-        top, left, h, w, ok = sample_boxes(B, H, W, self.scale, self.ratio, g)
-        ok &= (_rand(B, g) < self.p) & (h < H) & (w < W)  # timm only erases boxes strictly inside
+        top, left, h, w, ok = sample_boxes(B, H, W, self.scale, self.ratio, g, strict=True)
+        ok &= _rand(B, g) < self.p
         box = [t.to(x.device) for t in (top, left, h, w)]
         mask = box_mask(*box, H, W) & ok.to(x.device).view(-1, 1, 1, 1)
         fill = _noise_like(x, g) if self.mode == "pixel" else torch.full_like(x, self.value)
