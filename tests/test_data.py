@@ -358,6 +358,15 @@ def test_loader_ddp_shards(n, drop_last):
     assert single.indices()[0 : (n // ws) * ws : ws].tolist() == shards[0][: n // ws]
 
 
+def test_image_dataset_checks():
+    from vitlab.data import ImageDataset
+
+    with pytest.raises(ValueError, match="uint8"):
+        ImageDataset(torch.zeros(2, 1, 4, 4), torch.zeros(2), 2, (0.5,), (0.5,))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
+        ImageDataset(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 2]), 2, (0.5,), (0.5,))
+
+
 def test_loader_bad_arguments():
     with pytest.raises(ValueError, match="rank"):
         BatchLoader(_toy(), 2, rank=3, world_size=3)

@@ -200,7 +200,7 @@ class RandAugment:
             sign = torch.where(_rand(B, g) < 0.5, -1.0, 1.0).to(x)
             out = x.clone()
             a, t = _eye(mag)
-            geo = torch.zeros(B, dtype=torch.bool)
+            geo = torch.zeros_like(on)
             for k, name in enumerate(self.ops):
                 sel = (op == k) & on
                 if not sel.any():

@@ -47,6 +47,10 @@ class ImageDataset:
         if self.labels.shape != (len(self.images),):
             raise ValueError(f"labels must have shape ({len(self.images)},), got {tuple(self.labels.shape)}")
         self.labels = self.labels.long()
+        if len(self.labels) and not 0 <= int(self.labels.min()) <= int(self.labels.max()) < self.num_classes:
+            raise ValueError(
+                f"labels must lie in [0, {self.num_classes}), got {self.labels.min()}..{self.labels.max()}"
+            )
 
     def __len__(self) -> int:
         return len(self.labels)
