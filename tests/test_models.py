@@ -193,3 +193,35 @@ def test_cpvt_model_golden(file, cls_token):
     with torch.no_grad():
         assert_close_to_golden(model(g.input("image")), g.output("logits"))
         assert_close_to_golden(model.forward_features(g.input("image")), g.output("features"))
+
+
+def test_deepvit_model_golden():
+    g = load_golden("deepvit_model.npz")
+    re_attn = ("reattention", dict(transform_scale=True))
+    model = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=4, num_heads=4,
+                              mlp_ratio=3, residual_scale=0.5,
+                              mixer=["attention", "attention", re_attn, re_attn]).eval()
+    model.load_state_dict(rename_keys(g.state(), "deepvit"))
+    with torch.no_grad():
+        assert_close_to_golden(model(g.input("image")), g.output("logits"))
+        feats = model.forward_head(model.forward_features(g.input("image")), pre_logits=True)
+        assert_close_to_golden(feats, g.output("features"))
+
+
+def test_refiner_model_golden():
+    """Official Refiner_ViT: block 0 refines its own map, blocks 1/3 share, block 2 adds the carried map."""
+    g = load_golden("refiner_model.npz")
+    normal = dict(refine=False, residual_attention=True)
+    mixers = [
+        ("refiner", dict(refine=True, official_extras=True, residual_attention=True, expansion=3)),
+        ("refiner", dict(share=True, official_extras=True)),
+        ("refiner", normal),
+        ("refiner", dict(share=True, official_extras=True)),
+    ]
+    model = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=4, num_heads=4,
+                              mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5), aux_head=True,
+                              mixer=mixers).eval()
+    model.load_state_dict(rename_keys(g.state(), "refiner"))
+    with torch.no_grad():
+        assert_close_to_golden(model(g.input("image")), g.output("logits"))
+        assert_close_to_golden(model.forward_features(g.input("image")), g.output("features"))

@@ -11,6 +11,8 @@ import re
 
 from torch import Tensor
 
+from ..mixers.refiner import OFFICIAL_KEY_PREFIXES as REFINER_PREFIXES
+
 Rule = tuple[str, str | None]
 
 _VIT: list[Rule] = [(r"^blocks\.(\d+)\.attn\.", r"blocks.\1.mixer.")]
@@ -21,6 +23,14 @@ KEY_RULES: dict[str, list[Rule]] = {
     # CPVT composed as the paper's Algorithm 1: one PEG after block 0 as `pos_block` (Twins' PosCNN keys)
     # Twins' PosCNN on its own
     "twins_peg": [(r"^proj\.0\.", "proj.")],
+    # zhoudaquan/dvit_repo: re-attention keeps the official submodule names
+    "deepvit": _VIT,
+    # zhoudaquan/Refiner_ViT: DLA submodules renamed, the MLP's scale_channel is the MLP LayerScale
+    "refiner": [
+        *[(rf"^blocks\.(\d+)\.attn\.{re.escape(old)}", rf"blocks.\1.mixer.{new}") for old, new in REFINER_PREFIXES.items()],
+        *_VIT,
+        (r"^blocks\.(\d+)\.mlp\.scale_channel$", r"blocks.\1.ls2.gamma"),
+    ],
     "cpvt": [*_VIT, (r"^pos_block\.proj\.0\.", "pegs.0.proj."), (r"^pos_block\.(\d+)\.proj\.0\.", r"pegs.\1.proj.")],
 }
 
