@@ -64,11 +64,10 @@ def _exact_entries(k: Tensor, v: Tensor, bias_rows: BiasRows, b: Tensor, t: Tens
 
 def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
     """``num / den`` (num (B, T, G, R), den (B, T, G)) with underflowed entries recomputed exactly."""
-    bad = den < _UNDERFLOW
-    # dividing by 1 at the replaced entries keeps their (zero) gradient finite
-    y = num / torch.where(bad, 1.0, den).unsqueeze(-1)
-    if bad.any():
-        idx = bad.nonzero(as_tuple=True)
+    # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
+    y = num / den.clamp_min(_UNDERFLOW).unsqueeze(-1)
+    if den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
+        idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True)
         y = y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
     return y
 
@@ -119,25 +118,22 @@ def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
     return torch.sigmoid(q) * y.squeeze(-1)
 
 
-def _box_rows(x: Tensor, s: int) -> Tensor:
-    """Sum over the s rows centred on each row (zero padding): (B, C, H, W) -> (B, C, H, W)."""
-    return F.avg_pool2d(x, (s, 1), stride=1, padding=(s // 2, 0), divisor_override=1)
-
-
 def _outside_window_sum(x: Tensor, s: int) -> Tensor:
-    """For every pixel, the sum of ``x`` over the grid outside the ``s x s`` window centred on it.
+    """For every pixel of ``x`` (B, C, H, W), the sum of ``x`` over the grid outside the ``s x s`` window centred on it.
 
-    Built from prefix and suffix sums of non-negative terms only (rows above + rows below + the left and
-    right parts of the window's rows), never as ``total - window``, which would cancel.
+    With the 0/1 band matrices ``A_H[r, r'] = |r - r'| <= s//2`` (and ``A_W``), the outside sum is
+    ``(1 - A_H) X 1 + A_H X (1 - A_W)`` (rows outside the window's rows, plus the window's rows outside its
+    columns): small matrix products with non-negative coefficients, never ``total - window``, which cancels.
     """
     h, w = x.shape[-2:]
-    p = s // 2
-    rows = x.sum(-1)  # (B, C, H)
-    above = F.pad(rows.cumsum(-1), (p + 1, 0))[..., :h]
-    below = F.pad(rows.flip(-1).cumsum(-1).flip(-1), (0, p + 1))[..., p + 1 :]
-    left = F.pad(x.cumsum(-1), (p + 1, 0))[..., :w]
-    right = F.pad(x.flip(-1).cumsum(-1).flip(-1), (0, p + 1))[..., p + 1 :]
-    return (above + below).unsqueeze(-1) + _box_rows(left + right, s)
+    near_h, near_w = (_band(n, s // 2, x) for n in (h, w))
+    return (1 - near_h) @ x.sum(-1, keepdim=True) + near_h @ (x @ (1 - near_w))
+
+
+def _band(n: int, p: int, like: Tensor) -> Tensor:
+    """(n, n) 0/1 matrix, 1 where |i - j| <= p (symmetric)."""
+    i = torch.arange(n, device=like.device)
+    return ((i[:, None] - i[None]).abs() <= p).to(like.dtype)
 
 
 def _conv_bias_rows(
