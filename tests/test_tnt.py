@@ -429,7 +429,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="inner_stride"):
         TNT(**{**TINY, "inner_stride": 0})
     blk = TNTBlock(16, 4, 2, 2, num_words=4)
-    with pytest.raises(ValueError, match=r"B\*n"):
+    with pytest.raises(ValueError, match=r"B\*n=12"):
         blk(torch.randn(5, 4, 4), torch.randn(2, 7, 16))
+    with pytest.raises(ValueError, match=r"m=4, c=4"):
+        blk(torch.randn(12, 9, 4), torch.randn(2, 7, 16))
     with pytest.raises(ValueError, match="unknown option"):
         vitlab.create_model("tnt_mini", embed_dim=32)

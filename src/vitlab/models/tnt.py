@@ -153,14 +153,15 @@ class TNTBlock(nn.Module):
         norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        if se < 0:
-            raise ValueError(f"se (SE reduction) must be 0 (off) or positive, got {se}")
+        if not 0 <= se <= outer_dim:
+            raise ValueError(f"se (SE reduction) must be 0 (off) or in [1, outer_dim={outer_dim}], got {se}")
 
         def block(dim: int, heads: int, ratio: float) -> Block:
             mixer = Attention(dim, heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
             return Block(dim, mixer, mlp_ratio=ratio, drop=drop, drop_path=drop_path, norm_eps=norm_eps)
 
         self.has_inner = has_inner
+        self.words_shape = (num_words, inner_dim)
         if has_inner:
             self.inner = block(inner_dim, inner_heads, inner_mlp_ratio)
             self.proj = WordsToSentence(num_words * inner_dim, outer_dim, bias=False, norm_eps=norm_eps)
@@ -180,10 +181,10 @@ class TNTBlock(nn.Module):
         aux: dict[str, Tensor] = {}
         if self.has_inner:
             b, n1 = outer.shape[:2]
-            if inner.shape[0] != b * (n1 - 1):
+            if inner.dim() != 3 or inner.shape[0] != b * (n1 - 1) or tuple(inner.shape[1:]) != self.words_shape:
                 raise ValueError(
-                    f"TNTBlock: inner tokens need B*n = {b}*{n1 - 1} rows for outer tokens {tuple(outer.shape)}, "
-                    f"got {tuple(inner.shape)}"
+                    f"TNTBlock: for outer tokens {tuple(outer.shape)} the inner tokens must be "
+                    f"(B*n={b * (n1 - 1)}, m={self.words_shape[0]}, c={self.words_shape[1]}), got {tuple(inner.shape)}"
                 )
             inner = self.inner(inner, inner_layout or TokenLayout(), return_aux=return_aux)
             if return_aux:
