@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
 }
 
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
+        return 0
     except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         if args.debug:
             raise
