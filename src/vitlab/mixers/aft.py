@@ -15,11 +15,13 @@ weights combine the keys with learned pair-wise position biases (paper Eq. 2)::
 The core functions (:func:`aft_full`, :func:`aft_simple`, :func:`aft_conv`)
 take fp32 ``q, k, v`` and never form a ``(B, T, T, d)`` tensor: AFT-full/local
 are two matrix products with ``exp(w)``, AFT-simple is O(T·d), AFT-conv is a
-depth-wise convolution plus global sums. They subtract maxima before every
-exponential; an entry whose shifted denominator still underflows (possible when
-the maxima of K and of w sit at different t', or with causal cumulative sums)
-is recomputed exactly by a per-entry log-sum-exp in float64 (:func:`_exact_entries`).
-In normal use no entry takes that path.
+depth-wise convolution plus sums outside the window (no cancellation, unlike the
+literal ``e^w - 1`` form). They subtract maxima before every exponential; an
+entry whose shifted denominator still underflows (possible when the maxima of K
+and of w sit at different t', or with causal cumulative sums) is recomputed
+exactly by a per-entry log-sum-exp in float64 (:func:`_exact_entries`). In
+normal use no entry takes that path. Modules run these cores in fp32 with
+autocast off; their projections follow autocast.
 """
 
 from __future__ import annotations
@@ -34,9 +36,8 @@ from torch import Tensor, nn
 
 from .base import TokenLayout, TokenMixer, check_divisible
 
-# Every max-shifted weight is <= 1 and the largest is exp(0) = 1 only if the maxima of its factors coincide; a
-# shifted denominator below this has lost its leading terms to fp32 underflow (all contributing factors of a sum
-# >= 1e-20 are normal floats), so the entry is recomputed exactly.
+# Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
+# of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
 _UNDERFLOW = 1e-20
 # bound on the elements of one fallback chunk (float64 logits and values), to cap its memory
 _FALLBACK_ELEMS = 1 << 22
