@@ -210,7 +210,7 @@ class T2TViT(nn.Module):
         token_drop: dropout on the token layers' map and projection; None = the
             official value: 0.1 for EAMLP (hard-coded in token_performer.py), 0 for attention.
         soft_split: ``(kernel, stride, padding)`` per soft split (small variants use
-            a stride-1 first split to keep a usable grid at 32 px).
+            smaller strides to keep a usable grid at 32 px).
         mixer: one spec for every block or a per-block list (as VisionTransformer);
             num_heads, qkv_bias, attn_drop, proj_drop and max_len are passed to mixers that take them.
         norm_eps: LayerNorm eps (1e-5: the official code uses nn.LayerNorm's default).
