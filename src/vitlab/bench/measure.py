@@ -183,6 +183,9 @@ class CaseSpec:
 
 
 ISOLATIONS = ("forkserver", "subprocess")
+# imported once by the fork server: torch, and the modules torch imports lazily on the first
+# ``backward(gradient)`` (sympy via symbolic_shapes, ~1 s and ~30 MB), which no case should pay for
+PRELOAD = ("torch", "torch.fx.experimental.symbolic_shapes")
 
 
 class CaseRunner:
@@ -196,7 +199,7 @@ class CaseRunner:
     """
 
     def __init__(
-        self, isolation: str = "forkserver", timeout: float = 600.0, preload: tuple[str, ...] = ("torch",)
+        self, isolation: str = "forkserver", timeout: float = 600.0, preload: tuple[str, ...] = PRELOAD
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
@@ -384,8 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vitlab.bench.measure", description=doc)
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", metavar="MODULES", help=argparse.SUPPRESS)
-    parser.add_argument("--self-check", type=float, metavar="MB", nargs="?", const=200.0,
-                        help="allocate MB MiB in a fresh process and print the measured peak")
+    parser.add_argument(
+        "--self-check",
+        type=float,
+        metavar="MB",
+        nargs="?",
+        const=200.0,
+        help="allocate MB MiB in a fresh process and print the measured peak",
+    )
     parser.add_argument("--isolation", choices=ISOLATIONS, default="forkserver")
     args = parser.parse_args(argv)
     if args.worker:
@@ -399,9 +408,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"self-check failed: {res.get('reason')}")
             return 1
         m = res["mem"]
-        print(f"allocated {args.self_check:.0f} MiB; measured peak - baseline = {m['delta'] / MB:.1f} MiB "
-              f"(baseline {m['baseline'] / MB:.1f} MiB, peak {m['peak'] / MB:.1f} MiB, "
-              f"peak counter reset: {m['peak_reset']})")
+        print(
+            f"allocated {args.self_check:.0f} MiB; measured peak - baseline = {m['delta'] / MB:.1f} MiB "
+            f"(baseline {m['baseline'] / MB:.1f} MiB, peak {m['peak'] / MB:.1f} MiB, "
+            f"peak counter reset: {m['peak_reset']})"
+        )
         return 0
     parser.print_help()
     return 0
