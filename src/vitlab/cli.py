@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
+    "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
 }
 
 
