@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
     "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
+    "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
 }
 
 
