@@ -61,11 +61,12 @@ def naive_conv_paper(q, k, v, w, grid, num_prefix):
     return y
 
 
-def conv_pair_bias(w, grid, num_prefix):
-    """AFT-conv's implied pair-wise bias (h, N, N): w[i, dy+p, dx+p] inside the window between patches, else 0."""
+def conv_pair_bias(w, grid, num_prefix, outside=0.0):
+    """AFT-conv's implied pair-wise bias (h, N, N): w[i, dy+p, dx+p] inside the window between patches, else
+    ``outside`` (0: global connectivity; -inf: the paper's ablation)."""
     h, s = w.shape[0], w.shape[-1]
     p, n = s // 2, num_prefix + grid[0] * grid[1]
-    out = torch.zeros(h, n, n, dtype=w.dtype)
+    out = torch.full((h, n, n), outside, dtype=w.dtype)
     for t in range(num_prefix, n):
         for u in range(num_prefix, n):
             (r1, c1), (r2, c2) = divmod(t - num_prefix, grid[1]), divmod(u - num_prefix, grid[1])
@@ -74,12 +75,12 @@ def conv_pair_bias(w, grid, num_prefix):
     return out
 
 
-def naive_conv_pairs(q, k, v, w, grid, num_prefix):
+def naive_conv_pairs(q, k, v, w, grid, num_prefix, outside=0.0):
     """AFT-conv as AFT-full per head with the implied pair bias (an independent form of Eq. 6)."""
     b, n, c = v.shape
     h = k.shape[-1]
     r = c // h
-    wp = conv_pair_bias(w.double(), grid, num_prefix)
+    wp = conv_pair_bias(w.double(), grid, num_prefix, outside)
     heads = [
         naive_full(q[..., i * r : (i + 1) * r], k[..., i : i + 1].expand(b, n, r), v[..., i * r : (i + 1) * r], wp[i])
         for i in range(h)
@@ -200,6 +201,22 @@ def test_conv_matches_literal_eq6():
     y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_paper(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0, 1e4])
+def test_conv_without_global_context_is_local_only(scale):
+    """outside='-inf' (the paper's global-connectivity ablation): AFT-full with w = -inf outside the window."""
+    torch.manual_seed(2)
+    grid = (4, 5)
+    b, n, h, c = 2, 20, 2, 8
+    q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h) * scale
+    w = torch.randn(h, 3, 3) * scale
+    y = aft_mod.aft_conv(q, k, v, w, grid, 0, global_context=False)
+    assert torch.isfinite(y).all()
+    assert_rel(y, naive_conv_pairs(q, k, v, w, grid, 0, outside=-math.inf), 1e-5)
+    m = make("conv", num_heads=2, kernel_size=3, outside="-inf")
+    with pytest.raises(ValueError, match="prefix"):
+        m(torch.randn(1, 21, 24), TokenLayout(grid, 1))
 
 
 def test_conv_kernel_reparameterisation():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -67,10 +68,16 @@ def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) 
     """``num / den`` (num (B, T, G, R), den (B, T, G)) with underflowed entries recomputed exactly."""
     # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
     y = num / den.clamp_min(_UNDERFLOW).unsqueeze(-1)
-    if den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
+    if _data_checks_allowed(den) and den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
         idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True)
         y = y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
     return y
+
+
+def _data_checks_allowed(t: Tensor) -> bool:
+    """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
+    traced or exported (TorchScript trace, ONNX), which records the fast path only."""
+    return t.device.type != "meta" and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
 
 
 def _future_mask(n: int, device: torch.device) -> Tensor:
@@ -138,12 +145,12 @@ def _band(n: int, p: int, like: Tensor) -> Tensor:
 
 
 def _conv_bias_rows(
-    w: Tensor, grid: tuple[int, int], num_prefix: int, n: int, t: Tensor, g: Tensor
+    w: Tensor, grid: tuple[int, int], num_prefix: int, n: int, outside: float, t: Tensor, g: Tensor
 ) -> Tensor:
     """(m, N) rows ``w_eff[t, :]`` of AFT-conv's implied pair-wise bias for query t, head g.
 
     ``w_eff[t, t'] = w[g, dy + s//2, dx + s//2]`` when both are patches and t' = t + (dy, dx) lies in the
-    window; 0 otherwise (prefix tokens and pairs outside the window).
+    window; ``outside`` otherwise (prefix tokens and pairs outside the window): 0, or -inf for the ablation.
     """
     s, p = w.shape[-1], w.shape[-1] // 2
     gw = grid[1]
@@ -153,10 +160,12 @@ def _conv_bias_rows(
     dx = (key % gw)[None] - (qry % gw)[:, None] + p
     inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s) & (key >= 0)[None] & (qry >= 0)[:, None]
     vals = w[g[:, None], dy.clamp(0, s - 1), dx.clamp(0, s - 1)]
-    return torch.where(inside, vals, 0.0)
+    return torch.where(inside, vals, outside)
 
 
-def aft_conv(q: Tensor, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int = 0) -> Tensor:
+def aft_conv(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int = 0, global_context: bool = True
+) -> Tensor:
     """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
 
         Y^i_t = sigmoid(Q^i_t) * [conv(e^{K^i} V^i, e^{w^i} - 1) + Σ_t' e^{K^i_t'} V^i_t']
@@ -169,23 +178,31 @@ def aft_conv(q: Tensor, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], 
 
     Computed without cancellation as ``e^{-m} · (Σ_{outside window} e^K V) + conv(e^K V, e^{w - m})``
     with ``m = max(max w^i, 0)`` (same value as Eq. 6, whose ``e^w - 1`` form cancels for w << 0).
+
+    ``global_context=False`` is the paper's ablation with ``w = -inf`` outside the window: only the local
+    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0).
     """
     b, n, c = v.shape
     h, s = k.shape[-1], w.shape[-1]
     r = c // h
     ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)
     x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
-    m = w.detach().amax((1, 2)).clamp_min(0)  # pairs outside the window have bias 0
+    m = w.detach().amax((1, 2))
+    if global_context:
+        m = m.clamp_min(0)  # pairs outside the window have bias 0
     scale = torch.exp(-m)
     kernel = torch.exp(w - m[:, None, None])  # (h, s, s), <= 1
     per_chan = torch.cat([torch.arange(h, device=w.device).repeat_interleave(r), torch.arange(h, device=w.device)])
     x_pre, x_grid = x[:, :num_prefix], x[:, num_prefix:].transpose(1, 2).reshape(b, c + h, *grid)
     local = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)
-    outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
-    patch = local + scale[per_chan][:, None, None] * outside  # (B, C + h, H, W)
+    if global_context:
+        outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
+        patch = local + scale[per_chan][:, None, None] * outside  # (B, C + h, H, W)
+    else:
+        patch = local
     prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
     nd = torch.cat([prefix, patch.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
-    rows = partial(_conv_bias_rows, w, grid, num_prefix, n)
+    rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
     y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
     return torch.sigmoid(q) * y.reshape(b, n, c)
 
@@ -212,8 +229,10 @@ def _resample_tokens(t: Tensor, n: int, layout: TokenLayout, dim: int) -> Tensor
     return torch.cat([t[:p], rest]).movedim(0, dim)
 
 
-def _no_autocast(x: Tensor) -> torch.autocast:
+def _no_autocast(x: Tensor) -> AbstractContextManager:
     """Context that runs the AFT core in fp32 even under autocast (exp of half-precision logits is lossy)."""
+    if not torch.amp.is_autocast_available(x.device.type):  # e.g. the meta device used to count MACs
+        return nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
@@ -397,16 +416,22 @@ class AFTConv(TokenMixer):
     and the standardisation makes its scale otherwise irrelevant). ``gamma, beta`` start at 0, so at
     initialisation ``e^w - 1 = 0`` and AFT-conv is AFT-simple with each key repeated over its head.
 
-    Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
+    ``outside="-inf"`` is the paper's global-connectivity ablation (w = -inf outside the window: a purely
+    local operator). Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
     paper evaluates at 384 a model trained at 224). ``return_aux=True`` gives ``aux["keys"]`` (B, N, h).
     """
 
     needs_grid = True
     eps = 1e-8
 
-    def __init__(self, dim: int, num_heads: int, kernel_size: int = 11, qkv_bias: bool = True) -> None:
+    def __init__(
+        self, dim: int, num_heads: int, kernel_size: int = 11, qkv_bias: bool = True, outside: str = "zero"
+    ) -> None:
         super().__init__(dim)
         check_divisible("AFTConv", dim, num_heads)
+        if outside not in ("zero", "-inf"):
+            raise ValueError(f"AFTConv: outside must be 'zero' (global connectivity) or '-inf', got {outside!r}")
+        self.outside = outside
         if kernel_size <= 0 or kernel_size % 2 == 0:
             raise ValueError(f"AFTConv: kernel_size must be a positive odd number (zero padding k//2), got {kernel_size}")
         self.num_heads = num_heads
@@ -419,7 +444,7 @@ class AFTConv(TokenMixer):
         self.beta = nn.Parameter(torch.zeros(num_heads))
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
 
     def position_bias(self) -> Tensor:
         """The re-parameterised bias w (h, s, s), fp32 (Eq. 8)."""
@@ -435,8 +460,11 @@ class AFTConv(TokenMixer):
         return torch.expm1(self.position_bias())
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        if self.outside == "-inf" and layout.num_prefix:
+            raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], -1)
         with _no_autocast(x):
-            y = aft_conv(q.float(), k.float(), v.float(), self.position_bias(), layout.grid, layout.num_prefix)
+            y = aft_conv(q.float(), k.float(), v.float(), self.position_bias(), layout.grid, layout.num_prefix,
+                         self.outside == "zero")
         out = self.proj(y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})

@@ -115,6 +115,11 @@ for size, heads_aft, k, params in (("tiny", 32, 11, 5.36), ("tiny", 192, 11, 5.9
     _rows.append(vit(f"aft_conv_{size}_{heads_aft}_{k}", AFT, "AFT Table 7 (no class token, no position table, GAP)",
                      params, embed_dim=dim, depth=12, num_heads=heads, class_token=False, global_pool="avg",
                      pos_embed="none", mixer=("aft_conv", dict(num_heads=heads_aft, kernel_size=k))))
+# AFT §6.3.2 global-connectivity ablation: kernel 7, w = -inf outside the window (79.9 vs 80.8 with the global sum)
+for suffix, outside in (("", "zero"), ("_noglobal", "-inf")):
+    _rows.append(vit(f"aft_conv_small_384_7{suffix}", AFT, f"AFT §6.3.2 ablation (kernel 7, outside={outside})",
+                     embed_dim=384, depth=12, num_heads=6, class_token=False, global_pool="avg", pos_embed="none",
+                     mixer=("aft_conv", dict(num_heads=384, kernel_size=7, outside=outside))))
 
 # --- small variants for CPU training (patch 4, 32 px) ---------------------------------------------------
 _rows += [
