@@ -33,6 +33,7 @@ from . import metrics
 
 ANALYSES = ("attention", "collapse", "heads", "evolution", "aft_bias", "aft_keys", "external")
 GROUPS = {"all": ANALYSES, "aft": ("aft_bias", "aft_keys")}
+PLOT_ROWS = 8  # memory slots drawn in the external-attention figure (the JSON has every one asked for)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,7 +295,7 @@ class Collapse(Analysis):
 
         plots.matrices(
             [np.array(result["similarity"])], path, titles=["cross-layer attention similarity"],
-            ticks=[str(b) for b in self.blocks], annotate=True,
+            ticks=[str(b) for b in self.blocks], annotate=True, axis="block",
             title=f"{result['similar_blocks']} similar blocks (adjacent similarity > {result['threshold']})",
         )  # fmt: skip
 
@@ -346,7 +347,7 @@ class HeadSimilarity(Analysis):
         plots.matrices(
             [np.array(s) for s in result["similarity"]], path,
             titles=[f"block {b}: mean {m:.2f}" for b, m in zip(self.blocks, result["mean_between_heads"])],
-            title="similarity between heads",
+            title="similarity between heads", axis="head",
         )  # fmt: skip
 
     def summary(self, result):
@@ -523,9 +524,10 @@ class ExternalMaps(Analysis):
     def plot(self, result, path):
         from . import plots
 
-        last = np.array(result["maps"][0][-1], dtype=np.float32)  # (slots, heads, gh, gw): the last EA block
+        # the last EA block as the paper; (slots, heads, gh, gw), at most PLOT_ROWS slots drawn
+        last = np.array(result["maps"][0][-1], dtype=np.float32)[:PLOT_ROWS]
         plots.map_grid(
-            last, path, row_labels=[f"slot {s}" for s in self.ctx.slots],
+            last, path, row_labels=[f"slot {s}" for s in self.ctx.slots[:PLOT_ROWS]],
             col_labels=[f"head {h}" for h in range(last.shape[1])], image=self.ctx.images[0].numpy(),
             title=f"external attention to memory slots, block {self.blocks[-1]} (image 0)",
         )  # fmt: skip

@@ -80,6 +80,7 @@ def map_grid(
             if j == 0:
                 ax.set_ylabel(row_labels[i], fontsize=8)
                 ax.set_frame_on(True)
+    fig.subplots_adjust(wspace=0.35 if image is not None else 0.15)
     if title:
         fig.suptitle(title, fontsize=10)
     return _save(fig, path)
@@ -95,8 +96,10 @@ def matrices(
     vmin: float = 0.0,
     vmax: float = 1.0,
     annotate: bool = False,
+    axis: str = "",
 ) -> Path:
-    """Square heatmaps side by side (cross-layer similarity, head similarity per block), one colour bar."""
+    """Square heatmaps side by side (cross-layer similarity, head similarity per block), one colour bar;
+    ``axis`` names what the rows and columns index."""
     plt = _pyplot()
     k = len(mats)
     cols = min(k, 6)
@@ -115,6 +118,9 @@ def matrices(
         step = max(1, math.ceil(n / 16))
         ax.set_xticks(range(0, n, step), labels[::step], fontsize=7)
         ax.set_yticks(range(0, n, step), labels[::step], fontsize=7)
+        if axis:
+            ax.set_xlabel(axis, fontsize=8)
+            ax.set_ylabel(axis, fontsize=8)
         if annotate and n <= 16:
             for (y, x), v in np.ndenumerate(m):
                 ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k")
