@@ -23,12 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import Block, Mlp, sinusoid_1d
-from ..mixers import build as build_mixer
+from ..layers import Mlp, sinusoid_1d
 from ..mixers.attention import attention_map
 from ..mixers.base import TokenLayout
 from ..mixers.external import double_normalize
-from .vit import MixerSpec, _mixer_specs
+from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 # (kernel, stride, padding) of each soft split; T2T-ViT's strides 4·2·2 give a 14x14 grid at 224 px
 T2T_SOFT_SPLIT = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
@@ -196,7 +195,7 @@ class TokensToToken(nn.Module):
         return self.project(x), grids[-1]
 
 
-class T2TViT(nn.Module):
+class T2TViT(Classifier):
     """T2T-ViT with a pluggable mixer per block; the defaults build EAMLP-14.
 
     Args:
@@ -239,12 +238,11 @@ class T2TViT(nn.Module):
         global_pool: str = "token",
     ) -> None:
         super().__init__()
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        check_pool(global_pool)
         if token_drop is None:
             token_drop = 0.1 if token_mixer == "external" else 0.0
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.embed_dim = embed_dim
         self.global_pool = global_pool
         self.num_prefix = 1
 
@@ -257,58 +255,22 @@ class T2TViT(nn.Module):
         self._table_cache: tuple[Any, Tensor | None] = (None, None)
         self.pos_drop = nn.Dropout(drop_rate)
 
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linspace(0, rate, depth)
         defaults = dict(
             num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate, max_len=num_tokens
         )
-        self.blocks = nn.ModuleList(
-            Block(
-                embed_dim,
-                build_mixer(kind, embed_dim, defaults=defaults, **kw),
-                mlp_ratio=mlp_ratio,
-                drop=drop_rate,
-                drop_path=dpr[i],
-                norm_eps=norm_eps,
-            )
-            for i, (kind, kw) in enumerate(_mixer_specs(mixer, depth))
-        )
+        self.blocks = build_blocks(embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio,
+                                   drop=drop_rate, norm_eps=norm_eps)
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self.new_head(num_classes)
         self.init_weights()
 
-    # ------------------------------------------------------------------ init
     def init_weights(self) -> None:
-        """As the official T2T-ViT: trunc-normal(0.02) for the class token and Linear weights, zero biases,
-        unit LayerNorms; then mixers with their own init re-apply it (external attention: ``M_v = M_kᵀ``)."""
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        mixers = [layer.attn for layer in self.tokens_to_token.layers] + [blk.mixer for blk in self.blocks]
-        for m in mixers:
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-
-    def no_weight_decay(self) -> set[str]:
-        """The class token (official), plus what the block mixers name (AFT position biases)."""
-        names = {"cls_token"}
-        for i, blk in enumerate(self.blocks):
-            if hasattr(blk.mixer, "no_weight_decay"):
-                names |= {f"blocks.{i}.mixer.{n}" for n in blk.mixer.no_weight_decay()}
-        return names
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("token", "avg"):
-                raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        """As the official T2T-ViT (trunc-normal 0.02 for the class token and Linear weights); then the token
+        layers' external attention re-ties ``M_v = M_kᵀ`` as the official code's aliasing leaves it."""
+        self.init_trunc_normal(self.cls_token)
+        for layer in self.tokens_to_token.layers:
+            if hasattr(layer.attn, "reset_parameters"):
+                layer.attn.reset_parameters()
 
     # --------------------------------------------------------------- forward
     def position_table(self, num_tokens: int) -> Tensor:
@@ -329,26 +291,5 @@ class T2TViT(nn.Module):
     def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
         """Every block's output and its mixer's aux: ``{"tokens", "aux", "features", "layout"}`` (as VisionTransformer)."""
         x, layout = self._embed(x)
-        tokens, auxes = [], []
-        carry = None  # Refined-ViT mixers hand an attention map from block to block
-        for blk in self.blocks:
-            chained = blk.mixer.uses_attn_prev
-            if return_aux or chained:
-                x, aux = blk(x, layout, attn_prev=carry, return_aux=True)
-                carry = aux.get("carry", carry) if chained else carry
-            else:
-                x, aux = blk(x, layout), {}
-            tokens.append(x)
-            auxes.append(aux)
+        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux)
         return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Tokens ``(B, 1 + N, C)`` after the final norm."""
-        return self.forward_intermediates(x, return_aux=False)["features"]
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        pooled = x[:, self.num_prefix :].mean(1) if self.global_pool == "avg" else x[:, 0]
-        return pooled if pre_logits else self.head(pooled)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))

@@ -42,6 +42,7 @@ from ..layers import Block, Mlp, resample_pos_embed
 from ..layers.patch_embed import _as_pair
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
+from .base import Classifier, check_pool, drop_path_rates
 
 
 class SqueezeExcite(nn.Module):
@@ -200,7 +201,7 @@ class TNTBlock(nn.Module):
         return inner, outer
 
 
-class TNT(nn.Module):
+class TNT(Classifier):
     """Transformer in Transformer (Han et al. 2021), the official non-legacy Huawei model.
 
     Args:
@@ -242,14 +243,13 @@ class TNT(nn.Module):
         dynamic_img_size: bool = False,
     ) -> None:
         super().__init__()
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        check_pool(global_pool)
         tnt_blocks = tuple(range(depth)) if tnt_blocks is None else tuple(int(i) for i in tnt_blocks)
         if any(not 0 <= i < depth for i in tnt_blocks):
             raise ValueError(f"tnt_blocks must be block indices in [0, {depth - 1}], got {list(tnt_blocks)}")
 
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = self.outer_dim = outer_dim
+        self.embed_dim = self.outer_dim = outer_dim
         self.inner_dim = inner_dim
         self.global_pool = global_pool
         self.num_prefix = 1
@@ -267,7 +267,7 @@ class TNT(nn.Module):
         self.inner_pos = nn.Parameter(torch.zeros(1, num_words, inner_dim))
         self.pos_drop = nn.Dropout(drop_rate)
 
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linspace(0, rate, depth)
+        dpr = drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.ModuleList(
             TNTBlock(
                 outer_dim, inner_dim, outer_heads, inner_heads, num_words, mlp_ratio=mlp_ratio,
@@ -277,35 +277,15 @@ class TNT(nn.Module):
             for i in range(depth)
         )
         self.norm = nn.LayerNorm(outer_dim, eps=norm_eps)
-        self.head = nn.Linear(outer_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = self.new_head(num_classes)
         self.init_weights()
 
-    # ------------------------------------------------------------------ init
+    NO_WEIGHT_DECAY = ("pos_embed", "inner_pos", "cls_token")  # the official outer_pos, inner_pos, cls_token
+
     def init_weights(self) -> None:
         """Official init: trunc-normal(0.02) on Linear weights, class token and both position tables;
-        zero biases; unit LayerNorms. The word-embedding conv keeps PyTorch's default, as the official code."""
-        for t in (self.cls_token, self.pos_embed, self.inner_pos):
-            nn.init.trunc_normal_(t, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def no_weight_decay(self) -> set[str]:
-        """The official ``{outer_pos, inner_pos, cls_token}`` under our names."""
-        return {"pos_embed", "inner_pos", "cls_token"}
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("token", "avg"):
-                raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.outer_dim, num_classes) if num_classes > 0 else nn.Identity()
+        the word-embedding conv keeps PyTorch's default, as the official code."""
+        self.init_trunc_normal(self.cls_token, self.pos_embed, self.inner_pos)
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
@@ -343,21 +323,6 @@ class TNT(nn.Module):
             auxes.append(aux)
             inners.append(inner)
         return {"tokens": tokens, "aux": auxes, "features": self.norm(outer), "layout": layout, "inner_tokens": inners}
-
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Outer tokens ``(B, n + 1, d)`` after the final norm."""
-        return self.forward_intermediates(x, return_aux=False)["features"]
-
-    def pool(self, x: Tensor) -> Tensor:
-        return x[:, self.num_prefix :].mean(1) if self.global_pool == "avg" else x[:, 0]
-
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Pooled features (``pre_logits``) or logits from ``forward_features`` output."""
-        pooled = self.pool(x)
-        return pooled if pre_logits else self.head(pooled)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 _RENAMES = {

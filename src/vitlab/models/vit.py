@@ -15,22 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..layers import Block, PatchEmbed, PositionEncodingGenerator, resample_pos_embed, sincos_2d
-from ..mixers import build as build_mixer
+from ..layers import PatchEmbed, PositionEncodingGenerator, resample_pos_embed, sincos_2d
 from ..mixers.base import TokenLayout
-
-MixerSpec = str | tuple[str, dict[str, Any]]
-
-
-def _mixer_specs(mixer: MixerSpec | Sequence[MixerSpec], depth: int) -> list[tuple[str, dict[str, Any]]]:
-    """One ``(kind, kwargs)`` per block from a single spec or a per-block list."""
-    specs = [mixer] * depth if isinstance(mixer, str | tuple) else list(mixer)
-    if len(specs) != depth:
-        raise ValueError(f"got {len(specs)} mixer specs for depth {depth}")
-    return [(s, {}) if isinstance(s, str) else (s[0], dict(s[1])) for s in specs]
+from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(Classifier):
     """ViT / DeiT with a pluggable token mixer per block.
 
     Args:
@@ -81,17 +71,14 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if pos_embed not in ("learned", "sincos", "none"):
             raise ValueError(f"pos_embed must be 'learned', 'sincos' or 'none', got {pos_embed!r}")
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
-        if global_pool == "token" and not class_token:
-            raise ValueError("global_pool='token' needs a class token; use global_pool='avg' without one")
+        check_pool(global_pool, class_token)
         if dist_token and not class_token:
             raise ValueError("a distillation token needs a class token (DeiT)")
         if any(i < -1 or i >= depth for i in peg_at):
             raise ValueError(f"peg_at indices must be in [-1, {depth - 1}], got {list(peg_at)}")
 
         self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.embed_dim = embed_dim
         self.global_pool = global_pool
         self.num_prefix = int(class_token) + int(dist_token)
         self.dynamic_img_size = dynamic_img_size
@@ -106,73 +93,27 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(drop_rate)
         self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel) for i in peg_at})
 
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear decay rule (DeiT)
         defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
-        self.blocks = nn.ModuleList(
-            Block(
-                embed_dim,
-                build_mixer(kind, embed_dim, defaults=defaults, **kw),
-                mlp_ratio=mlp_ratio,
-                drop=drop_rate,
-                drop_path=dpr[i],
-                norm_eps=norm_eps,
-                ls_init=ls_init,
-                residual_scale=residual_scale,
-            )
-            for i, (kind, kw) in enumerate(_mixer_specs(mixer, depth))
-        )
+        self.blocks = build_blocks(embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio,
+                                   drop=drop_rate, norm_eps=norm_eps, ls_init=ls_init, residual_scale=residual_scale)
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) if dist_token else None
-        self.aux_head = (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) if aux_head else None
+        self.head = self.new_head(num_classes)
+        self.head_dist = self.new_head(num_classes) if dist_token else None
+        self.aux_head = self.new_head(num_classes) if aux_head else None
         self.distilled_training = False  # DeiT: training returns both heads' logits when True
         self.init_weights()
 
-    # ------------------------------------------------------------------ init
     def init_weights(self) -> None:
-        """DeiT/timm init: trunc-normal(0.02) for Linear weights, tokens and table; zero biases; unit norms.
-
-        Mixers with their own initialisation (AFT position factors, external
-        attention's M_v = M_kᵀ) re-apply it through ``reset_parameters``.
-        """
-        for t in (self.pos_embed, self.cls_token, self.dist_token):
-            if t is not None:
-                nn.init.trunc_normal_(t, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        for blk in self.blocks:
-            if hasattr(blk.mixer, "reset_parameters"):
-                blk.mixer.reset_parameters()
-
-    def no_weight_decay(self) -> set[str]:
-        """Parameter names AdamW should not decay (DeiT: tokens and the position table)."""
-        names = {n for n in ("pos_embed", "cls_token", "dist_token") if getattr(self, n) is not None}
-        for i, blk in enumerate(self.blocks):  # mixers name their own (AFT position biases)
-            if hasattr(blk.mixer, "no_weight_decay"):
-                names |= {f"blocks.{i}.mixer.{n}" for n in blk.mixer.no_weight_decay()}
-        return names
+        """DeiT/timm init (trunc-normal 0.02 for Linear weights, tokens and table); the PEG and the patch
+        embedding keep their conv init."""
+        self.init_trunc_normal(self.pos_embed, self.cls_token, self.dist_token)
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool == "token" and self.cls_token is None:
-                raise ValueError("global_pool='token' needs a class token")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-
-        def new() -> nn.Module:
-            return nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-
-        self.head = new()
+        super().reset_classifier(num_classes, global_pool)
         if self.head_dist is not None:
-            self.head_dist = new()
+            self.head_dist = self.new_head(num_classes)
         if self.aux_head is not None:
-            self.aux_head = new()
+            self.aux_head = self.new_head(num_classes)
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
@@ -202,32 +143,17 @@ class VisionTransformer(nn.Module):
         which computes the same output.
         """
         x, layout = self._embed(x)
-        tokens, auxes = [], []
-        carry = None  # Refined-ViT hands an attention map from block to block
         if "-1" in self.pegs:
             x = self.pegs["-1"](x, layout)
-        for i, blk in enumerate(self.blocks):
-            chained = blk.mixer.uses_attn_prev
-            if return_aux or chained:
-                x, aux = blk(x, layout, attn_prev=carry, return_aux=True)
-                carry = aux.get("carry", carry) if chained else carry
-            else:
-                x, aux = blk(x, layout), {}
-            if str(i) in self.pegs:
-                x = self.pegs[str(i)](x, layout)
-            tokens.append(x)
-            auxes.append(aux)
+
+        def peg(i: int, t: Tensor) -> Tensor:
+            return self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
+
+        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux, peg)
         return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """Tokens ``(B, N, C)`` after the final norm."""
-        return self.forward_intermediates(x, return_aux=False)["features"]
-
-    def pool(self, x: Tensor) -> Tensor:
-        return x[:, self.num_prefix :].mean(1) if self.global_pool == "avg" else x[:, 0]
-
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Pooled features (``pre_logits``) or logits from ``forward_features`` output."""
+        """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present."""
         pooled = self.pool(x)
         if pre_logits:
             return pooled
@@ -240,6 +166,3 @@ class VisionTransformer(nn.Module):
         if self.aux_head is not None:
             logits = logits + 0.5 * self.aux_head(x[:, self.num_prefix :]).max(1).values
         return logits
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
