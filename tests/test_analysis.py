@@ -385,7 +385,28 @@ def test_cli_bad_checkpoint_is_one_line(tmp_path, capsys):
     torch.save(sd, tmp_path / "two_blocks.pt")
     assert main(["analyze", "deit_mini", "--checkpoint", str(tmp_path / "two_blocks.pt"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "does not fit deit_mini" in err and err.strip().count("\n") == 0
+    assert "does not fit" in err and "missing" in err and err.strip().count("\n") == 0
+
+
+def test_cli_training_checkpoint_rebuilds_its_model(tmp_path, capsys):
+    ckpt_mod = pytest.importorskip("vitlab.train.checkpoint")
+    torch.manual_seed(0)
+    kwargs = dict(num_classes=10, in_chans=1, img_size=28)
+    model = vitlab.create_model("aft_conv_mini", **kwargs)
+    with torch.no_grad():
+        model.blocks[0].mixer.beta.fill_(0.5)  # exp(0.5) - 1 everywhere in layer 0
+    path = ckpt_mod.save_checkpoint(
+        {"model_name": "aft_conv_mini", "model_kwargs": kwargs, "model": model.state_dict(), "epoch": 2},
+        tmp_path / "last.pt",
+    )
+    out = tmp_path / "an"
+    assert main(["analyze", "aft_conv_mini", "--checkpoint", str(path), "--what", "aft_bias", "--out", str(out)]) == 0
+    assert "epoch 2" in capsys.readouterr().out  # no --in-chans / --img-size needed: the checkpoint knows
+    kernels = np.array(json.loads((out / "aft_bias.json").read_text())["kernels"])
+    np.testing.assert_allclose(kernels[0], math.expm1(0.5), rtol=1e-6)
+    assert not kernels[1:].any()
+    assert main(["analyze", "deit_mini", "--checkpoint", str(path), "--out", str(out)]) == 2
+    assert "aft_conv_mini" in capsys.readouterr().err
 
 
 def test_parse_what():

@@ -38,7 +38,12 @@ PLOT_ROWS = 8  # memory slots drawn in the external-attention figure (the JSON h
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registered model name (see `vitlab models`)")
-    p.add_argument("--checkpoint", help="weights to load (.safetensors or a torch state dict); default: random init")
+    p.add_argument(
+        "--checkpoint",
+        help="weights: a `vitlab train` checkpoint, .safetensors, or a state dict (vitlab's or an official "
+        "implementation's names); default: random init",
+    )
+    p.add_argument("--ema", action="store_true", help="use the EMA weights of a `vitlab train` checkpoint")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="dataset: mnist | cifar10:DIR | mnist-idx:DIR | folder:DIR (default: mnist)")
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files instead of a dataset")
@@ -542,51 +547,61 @@ CLASSES: dict[str, type[Analysis]] = {
 
 
 # ---------------------------------------------------------------------------------- model and images
-def load_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """Weights from a .safetensors file or a torch file (``weights_only=True``: loading runs no code).
-
-    A dict that wraps the weights under ``model`` / ``state_dict`` / ``model_state_dict`` is unwrapped.
-    """
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found")
+def _training_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The checkpoint dict when ``path`` was written by ``vitlab train``, else None (a plain weights file)."""
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # unpickling errors come in many types
-        raise ValueError(f"checkpoint {path} cannot be read as weights ({type(e).__name__}: {e})") from None
-    for key in ("model", "state_dict", "model_state_dict"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"checkpoint {path} holds no state dict (name -> tensor)")
-    return state
+        from ..train.checkpoint import load_checkpoint
+    except ImportError:  # training code not installed: every file is read as plain weights
+        return None
+    try:
+        return load_checkpoint(path)
+    except ValueError:  # not a training checkpoint (or unreadable: the plain reader explains why)
+        return None
 
 
-def build_model(args: argparse.Namespace) -> tuple[nn.Module, dict[str, Any]]:
+def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
+    """The model of ``args.model`` with random weights (``args.seed``) or those of ``args.checkpoint``.
+
+    A ``vitlab train`` checkpoint rebuilds its own configuration (:func:`vitlab.train.checkpoint.
+    model_from_checkpoint`); any other file is read safely (``weights_only`` / safetensors) and mapped
+    from vitlab's or an official implementation's names (:func:`vitlab.convert.load.load_reference`), the
+    number of classes taken from its ``head.weight`` unless ``--num-classes`` is given.
+    Returns the model in eval mode and a description of its weights.
+    """
     from ..models import create_model
 
     overrides = {k: v for k, v in (("img_size", args.img_size), ("in_chans", args.in_chans),
                                    ("num_classes", args.num_classes)) if v is not None}  # fmt: skip
-    state = load_state_dict(args.checkpoint) if args.checkpoint else None
-    if state is not None and "num_classes" not in overrides and state.get("head.weight") is not None:
-        overrides["num_classes"] = state["head.weight"].shape[0]
     torch.manual_seed(args.seed)
+    if not args.checkpoint:
+        return create_model(args.model, **overrides).eval().to(args.device), f"random init (seed {args.seed})"
+    path = Path(args.checkpoint).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found")
+    if (ckpt := _training_checkpoint(path)) is not None:
+        from ..train.checkpoint import check_model_name, model_from_checkpoint
+
+        check_model_name(ckpt, args.model)
+        model = model_from_checkpoint(ckpt, ema=args.ema, **overrides)
+        what = f"{path} (vitlab checkpoint, epoch {ckpt.get('epoch', '?')}{', EMA' if args.ema else ''})"
+        return model.eval().to(args.device), what
+    if args.ema:
+        raise ValueError(f"--ema needs a checkpoint written by `vitlab train`; {path} holds plain weights")
+    from ..convert.load import load_reference, read_checkpoint
+
+    state = read_checkpoint(path)
+    head = state.get("head.weight")
+    if "num_classes" not in overrides and isinstance(head, Tensor) and head.dim() == 2:
+        overrides["num_classes"] = head.shape[0]
     model = create_model(args.model, **overrides)
-    if state is not None:
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            first = next((ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()), str(e))
-            raise ValueError(
-                f"checkpoint {args.checkpoint} does not fit {args.model} ({first}); "
-                f"check --img-size / --in-chans / --num-classes"
-            ) from None
-    return model.eval().to(args.device), overrides
+    try:
+        report = load_reference(model, state, source="auto")
+    except ValueError as e:
+        first = str(e).splitlines()[0]
+        raise ValueError(f"{first}; check the model name and --img-size / --in-chans / --num-classes") from None
+    return model.eval().to(args.device), f"{path} ({report.source} weights)"
 
 
 def _match_channels(x: Tensor, mean: Sequence[float], std: Sequence[float], chans: int):
@@ -716,9 +731,8 @@ def parse_slots(spec: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     what = parse_what(args.what)
     slots = parse_slots(args.slots)
-    model, _ = build_model(args)
+    model, weights = build_model(args)
     images, x, data = load_images(args, model)
-    weights = args.checkpoint or f"random init (seed {args.seed})"
     print(f"{args.model} [{weights}] on {data}; analyses: {', '.join(what)}")
     report = analyze(
         model, images, x, what, args.out, query=args.query, threshold=args.threshold, slots=slots,
