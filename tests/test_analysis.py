@@ -337,6 +337,23 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert np.array(att["maps"]).shape == (2, 4, 2, 8, 8)
 
 
+def test_cli_reads_image_files(tmp_path, capsys):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 256, (30, 30), dtype=np.uint8)).save(tmp_path / "b.jpg")  # grey -> RGB
+    out = tmp_path / "an"
+    args = ["analyze", "cpvt_gap_mini", "--images", str(tmp_path / "a.png"), str(tmp_path / "b.jpg"),
+            "--what", "evolution,attention", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "2 image files" in capsys.readouterr().out
+    att = json.loads((out / "attention.json").read_text())
+    assert att["query"] == "patch 36 (row 4, col 4)"  # no class token: the centre patch by default
+    assert np.array(att["maps"]).shape == (2, 4, 2, 8, 8)
+    assert len(json.loads((out / "evolution.json").read_text())["similarity"]) == 3
+
+
 def test_cli_checkpoint_round_trip(tmp_path, capsys):
     torch.manual_seed(0)
     model = vitlab.create_model("deepvit_mini", num_classes=7, in_chans=1, img_size=28)

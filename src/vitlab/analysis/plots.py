@@ -25,6 +25,14 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _title(fig, title: str) -> None:
+    """A figure title half an inch above the axes, whatever the figure's height."""
+    if title:
+        height = fig.get_size_inches()[1]
+        fig.subplots_adjust(top=1 - 0.55 / height)
+        fig.suptitle(title, fontsize=10, y=1 - 0.15 / height)
+
+
 def _image_hwc(image: np.ndarray) -> tuple[np.ndarray, str | None]:
     """(C, H, W) in [0, 1] -> what imshow takes, and the colour map for grey images."""
     image = np.clip(np.asarray(image, dtype=np.float32), 0, 1)
@@ -81,8 +89,7 @@ def map_grid(
                 ax.set_ylabel(row_labels[i], fontsize=8)
                 ax.set_frame_on(True)
     fig.subplots_adjust(wspace=0.35 if image is not None else 0.15)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    _title(fig, title)
     return _save(fig, path)
 
 
@@ -109,7 +116,7 @@ def matrices(
     im = None
     for ax in axes.flat[k:]:
         ax.axis("off")
-    for ax, m, t in zip(axes.flat, mats, titles):
+    for idx, (ax, m, t) in enumerate(zip(axes.flat, mats, titles)):
         m = np.asarray(m, dtype=np.float32)
         im = ax.imshow(m, cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
         ax.set_title(t, fontsize=9)
@@ -118,16 +125,16 @@ def matrices(
         step = max(1, math.ceil(n / 16))
         ax.set_xticks(range(0, n, step), labels[::step], fontsize=7)
         ax.set_yticks(range(0, n, step), labels[::step], fontsize=7)
-        if axis:
+        if axis and idx + cols >= k:  # bottom row
             ax.set_xlabel(axis, fontsize=8)
+        if axis and idx % cols == 0:  # left column
             ax.set_ylabel(axis, fontsize=8)
         if annotate and n <= 16:
             for (y, x), v in np.ndenumerate(m):
                 ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k")
+    _title(fig, title)  # before the colour bar, which takes its space from the axes as they are then
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-    if title:
-        fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
