@@ -33,12 +33,30 @@ def _title(fig, title: str) -> None:
         fig.suptitle(title, fontsize=10, y=1 - 0.15 / height)
 
 
-def _image_hwc(image: np.ndarray) -> tuple[np.ndarray, str | None]:
-    """(C, H, W) in [0, 1] -> what imshow takes, and the colour map for grey images."""
-    image = np.clip(np.asarray(image, dtype=np.float32), 0, 1)
-    if image.shape[0] == 1:
-        return image[0], "gray"
-    return image.transpose(1, 2, 0), None
+def _colour(m: np.ndarray, diverging: bool) -> np.ndarray:
+    """One map (h, w) as RGB with its own scale: viridis min..max, or red/blue symmetric around 0; NaN white."""
+    from matplotlib import colormaps
+
+    finite = np.isfinite(m)
+    lo, hi = (float(m[finite].min()), float(m[finite].max())) if finite.any() else (0.0, 1.0)
+    if diverging:
+        lim = max(abs(lo), abs(hi), 1e-12)
+        t, cmap = (m / lim + 1) / 2, colormaps["RdBu_r"]
+    else:
+        t, cmap = (m - lo) / max(hi - lo, 1e-12), colormaps["viridis"]
+    rgb = cmap(np.nan_to_num(t, nan=0.0))[..., :3]
+    rgb[~finite] = 1.0
+    return rgb
+
+
+def _as_rgb(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(C, H, W) in [0, 1] -> (h, w, 3) at ``size`` (bilinear), grey replicated."""
+    import torch
+    import torch.nn.functional as F
+
+    t = torch.as_tensor(np.asarray(image, dtype=np.float32))[None].clamp(0, 1)
+    t = F.interpolate(t, size=size, mode="bilinear", align_corners=False, antialias=True)[0]
+    return t.expand(3, -1, -1).permute(1, 2, 0).clamp(0, 1).numpy() if t.shape[0] == 1 else t.permute(1, 2, 0).numpy()
 
 
 def map_grid(
@@ -51,45 +69,50 @@ def map_grid(
     image: np.ndarray | None = None,
     marker: tuple[float, float] | None = None,
     diverging: bool = False,
-    cell: float = 1.3,
+    min_px: int = 64,
 ) -> Path:
     """A grid of small images ``maps[r, c]`` (R, C, h, w), each with its own colour scale.
 
-    ``image`` (C, H, W in [0, 1]) is shown first, left of row 0, with ``marker`` = (x, y) pixel
-    drawn on it (a query patch). ``diverging``: a red/blue scale symmetric around 0 (biases).
+    ``image`` (C, H, W in [0, 1]) is shown first, left of row 0, with ``marker`` = (x, y) in its pixels
+    (a query patch). ``diverging``: a red/blue scale symmetric around 0 (biases). Drawn as one mosaic
+    (each map enlarged to at least ``min_px`` pixels, nearest neighbour) in a single axes: a figure of
+    hundreds of maps stays fast to draw.
     """
     plt = _pyplot()
     maps = np.asarray(maps, dtype=np.float32)
-    r, c = maps.shape[:2]
+    r, c, h, w = maps.shape
+    k = max(1, math.ceil(min_px / max(h, w)))
+    ch, cw, pad = h * k, w * k, max(4, min_px // 12)
     extra = int(image is not None)
-    fig, axes = plt.subplots(r, c + extra, figsize=(cell * (c + extra), cell * r + 0.6), squeeze=False)
-    for ax in axes.flat:
-        ax.set_xticks([])
-        ax.set_yticks([])
-        ax.set_frame_on(False)
-    if image is not None:
-        img, cmap = _image_hwc(image)
-        axes[0, 0].imshow(img, cmap=cmap)
-        axes[0, 0].set_title("input", fontsize=8)
-        if marker is not None:
-            axes[0, 0].plot(*marker, marker="x", color="red", markersize=8, mew=2)
+    cols = c + extra
+    canvas = np.ones((r * (ch + pad) + pad, cols * (cw + pad) + pad, 3), dtype=np.float32)
+
+    def put(i: int, j: int, rgb: np.ndarray) -> None:
+        y, x = pad + i * (ch + pad), pad + j * (cw + pad)
+        canvas[y : y + ch, x : x + cw] = rgb
+
     for i in range(r):
         for j in range(c):
-            ax, m = axes[i, j + extra], maps[i, j]
-            finite = np.isfinite(m)
-            lo, hi = (float(m[finite].min()), float(m[finite].max())) if finite.any() else (0.0, 1.0)
-            if diverging:
-                lim = max(abs(lo), abs(hi), 1e-12)
-                ax.imshow(m, cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest")
-            else:
-                ax.imshow(m, cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1e-12, interpolation="nearest")
-            if i == 0:
-                ax.set_title(col_labels[j], fontsize=8)
-            if j == 0:
-                ax.set_ylabel(row_labels[i], fontsize=8)
-                ax.set_frame_on(True)
-    fig.subplots_adjust(wspace=0.35 if image is not None else 0.15)
-    _title(fig, title)
+            put(i, j + extra, _colour(maps[i, j], diverging).repeat(k, 0).repeat(k, 1))
+    if image is not None:
+        put(0, 0, _as_rgb(image, (ch, cw)))
+    left, top, dpi = 1.0, 0.45 + 0.25 * bool(title), 100
+    fig = plt.figure(figsize=(canvas.shape[1] / dpi + left + 0.1, canvas.shape[0] / dpi + top + 0.1), dpi=dpi)
+    fw, fh = fig.get_size_inches()
+    ax = fig.add_axes((left / fw, 0.1 / fh, canvas.shape[1] / dpi / fw, canvas.shape[0] / dpi / fh))
+    ax.imshow(canvas, interpolation="nearest")
+    ax.set_axis_off()
+    centre = lambda j: pad + j * (cw + pad) + cw / 2  # noqa: E731
+    for j, label in enumerate((["input"] if extra else []) + list(col_labels)):
+        ax.text(centre(j), pad / 2, label, ha="center", va="bottom", fontsize=8)
+    for i, label in enumerate(row_labels):
+        ax.text(-pad, pad + i * (ch + pad) + ch / 2, label, ha="right", va="center", fontsize=8)
+    if image is not None and marker is not None:
+        ih, iw = np.asarray(image).shape[-2:]
+        ax.plot(pad + (marker[0] + 0.5) * cw / iw - 0.5, pad + (marker[1] + 0.5) * ch / ih - 0.5,
+                marker="x", color="red", markersize=8, mew=2)  # fmt: skip
+    if title:
+        fig.suptitle(title, fontsize=10, y=1 - 0.12 / fh, va="top")
     return _save(fig, path)
 
 
@@ -152,6 +175,7 @@ def curve(
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(list(x), list(y), marker="o")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # block indices
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if ylim is not None:
