@@ -578,6 +578,8 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
     if not args.checkpoint:
         return create_model(args.model, **overrides).eval().to(args.device), f"random init (seed {args.seed})"
     path = Path(args.checkpoint).expanduser()
+    if path.is_dir() and (path / "last.pt").is_file():  # a `vitlab train` output folder
+        path = path / "last.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found")
     if (ckpt := _training_checkpoint(path)) is not None:
@@ -676,6 +678,8 @@ def analyze(
     figures); write ``<name>.json`` / ``<name>.png`` and ``summary.json`` to ``out_dir``."""
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1], got {threshold}")
+    if not hasattr(model, "forward_intermediates"):
+        raise ValueError(f"{type(model).__name__} has no forward_intermediates(x, return_aux=True) to analyse")
     if max_heads < 1 or batch_size < 1:
         raise ValueError(f"--max-heads and --batch-size must be positive, got {max_heads}, {batch_size}")
     out_dir = Path(out_dir)
