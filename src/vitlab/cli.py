@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
     "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
     "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
+    "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
 }
 
 

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 
 def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+    return (v, v) if isinstance(v, int) else (v[0], v[1])  # no int(): symbolic sizes stay symbolic under export
 
 
 class PatchEmbed(nn.Module):
