@@ -35,24 +35,44 @@ def test_time_callable_counts_calls_and_respects_max_time():
         time_callable(lambda: None, repeats=0)
 
 
+@pytest.fixture(scope="module")
+def runner():
+    with measure.CaseRunner() as r:
+        yield r
+
+
+def _alloc(mb: float, **kw) -> CaseSpec:
+    return CaseSpec("vitlab.bench.measure:allocation_case", {"mb": mb}, repeats=1, **kw)
+
+
 @pytest.mark.parametrize("isolation", ["forkserver", "subprocess"])
-def test_peak_memory_sees_a_known_allocation(isolation):
-    res = run_case(CaseSpec("vitlab.bench.measure:allocation_case", {"mb": 200}, repeats=1), isolation=isolation)
+def test_peak_memory_sees_a_known_allocation(isolation, runner):
+    if isolation == "forkserver":
+        res = runner.run(_alloc(200, passes=("memory",)))
+    else:
+        res = run_case(_alloc(200, passes=("memory",)), isolation="subprocess")
     assert res["status"] == "ok", res
     m = res["mem"]
-    assert m["peak_reset"]
+    assert m["peak_reset"] and m["allocator"].startswith("glibc")
     assert 190 * MB <= m["delta"] <= 240 * MB, m  # the allocation, not the interpreter or torch
-    assert m["peak"] >= m["baseline"] + m["delta"] - 1
+    assert m["peak"] == m["baseline"] + m["delta"]
 
 
-def test_run_case_reports_failures_instead_of_raising():
-    with measure.CaseRunner() as runner:
-        missing = runner.run(CaseSpec("vitlab.bench.measure:no_such_case"))
-        died = runner.run(CaseSpec("os:_exit", {"status": 3}))
-        after = runner.run(CaseSpec("vitlab.bench.measure:allocation_case", {"mb": 1}, repeats=1))
-    assert missing["status"] == "error" and "no_such_case" in missing["reason"]
+def test_both_passes_merge(runner):
+    res = runner.run(_alloc(50))
+    assert res["status"] == "ok" and res["time_s"]["n"] == 1
+    assert min(res["mem"]["delta"], res["mem"]["timed"]["delta"]) >= 45 * MB
+
+
+def test_run_case_reports_failures_instead_of_raising(runner):
+    missing = runner.run(CaseSpec("vitlab.bench.measure:no_such_case"))
+    died = runner.run(CaseSpec("os:_exit", {"status": 3}))
+    after = runner.run(_alloc(1, passes=("memory",)))
+    assert missing["status"] == "error" and "no_such_case" in missing["reason"] and missing["pass"] == "memory"
     assert died["status"] == "error" and "code 3" in died["reason"]
     assert after["status"] == "ok"  # the runner survives a crashed case
+    with pytest.raises(ValueError, match="passes"):
+        runner.run(_alloc(1, passes=("speed",)))
 
 
 # --------------------------------------------------------------------------- the direct AFT-full reference
@@ -183,37 +203,43 @@ def test_attention_target_ratios():
     assert bench.target_attention(rs)["status"] == "FAIL"
 
 
+@pytest.mark.parametrize("mixer", ["aft_conv", "attention_explicit"])
+def test_prepare_case_runs_forward_and_train(mixer):
+    fwd = bench.prepare_case(mixer, 16, "bf16", "forward", 2, 32, 1, 4, 3)
+    fwd.fn()
+    assert fwd.info["layout"] == {"grid": (4, 4), "num_prefix": 0} and fwd.info["params"] > 0
+    train = bench.prepare_case(mixer, 17, "fp32", "train", 2, 32, 1, 4, 3)  # 1 + 4x4: class token + grid
+    train.fn()
+    train.reset()
+
+
+def test_grid_mixer_without_a_grid_is_skipped():
+    with pytest.raises(measure.CaseSkipped, match="grid"):
+        bench.prepare_case("aft_conv", 20, "fp32", "forward", 2, 32, 1, 4, 3)
+
+
 # --------------------------------------------------------------------------- end to end
 
 
 def test_quick_run_writes_json_table_and_png(tmp_path):
-    cmd = [
-        sys.executable,
-        "benchmarks/mixers.py",
-        "--quick",
-        "--mixers",
-        "attention,aft_simple",
-        "--tokens",
-        "16,64",
-        "--out",
-        str(tmp_path),
-    ]
+    cmd = [sys.executable, "benchmarks/mixers.py", "--quick", "--mixers", "attention,aft_simple", "--tokens", "16,64",
+           "--modes", "train", "--out", str(tmp_path)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=bench_root())
     assert out.returncode == 0, out.stderr
-    assert "[8/8]" in out.stdout and "median time" in out.stdout
+    assert "[4/4]" in out.stdout and "median time" in out.stdout
     doc = json.loads((tmp_path / "mixers.json").read_text())
     assert doc["schema"] == "vitlab.bench-mixers/1"
     assert {"torch", "cpu", "threads"} <= set(doc["machine"]) and doc["machine"]["threads"] == 2
     assert doc["targets"] == [] and doc["config"]["quick"]
-    assert len(doc["cases"]) == 8
+    assert {(c["mixer"], c["T"], c["mode"]) for c in doc["cases"]} == {
+        (m, t, "train") for m in ("attention", "aft_simple") for t in (16, 64)
+    }
     for c in doc["cases"]:
         assert c["status"] == "ok", c
-        assert {"mixer", "T", "dtype", "mode", "batch", "dim", "est_bytes"} <= set(c)
+        assert {"mixer", "T", "dtype", "mode", "batch", "dim", "est_bytes", "loadavg_1m"} <= set(c)
         assert c["time_s"]["median"] > 0 and c["time_s"]["n"] == 1
-        assert c["mem"]["peak"] >= c["mem"]["baseline"] > 0
-    assert {(c["mixer"], c["T"], c["mode"]) for c in doc["cases"]} == {
-        (m, t, mode) for m in ("attention", "aft_simple") for t in (16, 64) for mode in ("forward", "train")
-    }
+        assert c["mem"]["peak"] >= c["mem"]["baseline"] > 0 and c["mem"]["delta"] > 0
+        assert c["mem"]["timed"]["peak"] >= c["mem"]["timed"]["baseline"] > 0
     assert (tmp_path / "mixers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "attention" in (tmp_path / "mixers.txt").read_text()
 
@@ -224,9 +250,8 @@ def bench_root() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
-def test_bad_options_are_rejected():
-    from vitlab.cli import main
-
+def test_bad_options_are_rejected(capsys):
     with pytest.raises(SystemExit):
-        main(["bench-mixers", "--mixers", "nope"])
-    assert main(["bench-mixers", "--quick", "--heads", "3"]) == 2  # 3 does not divide dim 32
+        bench.main(["--mixers", "nope"])
+    assert bench.main(["--quick", "--heads", "3"]) == 2  # 3 does not divide dim 32
+    assert "--heads must divide" in capsys.readouterr().err

@@ -2,15 +2,18 @@
 
 * :func:`time_callable` times a zero-argument callable (warmup, then repeats)
   and summarises the wall times robustly (median and inter-quartile range).
-* :func:`run_case` runs one benchmark case in a **fresh Python process**, so its
-  peak resident memory is its own (no allocator caches or earlier peaks from
-  other cases). A case is named by ``"package.module:function"``; the function
-  receives the case's parameters, does the setup (builds the model, allocates
-  the inputs) and returns the callable to measure (or a :class:`Prepared`).
-  The child records its resident set size after setup (the *baseline*), resets
-  the kernel's peak-RSS counter where Linux allows it, runs warmup + timed
-  repeats and reports the peak RSS and ``peak - baseline``: the memory the
-  measured work itself needed.
+* :class:`CaseRunner` (or :func:`run_case`) runs a benchmark case in **fresh
+  processes**, so its peak resident memory is its own (no allocator caches or
+  earlier peaks of other cases). A case is named by ``"package.module:function"``;
+  the function receives the case's parameters, does the setup (builds the model,
+  allocates the inputs) and returns the callable to measure (or a
+  :class:`Prepared`). Two passes, each in its own process:
+
+  - *memory*: glibc's allocator is made tight first (:func:`tighten_allocator`:
+    freed blocks go back to the OS, so RSS follows the live tensors), the RSS after
+    setup is the *baseline*, the kernel's peak-RSS counter is reset (Linux), the
+    callable runs once, and ``peak - baseline`` is the memory that call needed;
+  - *time*: default allocator, warmup + timed repeats, median and IQR.
 
 ``python -m vitlab.bench.measure --self-check`` allocates a known amount in a
 fresh process and prints what was measured.
@@ -19,6 +22,8 @@ fresh process and prints what was measured.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import importlib
 import json
@@ -33,7 +38,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 MB = 1024 * 1024
@@ -168,6 +173,8 @@ class Prepared:
 
     fn: Callable[[], object]
     info: dict[str, Any] = field(default_factory=dict)
+    #: frees what a call leaves behind (e.g. gradients), run before each baseline is taken
+    reset: Callable[[], None] | None = None
 
 
 @dataclass
@@ -180,9 +187,12 @@ class CaseSpec:
     repeats: int = 5
     max_time: float | None = None
     threads: int | None = None  # torch.set_num_threads in the child (None: leave torch's default)
+    #: "memory": one call under a tight allocator; "time": warmup + timed calls; each in its own process
+    passes: tuple[str, ...] = ("memory", "time")
 
 
 ISOLATIONS = ("forkserver", "subprocess")
+PASSES = ("memory", "time")
 # imported once by the fork server: torch, and the modules torch imports lazily on the first
 # ``backward(gradient)`` (sympy via symbolic_shapes, ~1 s and ~30 MB), which no case should pay for
 PRELOAD = ("torch", "torch.fx.experimental.symbolic_shapes")
@@ -223,17 +233,35 @@ class CaseRunner:
             self._server = None
 
     def run(self, spec: CaseSpec) -> dict[str, Any]:
-        """Run one case; returns its measurements.
+        """Run one case, each pass in a fresh process; returns the merged measurements.
 
-        A dict with ``status`` in ``ok | skipped | not_implemented | error``,
-        ``reason`` (for the last three), ``time_s`` (:meth:`Timing.summary`),
-        ``mem`` (bytes: ``baseline`` = RSS after setup, ``peak``, ``delta = peak -
-        baseline``, ``import`` = RSS before setup, ``peak_reset``: whether the
-        kernel's peak counter was reset after setup, so that ``peak`` belongs to
-        the measured work alone) and ``info`` from the case's :class:`Prepared`.
-        Never raises for a failing case: a crash, a timeout or an out-of-memory
-        kill is reported as ``error``.
+        A dict with ``status`` in ``ok | skipped | not_implemented | error``, ``reason`` (for the
+        last three), ``info`` from the case's :class:`Prepared`, and per pass:
+
+        * memory: ``mem`` (bytes) ``baseline`` = RSS after setup, ``peak`` = peak RSS of one call,
+          ``delta = peak - baseline``, ``import`` = RSS before setup, ``peak_reset`` (whether the
+          kernel's peak counter was reset after setup, so that ``peak`` is the call's own),
+          ``allocator``;
+        * time: ``time_s`` (:meth:`Timing.summary`) and ``mem["timed"]``: baseline, peak and delta
+          over the warmup and timed calls under the default allocator (includes heap fragmentation).
+
+        A failing pass stops the case. Never raises for a failing case: a crash, a timeout or an
+        out-of-memory kill is reported as ``error``.
         """
+        bad = [p for p in spec.passes if p not in PASSES]
+        if bad or not spec.passes:
+            raise ValueError(f"passes must be a non-empty subset of {PASSES}, got {spec.passes}")
+        result: dict[str, Any] = {"status": "ok", "mem": {}}
+        for name in spec.passes:
+            res = self._run_pass(replace(spec, passes=(name,)))
+            if res["status"] != "ok":
+                return {**res, "pass": name}
+            mem = res.pop("mem")
+            result["mem"].update(mem if name == "memory" else {"timed": mem})
+            result.update(res)
+        return result
+
+    def _run_pass(self, spec: CaseSpec) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="vitlab-case-") as tmp:
             spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
             with open(spec_path, "w") as f:
@@ -312,12 +340,14 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 
 def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
-    """The child's side of :func:`run_case` (also usable directly, without the fresh process)."""
+    """One pass of :meth:`CaseRunner.run` in this process (``spec.passes`` names it)."""
+    (name,) = spec.passes
+    tight = name == "memory" and tighten_allocator()  # before setup, so that setup leaves no free heap
     if spec.threads:
         import torch
 
         torch.set_num_threads(spec.threads)
-    import_rss = current_rss_bytes()
+    import_rss = current_rss_bytes() or 0
     try:
         prepared = _resolve(spec.target)(**spec.params)
     except CaseSkipped as e:
@@ -326,28 +356,51 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
         return {"status": "not_implemented", "reason": str(e) or "not implemented"}
     if not isinstance(prepared, Prepared):
         prepared = Prepared(prepared)
-    gc.collect()
-    baseline = current_rss_bytes()
+    _release(prepared)
+    baseline = current_rss_bytes() or 0  # 0 without /proc: the peak is all we know
     reset = reset_peak_rss()
+    out: dict[str, Any] = {"status": "ok", "info": prepared.info}
     try:
-        timing = time_callable(prepared.fn, warmup=spec.warmup, repeats=spec.repeats, max_time=spec.max_time)
+        if name == "memory":
+            prepared.fn()
+        else:
+            timing = time_callable(prepared.fn, warmup=spec.warmup, repeats=spec.repeats, max_time=spec.max_time)
+            out["time_s"] = timing.summary()
     except NotImplementedError as e:
         return {"status": "not_implemented", "reason": str(e) or "not implemented", "info": prepared.info}
     peak = peak_rss_bytes()
-    if baseline is None:  # no /proc: the peak is all we know
-        baseline = import_rss = 0
-    return {
-        "status": "ok",
-        "time_s": timing.summary(),
-        "mem": {
-            "import": import_rss,
-            "baseline": baseline,
-            "peak": peak,
-            "delta": peak - baseline,
-            "peak_reset": reset,
-        },
-        "info": prepared.info,
-    }
+    out["mem"] = {"baseline": baseline, "peak": peak, "delta": peak - baseline}
+    if name == "memory":
+        allocator = f"glibc, fixed mmap threshold {_TIGHT >> 10} KiB" if tight else "default"
+        out["mem"].update(**{"import": import_rss}, peak_reset=reset, allocator=allocator)
+    return out
+
+
+def _release(prepared: Prepared) -> None:
+    if prepared.reset is not None:
+        prepared.reset()
+    gc.collect()
+
+
+_TIGHT = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def tighten_allocator() -> bool:
+    """Make glibc serve blocks >= 128 KiB by mmap and unmap them on free, and release its free heap.
+
+    By default glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after
+    which freed blocks stay resident in the heap, so a process's RSS overstates its live memory by
+    however fragmented the heap became. Fixing the threshold makes RSS follow the live blocks.
+    True if it worked (glibc only).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _TIGHT) == 1
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return ok
 
 
 def _measure_guarded(spec: CaseSpec) -> dict[str, Any]:

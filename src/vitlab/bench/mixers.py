@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ TARGET_DIM, TARGET_BATCH = 256, 8
 AFT_TARGET_T = 1024
 LINEAR_TOKENS = (64, 256, 1024, 4096)
 LINEAR_FIT_MIN_T = 256  # below this, fixed per-call buffers dominate the few MB a case needs
-ATTN_TOKENS = (197, 1024, 4096)
+ATTN_TOKENS = (197, 1024)  # the target also uses any larger T the sweep ran
 
 DEFAULT_TOKENS = (64, 256, 1024)
 QUICK = {"mixers": ["attention", "attention_explicit", "aft_simple"], "tokens": [16, 64], "dim": 32, "batch": 2}
@@ -186,12 +187,15 @@ def prepare_case(
     grad = torch.randn_like(x)
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def fn() -> None:
+    def reset() -> None:
         for t in (x, *params):
-            t.grad = None  # every step allocates its gradients, as a training step does
+            t.grad = None
+
+    def fn() -> None:
+        reset()  # every step allocates its gradients, as a training step does
         module(x, layout).backward(grad)
 
-    return Prepared(fn, info)
+    return Prepared(fn, info, reset)
 
 
 # --------------------------------------------------------------------------- memory estimate (before running)
@@ -260,8 +264,11 @@ def default_heads(dim: int) -> int:
 
 
 def plan_cases(args: argparse.Namespace, budget: int) -> Plan:
+    """The targets' cases first (pairs that are compared run back to back), then the sweep."""
     plan = Plan()
     common = {"window": args.window, "kernel": args.kernel}
+    if args.targets:
+        plan_targets(plan, budget, common)
     if args.sweep:
         heads = args.heads or default_heads(args.dim)
         for mode in args.modes:
@@ -279,8 +286,6 @@ def plan_cases(args: argparse.Namespace, budget: int) -> Plan:
                             heads=heads,
                             **common,
                         )
-    if args.targets:
-        plan_targets(plan, budget, common)
     return plan
 
 
@@ -294,8 +299,8 @@ def plan_targets(plan: Plan, budget: int, common: dict[str, Any]) -> None:
         for mode in MODES:
             for t in LINEAR_TOKENS:
                 plan.add("target:linear", mixer=mixer, T=t, mode=mode, batch=TARGET_BATCH, **tgt)
-    for mixer in ("attention", "attention_explicit"):
-        for t in ATTN_TOKENS:
+    for t in ATTN_TOKENS:  # each pair back to back: the machine's load changes over minutes
+        for mixer in ("attention", "attention_explicit"):
             plan.add("target:attention", mixer=mixer, T=t, mode="forward", batch=TARGET_BATCH, **tgt)
 
 
@@ -324,7 +329,7 @@ def run_plan(plan: Plan, args: argparse.Namespace, budget: int) -> list[dict[str
     with CaseRunner(args.isolation, args.timeout, (*PRELOAD, __name__)) as runner:
         for i, c in enumerate(plan.cases, 1):
             est = estimate_bytes(c)
-            r: dict[str, Any] = {**c, "est_bytes": est}
+            r: dict[str, Any] = {**c, "est_bytes": est, "loadavg_1m": os.getloadavg()[0]}
             label = f"[{i:>{len(str(n))}}/{n}] {c['mixer']:<{width}} T={c['T']:<5} {c['dtype']} {c['mode']:<7} B={c['batch']}"
             print(label, end=" : ", flush=True)
             if not is_implemented(c["mixer"]):
@@ -434,7 +439,7 @@ def loglog_slope(points: list[tuple[float, float]]) -> float:
 
 def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2) -> dict[str, Any]:
     name = f"{mixer} memory linear in T (d={TARGET_DIM}, batch {TARGET_BATCH}, fp32)"
-    slopes, parts = {}, []
+    slopes, top, parts = {}, {}, []
     for mode in MODES:
         pts = sorted(
             (r["T"], r["mem"]["delta"])
@@ -450,9 +455,10 @@ def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2)
         if len(pts) < 2:
             continue
         slopes[mode] = loglog_slope(pts)
+        top[mode] = loglog_slope(pts[-2:])  # a T² term shows first between the largest sizes
         parts.append(
             f"{mode} slope {slopes[mode]:.2f} over T={','.join(str(t) for t, _ in pts)} "
-            f"({', '.join(fmt_mem(m) for _, m in pts)})"
+            f"({', '.join(fmt_mem(m) for _, m in pts)}; {top[mode]:.2f} between the last two)"
         )
     if not slopes:
         return na(name, f"fewer than two {mixer} sizes with T >= {LINEAR_FIT_MIN_T} ran")
@@ -460,7 +466,7 @@ def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2)
     return {
         "name": name,
         "status": "PASS" if ok else "FAIL",
-        "measured": {"slopes": slopes},
+        "measured": {"slopes": slopes, "slopes_last_two": top},
         "need": f"log-log slope of (peak - baseline) vs T <= {limit} (1 = linear, 2 = quadratic)",
         "detail": "; ".join(parts) + f" (need <= {limit})",
     }
@@ -469,7 +475,7 @@ def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2)
 def target_attention(results: list[dict[str, Any]]) -> dict[str, Any]:
     name = f"attention (SDPA) vs explicit softmax(QK^T)V, d={TARGET_DIM}, batch {TARGET_BATCH}, fp32 forward"
     ratios, parts, ok = {}, [], True
-    for t in ATTN_TOKENS:
+    for t in sorted({r["T"] for r in results if r["T"] >= 1024} | set(ATTN_TOKENS)):
         sel = {"T": t, "dtype": "fp32", "mode": "forward", "batch": TARGET_BATCH, "dim": TARGET_DIM}
         fast, slow = find(results, mixer="attention", **sel), find(results, mixer="attention_explicit", **sel)
         if fast is None or slow is None:
@@ -748,6 +754,13 @@ def run(args: argparse.Namespace) -> int:
     text = table(results, args.batch)
     if targets:
         text += "\n" + targets_text(targets) + "\n"
+    load = [r["loadavg_1m"] for r in results]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if max(load) > cores:
+        text += (
+            f"\nnote: the machine was busy (1-min load average {min(load):.1f} to {max(load):.1f} on {cores} cores "
+            f"during the run): timings are inflated and noisy; memory figures are not affected.\n"
+        )
     print("\n" + text)
     config = {
         k: getattr(args, k)
@@ -788,3 +801,19 @@ def run(args: argparse.Namespace) -> int:
     plot(results, png_path, args.batch, title)
     print(f"wrote {json_path}, {png_path}, {txt_path} ({elapsed:.0f} s)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point without the rest of the CLI (``python benchmarks/mixers.py``, ``python -m vitlab.bench.mixers``)."""
+    parser = argparse.ArgumentParser(prog="bench-mixers", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"bench-mixers: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
