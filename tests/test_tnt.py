@@ -12,8 +12,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
+from vitlab.convert import rename_keys
 from vitlab.models.registry import get_config
-from vitlab.models.tnt import TNT, TNTBlock, convert_reference_state_dict
+from vitlab.models.tnt import TNT, TNTBlock
+
+
+def convert_reference_state_dict(state, source="huawei"):
+    """The official (Huawei) or timm TNT names -> ours, through the library's checkpoint key maps."""
+    return rename_keys(state, f"tnt_{source}")
 
 # the golden references' small configuration: d=32, c=8, 4/2 heads, 32 px, patch 8, stride 4 -> m=4 words
 SMALL = dict(img_size=32, patch_size=8, num_classes=10, outer_dim=32, inner_dim=8, depth=2, outer_heads=4,

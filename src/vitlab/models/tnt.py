@@ -24,14 +24,13 @@ This is the official non-legacy variant (huawei-noah/Efficient-AI-Backbones
 Both transformers are the library's pre-norm :class:`~vitlab.layers.Block` with the
 :class:`~vitlab.mixers.Attention` mixer; the official separate ``qk`` and ``v``
 Linears are our fused ``qkv`` (rows ``[q | k | v]``), see
-:func:`convert_reference_state_dict`. The official frozen, unused ``outer_tokens``
+:mod:`vitlab.convert` (sources ``tnt_huawei``, ``tnt_timm``). The official frozen, unused ``outer_tokens``
 tensor is not created (SPEC Decision 4), so TNT-S/B have 23.77M / 65.43M parameters.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -323,52 +322,3 @@ class TNT(Classifier):
             auxes.append(aux)
             inners.append(inner)
         return {"tokens": tokens, "aux": auxes, "features": self.norm(outer), "layout": layout, "inner_tokens": inners}
-
-
-_RENAMES = {
-    "huawei": (
-        ("patch_embed.proj.", "pixel_embed.proj."), ("outer_pos", "pos_embed"), ("inner_norm1.", "inner.norm1."),
-        ("inner_attn.", "inner.mixer."), ("inner_norm2.", "inner.norm2."), ("inner_mlp.", "inner.mlp."),
-        ("outer_norm1.", "outer.norm1."), ("outer_attn.", "outer.mixer."), ("outer_norm2.", "outer.norm2."),
-        ("outer_mlp.", "outer.mlp."), ("proj_norm1.", "proj.norm1."), ("proj_norm2.", "proj.norm2."),
-        ("proj.", "proj.fc."), ("se_layer.fc.0.", "outer.mlp.se.norm."), ("se_layer.fc.1.", "outer.mlp.se.fc1."),
-        ("se_layer.fc.3.", "outer.mlp.se.fc2."),
-    ),
-    "timm": (
-        ("pixel_pos", "inner_pos"), ("patch_pos", "pos_embed"), ("norm_in.", "inner.norm1."),
-        ("attn_in.", "inner.mixer."), ("norm_mlp_in.", "inner.norm2."), ("mlp_in.", "inner.mlp."),
-        ("norm_out.", "outer.norm1."), ("attn_out.", "outer.mixer."), ("norm_mlp.", "outer.norm2."),
-        ("mlp.", "outer.mlp."), ("norm1_proj.", "proj.norm1."), ("norm2_proj.", "proj.norm2."),
-        ("proj.", "proj.fc."),
-    ),
-}
-
-
-def convert_reference_state_dict(state: dict[str, Tensor], source: str = "huawei") -> dict[str, Tensor]:
-    """Map an official TNT state_dict to :class:`TNT` (or, for one block's keys, :class:`TNTBlock`) keys.
-
-    ``source="huawei"``: huawei-noah/Efficient-AI-Backbones ``tnt_pytorch/tnt.py``;
-    ``source="timm"``: timm's non-legacy ``tnt.py``. The separate ``qk`` (2C, C) and
-    ``v`` (C, C) Linears become one ``qkv`` (3C, C) with rows ``[q | k | v]``; timm's
-    ``pixel_pos`` (1, c, p', p') becomes ``inner_pos`` (1, m, c) (word index = row * p' + col);
-    the frozen, unused ``outer_tokens`` is dropped.
-    """
-    if source not in _RENAMES:
-        raise ValueError(f"source must be one of {', '.join(_RENAMES)}, got {source!r}")
-    out: dict[str, Tensor] = {}
-    for key, value in state.items():
-        block, rest = re.fullmatch(r"(blocks\.\d+\.)?(.*)", key).groups()
-        *path, leaf = rest.split(".")
-        if rest == "outer_tokens" or path[-1:] == ["v"]:
-            continue  # unused / merged into qkv below
-        if path[-1:] == ["qk"]:
-            v_key = ".".join([*path[:-1], "v", leaf])
-            if (block or "") + v_key not in state:
-                raise ValueError(f"{key}: found no value projection {(block or '') + v_key} to merge into qkv")
-            value = torch.cat([value, state[(block or "") + v_key]], dim=0)
-            rest = ".".join([*path[:-1], "qkv", leaf])
-        elif rest == "pixel_pos":
-            value = value.flatten(2).transpose(1, 2)
-        new = next((n + rest[len(o) :] for o, n in _RENAMES[source] if rest.startswith(o)), rest)
-        out[(block or "") + new] = value
-    return out
