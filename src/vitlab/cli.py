@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
+    "bench": ("vitlab.bench.models", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
     "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
     "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
