@@ -283,16 +283,49 @@ def test_detect_source_other_cases():
 
 
 # ------------------------------------------------------------------------------ official stems and DeiT
-def test_official_cnn_stems_map_to_our_stem():
-    """Refined-ViT PatchEmbed_cnn (conv1-3/bn1-3) and DeepViT PatchEmbed_CNN (conv1-2/bn1-2) -> patch_embed.stem."""
-    for name, source, convs in (("refiner_vit_s", "refiner", 3), ("deepvit_s", "deepvit", 2)):
-        with torch.device("meta"):
-            model = vitlab.create_model(name)
-        ours = [k for k in model.state_dict() if k.startswith("patch_embed.stem.")]
-        official = [f"patch_embed.{kind}{i}.{leaf}" for i in range(1, convs + 1) for kind, leaves in
-                    (("conv", ("weight",)), ("bn", ("weight", "bias", "running_mean", "running_var",
-                                                    "num_batches_tracked"))) for leaf in leaves]
-        assert sorted(rename_keys(dict.fromkeys(official, torch.zeros(1)), source)) == sorted(ours)
+BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def official_keys(model: str) -> list[str]:
+    """The state_dict keys of the official Refiner_ViT_S (refined_transformer.py: PatchEmbed_cnn conv1-3/bn1-3,
+    shared odd blocks with DLA + adapt_bn, Mlp.scale_channel, token-labelling aux_head) and deepvit_S
+    (deep_vision_transformer.py: PatchEmbed_CNN conv1-2/bn1-2, ReAttention in the last 5 blocks)."""
+    convs = 3 if model == "refiner_vit_s" else 2
+    keys = ["cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias"]
+    for i in range(1, convs + 1):
+        keys += [f"patch_embed.conv{i}.weight"] + [f"patch_embed.bn{i}.{leaf}" for leaf in BN]
+    for b in range(16):
+        p = f"blocks.{b}."
+        keys += [p + k for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                                 "attn.proj.bias", "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                                 "mlp.fc2.weight", "mlp.fc2.bias")]
+        if model == "refiner_vit_s":
+            keys.append(p + "mlp.scale_channel")
+            if b % 2:  # share=True blocks refine the previous map
+                for conv, bn in (("conv_exp", "bn1"), ("depth_sep_conv", "bn2"), ("conv_pro", "bn3")):
+                    keys += [f"{p}attn.DLA.{conv}.weight"] + [f"{p}attn.DLA.{bn}.{leaf}" for leaf in BN]
+                keys += [f"{p}attn.adapt_bn.{leaf}" for leaf in BN]
+        elif b >= 11:  # deepvit_S: apply_transform [False] * 11 + [True] * 5
+            keys += [p + "attn.reatten_matrix.weight", p + "attn.reatten_matrix.bias"]
+            keys += [f"{p}attn.var_norm.{leaf}" for leaf in BN]
+    keys += ["norm.weight", "norm.bias", "head.weight", "head.bias"]
+    return keys + (["aux_head.weight", "aux_head.bias"] if model == "refiner_vit_s" else [])
+
+
+@pytest.mark.parametrize("name, source", [("refiner_vit_s", "refiner"), ("deepvit_s", "deepvit")])
+def test_official_key_sets_map_to_registered_models(name, source):
+    """Every tensor of the released Refined-ViT-S / DeepViT-S layout has its place (CNN stems included)."""
+    with torch.device("meta"):
+        model = vitlab.create_model(name)
+    official = dict.fromkeys(official_keys(name), torch.zeros(1))
+    assert detect_source(official) == source
+    ours = set(model.state_dict())
+    converted = set(rename_keys(official, source))
+    assert converted - ours == ({"aux_head.weight", "aux_head.bias"} if source == "refiner" else set())
+    assert ours - converted == set()
+    with torch.device("meta"):
+        with_aux = vitlab.create_model(name, aux_head=True) if source == "refiner" else model
+    assert set(with_aux.state_dict()) == converted
 
 
 def test_deit_distilled_checkpoint_and_resampled_position_table():

@@ -184,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registered model name (see `vitlab models`)")
     p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
     p.add_argument("--out", required=True, help="file to write (.onnx or .pt)")
-    p.add_argument("--weights", default=None, help="weights to load first (safetensors or a vitlab state_dict)")
+    p.add_argument("--weights", default=None, help="weights to load first (vitlab safetensors, or any checkpoint `vitlab convert` reads)")
     p.add_argument("--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)")
     p.add_argument("--img-size", type=int, default=None, help="example input size (default: the model's)")
     p.add_argument("--batch", type=int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)")
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         overrides["img_size"] = args.img_size
     model = create_model(args.model, **overrides).eval()
     if state is not None:
-        load_reference(model, state, source="vitlab")
+        load_reference(model, state)  # vitlab names, or an official checkpoint (source detected)
     x = example_input(model, args.batch)
     out = Path(args.out)
     if args.format == "onnx":
