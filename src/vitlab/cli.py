@@ -18,9 +18,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
     "bench": ("vitlab.bench.models", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
+    "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
+    "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
+    "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
     "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
     "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
+    "lm": ("vitlab.lm.cli", "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench"),
 }
 
 
@@ -28,23 +32,26 @@ class UserError(Exception):
     """An error caused by the user's input: printed as one line, no traceback."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (for its arguments), so ``vitlab --help`` stays fast
+    and one tool's import cost or failure never affects another."""
     parser = argparse.ArgumentParser(prog="vitlab", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        # argument definitions are cheap to import; the heavy work is in run()
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     if not args.command:
-        parser.print_help()
+        build_parser().print_help()
         return 0
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
