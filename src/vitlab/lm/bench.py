@@ -1,0 +1,177 @@
+"""Training-step benchmark of the causal models in the paper's CIFAR-10 configuration (Table 2: L=24, d=256).
+
+Cases: AFT-local-256 (d' = 64), AFT-simple and the Transformer baseline (h = 2, SDPA) at T = 1024 and
+T = 3072, batch scaled to this machine. One case = one training step (forward, cross-entropy, backward,
+AdamW step, dropout 0.1) in a **fresh process** (:mod:`vitlab.bench.measure`): its time (median of the
+repeats) and its memory = peak resident memory - resident memory before the model was built (weights,
+gradients, optimizer state and activations; the paper's GB/GPU counts the same things). ``--explicit``
+adds the Transformer with materialised attention maps (what the paper's 2021 baseline stored; SDPA on CPU
+uses a flash kernel that stores no T x T map).
+
+Ratios are taken against the Transformer of the same run and T, measured side by side. Targets (issue):
+AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step (paper: 12.8 / 30.4 GB =
+0.42x, 1.67 / 1.36 it/s = 1.23x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from ..bench.measure import MB, PRELOAD, CaseRunner, CaseSpec, Prepared
+
+CASE_TARGET = "vitlab.lm.bench:prepare_case"
+# benchmark model -> (named config, extra mixer options)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "aft_local": ("aft_local_256_cifar", {}),
+    "aft_simple": ("aft_simple_cifar", {}),
+    "transformer": ("transformer_cifar", {}),
+    "transformer_explicit": ("transformer_cifar", {"fused": False}),
+}
+BASELINE = "transformer"
+PAPER = {"aft_local": {"mem": 12.8 / 30.4, "speed": 1.67 / 1.36}, "aft_simple": {"mem": 9.5 / 30.4, "speed": 2.15 / 1.36}}
+TARGET_T, TARGET_MEM, TARGET_SPEED = 3072, 0.6, 1.0
+
+
+def prepare_case(model: str, T: int, layers: int, dim: int, batch: int, dropout: float = 0.1, seed: int = 0) -> Prepared:
+    """Build the model, its AdamW optimizer and a batch of sub-pixel sequences; return one training step."""
+    import torch
+
+    from ..train.optim import create_optimizer
+    from .model import create_lm, lm_config
+
+    name, extra = MODELS[model]
+    cfg = lm_config(name, depth=layers, dim=dim, max_len=T, dropout=dropout)
+    kind, opts = cfg["mixer"]
+    torch.manual_seed(seed)
+    lm = create_lm(name, depth=layers, dim=dim, max_len=T, dropout=dropout, mixer=(kind, {**opts, **extra})).train()
+    opt = create_optimizer(lm, 3e-3, 0.1)
+    seqs = torch.randint(0, 256, (batch, T))
+
+    def step() -> None:
+        loss = lm.loss(seqs)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return Prepared(step, {"params": sum(p.numel() for p in lm.parameters()), "mixer": [kind, {**opts, **extra}]})
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 3072], help="sequence lengths T")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["aft_local", "aft_simple", "transformer"])
+    p.add_argument("--explicit", action="store_true", help="also the Transformer with materialised attention maps")
+    p.add_argument("--layers", type=int, default=4, help="blocks L (paper 24; fewer keeps the run short, ratios "
+                   "stay side by side)")  # fmt: skip
+    p.add_argument("--dim", type=int, default=256, help="width d (paper 256)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per case")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per case (0: torch's default)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is killed")
+    p.add_argument("--out", default="runs/bench-lm", help="folder for lm_bench.json and lm_bench.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: L=1, d=64, T = 256 and 512")
+
+
+def run_cases(args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
+    models = list(dict.fromkeys([*args.models, *(["transformer_explicit"] if args.explicit else [])]))
+    if BASELINE not in models:
+        models.append(BASELINE)
+    results = []
+    cases = [(t, m) for t in args.tokens for m in models]
+    with CaseRunner("forkserver", args.timeout, (*PRELOAD, __name__)) as runner:
+        for i, (t, m) in enumerate(cases, 1):
+            params = {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch}
+            spec = CaseSpec(CASE_TARGET, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
+            log(f"[{i}/{len(cases)}] {m:<20} T={t:<5} L={args.layers} d={args.dim} B={args.batch} : ", end="")
+            t0 = time.perf_counter()
+            r = {**params, "loadavg_1m": os.getloadavg()[0], **runner.run(spec), "wall_s": time.perf_counter() - t0}
+            if r["status"] == "ok":
+                r["step_s"] = r["time_s"]["median"]
+                r["mem_mb"] = (r["mem"]["peak"] - r["mem"]["import"]) / MB
+                log(f"{r['step_s']:.2f} s/step, {r['mem_mb']:.0f} MB")
+            else:
+                log(f"{r['status']}: {r.get('reason')}")
+            results.append(r)
+    return results
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, T): memory / the Transformer's and speed = the Transformer's step time / the model's."""
+    base = {r["T"]: r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
+    rows = []
+    for r in results:
+        b = base.get(r["T"])
+        if r["status"] != "ok" or b is None:
+            continue
+        rows.append({"model": r["model"], "T": r["T"], "step_s": r["step_s"], "mem_mb": r["mem_mb"],
+                     "mem_ratio": r["mem_mb"] / b["mem_mb"], "speed_ratio": b["step_s"] / r["step_s"]})  # fmt: skip
+    return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    hit = next((r for r in rows if r["model"] == "aft_local" and r["T"] == TARGET_T), None)
+    if hit is None:
+        return {"checked": False, "reason": f"no AFT-local and Transformer pair at T = {TARGET_T}"}
+    return {
+        "checked": True, "T": TARGET_T,
+        "mem_ratio": hit["mem_ratio"], "mem_target": TARGET_MEM, "mem_met": hit["mem_ratio"] <= TARGET_MEM,
+        "speed_ratio": hit["speed_ratio"], "speed_met": hit["speed_ratio"] > TARGET_SPEED,
+        "paper": PAPER["aft_local"],
+    }  # fmt: skip
+
+
+def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
+    lines = [f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T)", "",
+             "| model | T | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        p = PAPER.get(r["model"])
+        paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p and r["T"] == TARGET_T else ""
+        lines.append(f"| {r['model']} | {r['T']} | {r['step_s']:.2f} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
+                     f"{r['speed_ratio']:.2f}x | {paper} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.layers, args.dim, args.tokens, args.repeats = 1, 64, [256, 512], 1
+    for name in ("layers", "dim", "batch", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(t < 1 for t in args.tokens):
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    start = time.time()
+    results = run_cases(args, log=lambda s, end="\n": print(s, end=end, flush=True))
+    rows = ratios(results)
+    verdict = targets(rows)
+    md = table(rows, args.layers, args.dim, args.batch)
+    if verdict["checked"]:
+        md += (f"\n\nTarget at T={TARGET_T}: AFT-local memory {verdict['mem_ratio']:.2f}x (<= {TARGET_MEM}x: "
+               f"{'met' if verdict['mem_met'] else 'NOT met'}), speed {verdict['speed_ratio']:.2f}x (> 1: "
+               f"{'met' if verdict['speed_met'] else 'NOT met'}); paper {PAPER['aft_local']['mem']:.2f}x memory, "
+               f"{PAPER['aft_local']['speed']:.2f}x speed.")  # fmt: skip
+    print()
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "settings": {k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "threads")},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "seconds": time.time() - start, "results": results, "ratios": rows, "targets": verdict,
+    }  # fmt: skip
+    (out / "lm_bench.json").write_text(json.dumps(report, indent=2))
+    (out / "lm_bench.md").write_text(md + "\n")
+    print(f"\nwrote {out / 'lm_bench.json'} and {out / 'lm_bench.md'}")
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/lm.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
