@@ -22,6 +22,7 @@ fresh process and prints what was measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -134,13 +135,12 @@ def time_callable(
     warmup: int = 1,
     repeats: int = 5,
     max_time: float | None = None,
-    min_repeats: int = 3,
 ) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeats`` timed ones.
 
-    With ``max_time`` (seconds), the number of timed calls is cut so they take
-    about that long in total (estimated from the slowest warmup call), but never
-    below ``min(min_repeats, repeats)``; slow cases then still finish quickly.
+    With ``max_time`` (seconds), the number of timed calls is cut so that they
+    take about that long in total (estimated from the slowest warmup call), but
+    at least one: a case slower than ``max_time`` per call is timed once.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -151,7 +151,7 @@ def time_callable(
         slowest = max(slowest, time.perf_counter() - t0)
     n = repeats
     if max_time is not None and slowest > 0:
-        n = max(min(min_repeats, repeats), min(repeats, int(max_time / slowest)))
+        n = min(repeats, max(1, round(max_time / slowest)))
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -311,6 +311,7 @@ def run_case(spec: CaseSpec, *, isolation: str = "forkserver", timeout: float = 
 
 def _serve(preload: list[str]) -> int:
     """The fork server: import ``preload`` once, then fork one child per case read from stdin."""
+    _die_with_parent()
     for name in preload:
         importlib.import_module(name)
     out = sys.stdout
@@ -318,6 +319,7 @@ def _serve(preload: list[str]) -> int:
         spec_path, out_path = line.rstrip("\n").split("\t")
         pid = os.fork()
         if pid == 0:  # the case process: its prints must not reach the protocol pipe
+            _die_with_parent()
             os.dup2(2, 1)
             code = 1
             try:
@@ -330,6 +332,12 @@ def _serve(preload: list[str]) -> int:
         out.write(f"exit {os.waitstatus_to_exitcode(status)}\n")
         out.flush()
     return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when the parent dies, so that an interrupted benchmark leaves no case running."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to do
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _resolve(target: str) -> Callable[..., Any]:

@@ -2,10 +2,11 @@
 
 A case is ``(mixer, T, dtype, mode)`` with ``mode`` = ``forward`` (no grad, eval)
 or ``train`` (forward + backward, train mode, grads of input and parameters).
-Each case runs in a fresh process (:mod:`vitlab.bench.measure`): the process
-builds the mixer and its input, records its resident memory (the baseline),
-then times warmup + repeated calls and reports the peak resident memory; the
-memory a case needs is ``peak - baseline``.
+Each case is measured in fresh processes (:mod:`vitlab.bench.measure`) that
+build the mixer and its input: a memory pass records the resident memory after
+setup (the baseline) and the peak resident memory of one call under a tight
+allocator -- the memory a case needs is ``peak - baseline`` -- and a time pass
+reports the median and IQR of repeated calls after a warmup.
 
 Besides every registered mixer (``vitlab.mixers.MIXERS``) two reference forms
 are measured:
@@ -56,6 +57,8 @@ LINEAR_FIT_MIN_T = 256  # below this, fixed per-call buffers dominate the few MB
 ATTN_TOKENS = (197, 1024)  # the target also uses any larger T the sweep ran
 
 DEFAULT_TOKENS = (64, 256, 1024)
+# the default run's sweep, on top of the targets' cases: (dtypes, modes, tokens); a few minutes here
+DEFAULT_SWEEPS = ((("fp32",), MODES, DEFAULT_TOKENS), (("bf16",), ("forward",), (256, 1024)))
 QUICK = {"mixers": ["attention", "attention_explicit", "aft_simple"], "tokens": [16, 64], "dim": 32, "batch": 2}
 
 
@@ -269,12 +272,12 @@ def plan_cases(args: argparse.Namespace, budget: int) -> Plan:
     common = {"window": args.window, "kernel": args.kernel}
     if args.targets:
         plan_targets(plan, budget, common)
-    if args.sweep:
-        heads = args.heads or default_heads(args.dim)
-        for mode in args.modes:
-            for dtype in args.dtypes:
+    heads = args.heads or default_heads(args.dim)
+    for dtypes, modes, tokens in args.sweeps:
+        for mode in modes:
+            for dtype in dtypes:
                 for mixer in args.mixers:
-                    for t in args.tokens:
+                    for t in tokens:
                         plan.add(
                             "sweep",
                             mixer=mixer,
@@ -659,9 +662,8 @@ def _csv(kind: type, choices: Iterable[str] | None = None):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     kinds = [*MIXERS, *REFERENCES]
-    parser.epilog = (
-        "Without options: the cases the targets need plus a sweep of every mixer over T = "
-        f"{', '.join(map(str, DEFAULT_TOKENS))} (fp32 and bf16, forward and train)."
+    parser.epilog = "Without options: the cases the targets need, then every mixer over " + "; ".join(
+        f"T = {','.join(map(str, t))} in {'/'.join(d)} {' and '.join(m)}" for d, m, t in DEFAULT_SWEEPS
     )
     sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
     sel.add_argument("--mixers", type=_csv(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
@@ -684,14 +686,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-time",
         type=float,
         default=3.0,
-        help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 3)",
+        help="about this many seconds of timed calls per case: fewer repeats for slow cases, at least 1 (default 3)",
     )
     how.add_argument("--threads", type=int, default=2, help="torch threads in each case (default 2)")
     how.add_argument(
         "--mem-budget",
         type=float,
-        default=12.0,
-        help="GB; skip cases estimated to need more (default 12, capped at 60%% of available memory)",
+        default=8.0,
+        help="GB; skip cases estimated to need more (default 8: the machine is shared; capped at 60%% of the "
+        "available memory)",
     )
     how.add_argument(
         "--isolation",
@@ -721,7 +724,9 @@ def resolve(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.sweep = not args.targets_only
+    args.sweeps = [] if args.targets_only else [(args.dtypes, args.modes, args.tokens)]
+    if not (chosen or args.quick or args.targets_only):
+        args.sweeps = [tuple(map(list, sweep)) for sweep in DEFAULT_SWEEPS]
     args.targets = args.targets_only or args.with_targets or not (chosen or args.quick)
     for name in ("dim", "batch", "repeats", "threads", "window", "kernel"):
         if getattr(args, name) < 1:
@@ -781,7 +786,7 @@ def run(args: argparse.Namespace) -> int:
             "timeout",
         )
     }
-    config.update(mem_budget_bytes=budget, sweep=args.sweep, targets=args.targets, quick=args.quick)
+    config.update(mem_budget_bytes=budget, sweeps=args.sweeps, targets=args.targets, quick=args.quick)
     doc = {
         "schema": "vitlab.bench-mixers/1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
