@@ -385,3 +385,36 @@ def test_dropout_acts_in_training_only():
     assert torch.equal(m(x), m(x))
     # residual dropout sits on the mixer branch of every block (and inside the MLP)
     assert all(b.drop_mix.p == 0.5 and b.mlp.drop1.p == 0.5 for b in m.blocks)
+
+
+def test_recomputed_core_gives_the_same_outputs_and_gradients():
+    torch.manual_seed(0)
+    plain = create_lm("tiny_aft_local", max_len=40)
+    randomise_biases(plain)
+    rc = create_lm("tiny_aft_local", max_len=40, mixer=("aft_local", {"window": 8, "bias_dim": 16, "recompute": True}))
+    rc.load_state_dict(plain.state_dict())
+    assert rc.blocks[0].mixer.recompute and not plain.blocks[0].mixer.recompute
+    x = torch.randint(0, 256, (2, 40))
+    grads = []
+    for m in (plain, rc):
+        loss = m.loss(x)
+        loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert torch.allclose(plain.loss(x), rc.loss(x))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads))
+
+
+def test_bench_case_and_ratios():
+    from vitlab.lm import bench
+
+    step = bench.prepare_case("aft_local_rc", T=64, layers=1, dim=32, batch=1)
+    step.fn()
+    assert step.info["mixer"][1]["recompute"] and step.info["rss_before_model"] > 0
+    results = [{"model": m, "T": 3072, "status": "ok", "step_s": s, "mem_mb": mem}
+               for m, s, mem in (("aft_local", 1.0, 50.0), ("transformer", 2.0, 100.0), ("transformer_explicit", 4.0, 200.0))]
+    rows = bench.ratios(results)
+    assert [(r["model"], r["mem_ratio"], r["speed_ratio"]) for r in rows][:2] == [("aft_local", 0.5, 2.0), ("transformer", 1.0, 1.0)]
+    v = bench.targets(rows)["aft_local"]
+    assert v["mem_met"] and v["speed_met"]
+    text = "\n".join(bench.verdict_lines(bench.targets(rows), rows))
+    assert "0.25x" in text and "4.00x" in text  # against the materialised-map Transformer

@@ -20,10 +20,12 @@ same outputs) that takes this path for causal sequences longer than the window.
 from __future__ import annotations
 
 import functools
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..mixers.aft import AFTLocal, BiasRows, _no_autocast, _ratio
 from ..mixers.base import TokenLayout
@@ -105,9 +107,19 @@ def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: in
 class BandedAFTLocal(AFTLocal):
     """:class:`~vitlab.mixers.AFTLocal` whose causal path is O(T·s·d) (:func:`aft_local_causal`).
 
-    Same constructor, parameters and outputs; sequences no longer than the window, non-causal use and
-    window 0 (AFT-simple) take the parent's path.
+    Same parameters and outputs; sequences no longer than the window, non-causal use and window 0
+    (AFT-simple) take the parent's path. ``recompute=True`` keeps only the core's inputs for the backward
+    pass and recomputes its intermediates there (activation checkpointing of the core, as flash attention
+    recomputes its map): less memory in training, one more core forward per step. Other arguments as
+    :class:`~vitlab.mixers.AFTLocal`.
     """
+
+    def __init__(self, *args, recompute: bool = False, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.recompute = recompute
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", recompute=True" if self.recompute else "")
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         n = x.shape[1]
@@ -118,12 +130,16 @@ class BandedAFTLocal(AFTLocal):
         with _no_autocast(x):
             block = max(self.window, MIN_BLOCK)
             band = local_bias_band(self, n, block).float()
-            y = aft_local_causal(q.float(), k.float(), v.float(), band, self.window, self.outside == "zero",
-                                 lambda t, g: self._fallback_rows(n, t))  # fmt: skip
+            args = (q.float(), k.float(), v.float(), band, self.window, self.outside == "zero",
+                    partial(self._fallback_rows, n))  # fmt: skip
+            if self.recompute and torch.is_grad_enabled():
+                y = checkpoint(aft_local_causal, *args, use_reentrant=False)
+            else:
+                y = aft_local_causal(*args)
         out = self.proj(y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
 
-    def _fallback_rows(self, n: int, t: Tensor) -> Tensor:
+    def _fallback_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
         """Full rows ``w[t, :]`` (m, n) with the future excluded; only underflowed entries need them."""
         w = self.position_bias(n)[t]
         future = torch.arange(n, device=t.device)[None] > t[:, None]

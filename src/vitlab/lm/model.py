@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Block
-from ..mixers import build
+from ..mixers import AFTLocal, build
 from ..mixers.base import TokenLayout
 from .banded import BandedAFTLocal
 
@@ -119,7 +119,7 @@ class CausalLM(nn.Module):
         if kind != "aft_local":
             return build(kind, dim, defaults=defaults, causal=True, **opts)
         # AFTLocal with the O(T s d) causal path (same parameters and state dict)
-        accepted = set(inspect.signature(BandedAFTLocal).parameters) - {"dim", "causal"}
+        accepted = (set(inspect.signature(AFTLocal).parameters) | {"recompute"}) - {"self", "dim", "causal"}
         if set(opts) - accepted:
             raise ValueError(f"mixer 'aft_local' has no option {', '.join(sorted(set(opts) - accepted))}; "
                              f"accepted: {', '.join(sorted(accepted))}")  # fmt: skip
