@@ -5,7 +5,8 @@ state:
 
 * AFT-simple: running per-channel sums ``Σ e^{K_t'-m} V_t'`` and ``Σ e^{K_t'-m}`` with their running
   maximum m: O(d) state, O(d) per step. When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``.
-* AFT-full / AFT-local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (O(T·d) cache, rescaled when m grows).
+* AFT-full / AFT-local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (O(T·d) cache; m is a per-channel
+  reference, raised, and the cache rescaled, when a key exceeds it by more than ``RESCALE_MARGIN``).
   Position t's output is one weighted sum over the cache with the bias row ``e^{w[t, :t+1] - max}``
   (paper Eq. 2; for AFT-local w = 0, or -inf, outside the window). A denominator that underflows
   (keys and biases whose maxima sit at different t') is recomputed exactly from the cached raw K and V.
@@ -25,6 +26,9 @@ from ..mixers.base import merge_heads
 from .model import CausalLM
 
 _UNDERFLOW = 1e-20  # as the forward cores: below this the shifted denominator is recomputed exactly
+# AFT-full/local caches are rescaled only when a key exceeds the running reference by this much (nats): the
+# cached terms stay <= e^20 (sums of T of them are far from fp32 overflow) and the O(t·d) rescale is rare
+RESCALE_MARGIN = 20.0
 
 
 class AttentionState:
@@ -85,18 +89,23 @@ class AFTFullState:
 
     def step(self, x: Tensor, t: int) -> Tensor:
         q, k, v = (p.float() for p in self.mixer.qkv(x).chunk(3, -1))
+        c = k.shape[-1]
         if self.m is None:
             self.m = k
-        elif bool((k > self.m).any()):  # a larger key: rescale the cached terms to the new maximum
+        elif bool((k > self.m + RESCALE_MARGIN).any()):  # rescale the cached terms to the new maximum
             m = torch.maximum(self.m, k)
-            self.ctx[:, :t] *= (self.m - m).exp().repeat(1, 2)[:, None]
+            scale = (self.m - m).exp()[:, None]
+            self.ctx[:, :t, :c] *= scale
+            self.ctx[:, :t, c:] *= scale
             self.m = m
-        ek = (k - self.m).exp()
-        self.ctx[:, t] = torch.cat([ek * v, ek], -1)
+        ek = (k - self.m).exp()  # <= e^RESCALE_MARGIN
+        self.ctx[:, t, :c] = ek * v
+        self.ctx[:, t, c:] = ek
         self.k[:, t], self.v[:, t] = k, v
         row = bias_row(self.mixer, t)
         weights = (row - row.max()).exp()  # (t + 1,), the row maximum is finite (w[t, t] is never excluded)
-        num, den = torch.einsum("s,bsc->bc", weights, self.ctx[:, : t + 1]).chunk(2, -1)
+        b = self.ctx.shape[0]
+        num, den = torch.bmm(weights.expand(b, 1, t + 1), self.ctx[:, : t + 1])[:, 0].chunk(2, -1)
         y = num / den.clamp_min(_UNDERFLOW)
         low = den < _UNDERFLOW
         if bool(low.any()):  # exact log-sum-exp over the raw prefix, in float64, for the underflowed entries
