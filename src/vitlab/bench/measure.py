@@ -290,9 +290,16 @@ class CaseRunner:
             cmd = [sys.executable, "-m", "vitlab.bench.measure", "--serve", ",".join(self.preload)]
             self._server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         server = self._server
-        server.stdin.write(f"{spec_path}\t{out_path}\n")
-        server.stdin.flush()
-        pid = int(server.stdout.readline().split()[1])  # "pid N"
+        try:
+            server.stdin.write(f"{spec_path}\t{out_path}\n")
+            server.stdin.flush()
+        except BrokenPipeError:
+            started = ""
+        else:
+            started = server.stdout.readline()  # "pid N"
+        if not started:
+            return "the case server died (see its error above)"
+        pid = int(started.split()[1])
         timed_out = False
         if not select.select([server.stdout], [], [], self.timeout)[0]:
             os.kill(pid, signal.SIGKILL)  # the case process this runner started

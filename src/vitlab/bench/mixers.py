@@ -368,12 +368,16 @@ def describe(r: dict[str, Any]) -> str:
 
 
 def fmt_time(s: float) -> str:
-    ms = s * 1e3
-    return f"{ms:.3g} ms" if ms < 1000 else f"{s:.3g} s"
+    return f"{s:.3g} s" if s >= 0.9995 else f"{_three_digits(s * 1e3)} ms"
 
 
 def fmt_mem(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= GB else f"{b / MB:.3g} MB"
+    return f"{b / GB:.2f} GB" if b >= 999.5 * MB else f"{_three_digits(b / MB)} MB"
+
+
+def _three_digits(x: float) -> str:
+    """3 significant digits without exponent notation (x < 1000)."""
+    return f"{x:.0f}" if x >= 99.95 else f"{x:.3g}"
 
 
 # --------------------------------------------------------------------------- targets
@@ -514,16 +518,25 @@ def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- reporting
 
 
+def mixer_rank(kind: str) -> float:
+    """Registry order, each reference form right after the mixer it is compared with."""
+    kinds = list(MIXERS)
+    partner = {"aft_full_naive": "aft_full", "attention_explicit": "attention"}
+    if kind in partner:
+        return kinds.index(partner[kind]) + 0.5
+    return kinds.index(kind) if kind in kinds else len(kinds)
+
+
 def table(results: list[dict[str, Any]], main_batch: int) -> str:
     """One block per (mode, dtype, dim): a row per mixer, a column per T; cells 'time / peak - baseline'."""
     abbrev = {"skipped": "skipped", "not_implemented": "n/i", "error": "ERROR"}
     lines = []
-    groups = sorted({(r["mode"], r["dtype"], r["dim"]) for r in results}, key=lambda g: (MODES.index(g[0]), g[1:]))
+    groups = sorted({(r["mode"], r["dtype"], r["dim"]) for r in results}, key=lambda g: (MODES.index(g[0]), list(DTYPES).index(g[1]), g[2]))
     for mode, dtype, dim in groups:
         rs = [r for r in results if (r["mode"], r["dtype"], r["dim"]) == (mode, dtype, dim)]
         tokens = sorted({r["T"] for r in rs})
         rows: dict[str, dict[int, str]] = {}
-        for r in rs:
+        for r in sorted(rs, key=lambda r: (mixer_rank(r["mixer"]), -r["batch"])):
             row = r["mixer"] + ("" if r["batch"] == main_batch else f" (B={r['batch']})")
             if r["status"] == "ok":
                 cell = f"{fmt_time(r['time_s']['median'])} / {fmt_mem(r['mem']['delta'])}"
@@ -597,7 +610,7 @@ def plot(results: list[dict[str, Any]], path: Path, main_batch: int, title: str)
 
     ok = [r for r in results if r["status"] == "ok" and r["batch"] == main_batch]
     modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or list(MODES)
-    mixers = list(dict.fromkeys(r["mixer"] for r in ok))
+    mixers = sorted({r["mixer"] for r in ok}, key=mixer_rank)
     colors = plt.get_cmap("tab20" if len(mixers) > 10 else "tab10")
     styles = {"fp32": "-", "bf16": "--"}
     fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
