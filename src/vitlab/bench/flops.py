@@ -236,8 +236,9 @@ def aft_simple_flops(batch: int, tokens: int, channels: int) -> int:
     return 11 * batch * tokens * channels
 
 
-def aft_conv_flops(batch: int, tokens: int, channels: int, heads: int, kernel: int, grid: tuple[int, int],
-                   global_context: bool = True) -> int:
+def aft_conv_flops(
+    batch: int, tokens: int, channels: int, heads: int, kernel: int, grid: tuple[int, int], global_context: bool = True
+) -> int:
     """AFT-conv core besides its convolution and band-matrix products (MACs): ``e^{K - max}`` 3 per key,
     ``e^K ⊙ V`` 1 per value, the kernel ``e^{w - m}`` 2 per tap, the row sums of the outside-window term 1 and
     ``local + e^{-m} · outside`` 2 per grid element of the C + h channels, the prefix tokens' global sums

@@ -47,8 +47,9 @@ class GemmRate:
         return {**asdict(self), "gflops": self.gflops}
 
 
-def shape_rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, rounds: int = 5,
-               round_time: float = 0.05) -> float:
+def shape_rate(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, rounds: int = 5, round_time: float = 0.05
+) -> float:
     """Best sustained FLOP/s of ``x (m, k) @ w (n, k)ᵀ`` over ``rounds`` rounds of about ``round_time`` s each."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -82,8 +83,7 @@ def measure_gemm(
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     by_shape = {
-        "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], rounds=rounds, round_time=round_time)
-        for s in shapes
+        "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], rounds=rounds, round_time=round_time) for s in shapes
     }
     return GemmRate(max(by_shape.values()), dtype, torch.get_num_threads(), by_shape, time.perf_counter() - t0)
 
@@ -94,4 +94,3 @@ def gemm_case(dtype: str = "fp32", rounds: int = 5, round_time: float = 0.05):
 
     rate = measure_gemm(dtype, rounds=rounds, round_time=round_time)
     return Prepared(lambda: None, {"gemm": rate.as_dict()})
-

@@ -407,9 +407,14 @@ def table(results: list[dict[str, Any]]) -> str:
             line[10] = row["status"]
         cells.append(line)
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    text = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells]
-    notes = [f"  {r['model']} {r['mode']} {r['dtype']} B={r['batch']}: {r['status']} ({r.get('reason')})"
-             for r in results if r["status"] != "ok"]
+    text = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
+    ]
+    notes = [
+        f"  {r['model']} {r['mode']} {r['dtype']} B={r['batch']}: {r['status']} ({r.get('reason')})"
+        for r in results
+        if r["status"] != "ok"
+    ]
     legend = (
         "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
         "util: 2 x MACs (x3 when training) per second / the GEMM rate measured in the same process; "
@@ -440,8 +445,13 @@ def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     paths = []
     specs = (
         ("throughput.png", "img_size", "input resolution (px)", lambda r: r["throughput"], "images / s"),
-        ("memory.png", "tokens", "tokens per image", lambda r: max(r["mem"]["delta"], 1) / MB if r.get("mem") else None,
-         "peak - baseline (MiB)"),
+        (
+            "memory.png",
+            "tokens",
+            "tokens per image",
+            lambda r: max(r["mem"]["delta"], 1) / MB if r.get("mem") else None,
+            "peak - baseline (MiB)",
+        ),
     )
     for fname, xkey, xlabel, yfun, ylabel in specs:
         fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.8), squeeze=False)
@@ -501,7 +511,9 @@ def _csv_list(kind: type, choices: Iterable[str] | None = None):
         if choices is not None:
             bad = [x for x in items if x not in choices]
             if bad:
-                raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}")
+                raise argparse.ArgumentTypeError(
+                    f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}"
+                )
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         return items
@@ -519,19 +531,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=_csv_list(int), default=None, help="input resolutions (default: the model's)")
     p.add_argument("--dtypes", type=_csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16 (default fp32)")
     p.add_argument("--modes", type=_csv_list(str, MODES), default=["infer"], help="infer,train (default infer)")
-    p.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
-                   help="torch.compile the model (--compile = on; 'both' also runs eager)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "both"),
+        help="torch.compile the model (--compile = on; 'both' also runs eager)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads per case (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per case (default 5)")
     p.add_argument("--warmup", type=int, default=0, help="untimed calls besides the setup's warm call (default 0)")
-    p.add_argument("--max-time", type=float, default=30.0,
-                   help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 30)")
+    p.add_argument(
+        "--max-time",
+        type=float,
+        default=30.0,
+        help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 30)",
+    )
     p.add_argument("--gemm-rounds", type=int, default=5, help="timed rounds per GEMM shape (default 5)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass (faster)")
-    p.add_argument("--targets", action="store_true",
-                   help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)")
-    p.add_argument("--isolation", choices=("forkserver", "subprocess"), default="forkserver",
-                   help="fresh process per pass: forked from a clean server (default) or a new interpreter")
+    p.add_argument(
+        "--targets",
+        action="store_true",
+        help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("forkserver", "subprocess"),
+        default="forkserver",
+        help="fresh process per pass: forked from a clean server (default) or a new interpreter",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a case pass is killed")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output folder (default runs/bench)")
 
@@ -572,11 +601,28 @@ def run(args: argparse.Namespace) -> int:
     text = table(results)
     if targets:
         text += "\n\n" + targets_text(targets)
-    text += (f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
-             f"({info['cpu_count']} CPUs): on a shared machine, timings and utilisation move with the load")
+    text += (
+        f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
+        f"({info['cpu_count']} CPUs): on a shared machine, timings and utilisation move with the load"
+    )
     print("\n" + text)
-    config = {k: getattr(args, k) for k in ("models", "batch", "img_size", "dtypes", "modes", "compile", "threads",
-                                            "repeats", "warmup", "max_time", "gemm_rounds", "targets")}
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "models",
+            "batch",
+            "img_size",
+            "dtypes",
+            "modes",
+            "compile",
+            "threads",
+            "repeats",
+            "warmup",
+            "max_time",
+            "gemm_rounds",
+            "targets",
+        )
+    }
     doc = {
         "schema": "vitlab.bench-models/1",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
