@@ -130,3 +130,26 @@ def tokens_to_grid(x: Tensor, layout: TokenLayout) -> tuple[Tensor, Tensor]:
 def grid_to_tokens(prefix: Tensor, grid: Tensor) -> Tensor:
     """Inverse of :func:`tokens_to_grid`."""
     return torch.cat([prefix, grid.flatten(2).transpose(1, 2)], dim=1)
+
+
+# --------------------------------------------------------------------------- inference fast paths
+
+
+def can_fold(module: nn.Module, t: Tensor) -> bool:
+    """Whether an eval-only fast path may run: eval mode (BatchNorm uses its running statistics) and no
+    autograd (the fast paths work in place)."""
+    if module.training or (torch.is_grad_enabled() and (t.requires_grad or _any_grad(module))):
+        return False
+    return all(m.running_var is not None for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+
+
+def _any_grad(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def fold_bn(weight: Tensor, bias: Tensor | None, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
+    """``BN(conv(x)) = conv'(x)``: the running-statistics BatchNorm folded into the conv's weight and bias."""
+    g = bn.weight / torch.sqrt(bn.running_var + bn.eps) if bn.affine else torch.rsqrt(bn.running_var + bn.eps)
+    shift = (bn.bias if bn.affine else 0) - bn.running_mean * g
+    w = weight * g.view(-1, *[1] * (weight.dim() - 1))
+    return w, shift if bias is None else bias * g + shift

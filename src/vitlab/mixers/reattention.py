@@ -17,10 +17,11 @@ checkpoints load unchanged.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .attention import Attention, HeadMix, attention_map
-from .base import TokenLayout, merge_heads
+from .base import TokenLayout, can_fold, fold_bn, merge_heads
 
 
 class ReAttention(Attention):
@@ -50,7 +51,20 @@ class ReAttention(Attention):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
         attn = self.attn_drop(attention_map(q, k, self.scale))
-        # BN/conv may run in another precision under autocast; the map stays in V's dtype
-        attn = (self.var_norm(self.reatten_matrix(attn)) * self.reatten_scale).to(v.dtype)
+        if can_fold(self, attn):
+            attn = self._remix_folded(attn)
+        else:  # BN/conv may run in another precision under autocast; the map stays in V's dtype
+            attn = (self.var_norm(self.reatten_matrix(attn)) * self.reatten_scale).to(v.dtype)
         out = self.proj_drop(self.proj(merge_heads(attn @ v)))
         return out, ({"attn": attn} if return_aux else {})
+
+    def _remix_folded(self, attn: Tensor) -> Tensor:
+        """Inference: ``s · BN(W A + b)`` as one head-mixing GEMM ``W' A`` plus a bias added in place, with the
+        eval BatchNorm and the scale folded into ``W', b'`` (the same function; three passes over the maps fewer,
+        and the result is in the standard (B, H, N, N) layout that ``attn @ v`` reads without a copy)."""
+        b, h, n, _ = attn.shape
+        w, bias = fold_bn(self.reatten_matrix.weight[:, :, 0, 0].float(), self.reatten_matrix.bias.float(),
+                          self.var_norm)
+        w, bias = (w * self.reatten_scale).to(attn.dtype), (bias * self.reatten_scale).to(attn.dtype)
+        out = torch.matmul(w, attn.reshape(b, h, n * n))  # (H, H) @ (B, H, N²): a GEMM over the head axis
+        return out.add_(bias.view(h, 1)).view(b, h, n, n)

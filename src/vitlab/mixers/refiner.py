@@ -24,11 +24,12 @@ reproduce the official "shared" and "normal" blocks of the released models.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import Attention, HeadMix, attention_map
-from .base import TokenLayout, check_divisible, merge_heads, split_heads
+from .base import TokenLayout, can_fold, check_divisible, fold_bn, merge_heads, split_heads
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
 OFFICIAL_KEY_PREFIXES: dict[str, str] = {
@@ -53,6 +54,27 @@ def _positive_int(name: str, what: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: {what} must be a positive integer, got {value!r}")
     return value
+
+
+def _fold_stage(stage: nn.Sequential, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, bool]:
+    """(weight, bias or None, ReLU6?) of a refiner stage with its BatchNorm folded in; a 1x1 head mix gives a
+    (out, in) matrix, the depth-wise conv its (C, 1, k, k) kernel. Folded in fp32, returned in ``dtype``."""
+    conv = stage[0]
+    w = conv.weight.float()
+    w = w[:, :, 0, 0] if isinstance(conv, HeadMix) else w
+    bias = None if conv.bias is None else conv.bias.float()
+    bns = [m for m in stage if isinstance(m, nn.BatchNorm2d)]
+    if bns:
+        w, bias = fold_bn(w, bias, bns[0])
+    relu6 = any(isinstance(m, nn.ReLU6) for m in stage)
+    return w.to(dtype), None if bias is None else bias.to(dtype), relu6
+
+
+def _bias_act(x: Tensor, bias: Tensor | None, relu6: bool) -> Tensor:
+    """``ReLU6(x + bias)`` in place (bias over the last axis of a heads-last tensor)."""
+    if bias is not None:
+        x = x.add_(bias)
+    return x.clamp_(0.0, 6.0) if relu6 else x
 
 
 class SameDepthwiseConv2d(nn.Conv2d):
@@ -115,16 +137,75 @@ class DistributedLocalAttention(nn.Module):
         self.local = stage(SameDepthwiseConv2d(hidden, kernel_size), True) if dla else None
         self.reduce = stage(HeadMix(hidden, num_heads, bias=False), False) if reduction else None
 
-    def forward(self, attn: Tensor) -> Tensor:
+    def forward(self, attn: Tensor, post: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``."""
         if attn.dim() != 4 or attn.shape[1] != self.num_heads or attn.shape[2] != attn.shape[3]:
             raise ValueError(
                 f"{type(self).__name__}: expected attention maps (B, H={self.num_heads}, N, N), got {tuple(attn.shape)}"
             )
+        if can_fold(self, attn):
+            return self._folded(attn, post)
         out = attn
         for stage in (self.expand, self.local, self.reduce):
             if stage is not None:
                 out = stage(out)
-        return attn + out if self.residual else out
+        out = attn + out if self.residual else out
+        if post is not None:
+            out = out * post[0].view(-1, 1, 1) + post[1].view(-1, 1, 1)
+        return out
+
+    # ------------------------------------------------------------------ inference fast path
+    # Speed (eval, no autograd): each BatchNorm is folded into the conv before it, bias + ReLU6 run in place,
+    # and the stages run on a few maps at a time. The expanded maps (B, rH, N, N) are large (45 MB for
+    # Refined-ViT-S at batch 8, 224 px): processed whole, every stage streams them through memory and every
+    # intermediate is a fresh allocation that the kernel must fault in; chunks of ~16 MB stay in cache and are
+    # reused by the allocator. The 1x1 head mixes are GEMMs over the head axis on heads-last views, so the
+    # depth-wise conv gets channels-last maps (oneDNN's native layout) and the reduction writes the standard
+    # (B, H, N, N) layout that ``attn @ v`` reads, with no copies in between. Same function as the modules.
+
+    _CHUNK_BYTES = 16 << 20
+
+    def _folded(self, attn: Tensor, post: tuple[Tensor, Tensor] | None) -> Tensor:
+        b, h, n, _ = attn.shape
+        stages = [None if st is None else _fold_stage(st, attn.dtype) for st in (self.expand, self.local, self.reduce)]
+        if self.residual:  # a · (attn + r) + c = a·r + (a·attn + c): the residual joins the post affine
+            one = attn.new_ones(self.out_heads)
+            post = (one, attn.new_zeros(self.out_heads)) if post is None else post
+        if post is not None and stages[2] is not None:  # fold the scale a into the reduction
+            w, bias, _ = stages[2]
+            a = post[0].to(attn.dtype)
+            stages[2] = (w * a[:, None], (bias if bias is not None else 0) * a + post[1].to(attn.dtype), False)
+        out = attn.new_empty(b, self.out_heads, n, n)
+        per_sample = max(self.num_heads * self.expansion, h) * n * n * attn.element_size()
+        step = max(1, self._CHUNK_BYTES // per_sample)
+        for i in range(0, b, step):  # a loop over a few chunks of the batch, never over tokens
+            self._folded_chunk(attn[i : i + step], out[i : i + step], stages, post)
+        return out
+
+    def _folded_chunk(self, attn: Tensor, out: Tensor, stages: list, post: tuple[Tensor, Tensor] | None) -> None:
+        b, h, n, _ = attn.shape
+        x = attn.reshape(b, h, n * n).transpose(1, 2)  # (b, N², H): a heads-last view
+        expand, local, reduce = stages
+        if expand is not None:
+            x = _bias_act(torch.bmm(x, expand[0].t().expand(b, -1, -1)), expand[1], expand[2])  # (b, N², rH)
+        if local is not None:
+            c = x.shape[-1]
+            x = x.reshape(b, n, n, c).permute(0, 3, 1, 2)  # channels-last (b, C, N, N)
+            pad = self.local[0].same_pad
+            x = F.conv2d(x if pad is None else F.pad(x, pad), local[0], local[1],
+                         padding=self.local[0].padding, groups=c)
+            x = _bias_act(x, None, local[2]).permute(0, 2, 3, 1).reshape(b, n * n, c)
+        dest = out.view(b, self.out_heads, n * n)
+        if reduce is not None:
+            torch.matmul(reduce[0], x.transpose(1, 2), out=dest)  # (b, H, N²)
+            if reduce[1] is not None:
+                dest.add_(reduce[1].view(-1, 1))
+        else:
+            dest.copy_(x.transpose(1, 2))
+            if post is not None:
+                dest.mul_(post[0].view(-1, 1)).add_(post[1].view(-1, 1))
+        if self.residual:
+            dest.addcmul_(attn.reshape(b, h, n * n), post[0].view(-1, 1).to(dest.dtype))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, expansion={self.expansion}, kernel_size={self.kernel_size}"
@@ -198,12 +279,19 @@ class RefinerAttention(Attention):
         use_bn = official_extras if adapt_bn is None else adapt_bn
         self.adapt_bn = nn.BatchNorm2d(self.value_heads) if refine and use_bn else None
 
-    def refine_map(self, attn: Tensor) -> Tensor:
-        """``adapt_bn(DLA(attn))`` (without ``adapt_bn`` unless enabled), in ``attn``'s dtype."""
+    def refine_map(self, attn: Tensor, scale: float = 1.0) -> Tensor:
+        """``scale · adapt_bn(DLA(attn))`` (without ``adapt_bn`` unless enabled), in ``attn``'s dtype."""
+        if can_fold(self, attn):  # inference: adapt_bn and the scale fold into the refiner's last stage
+            if self.adapt_bn is not None:
+                a, c = fold_bn(attn.new_ones(self.value_heads, dtype=torch.float32), None, self.adapt_bn)
+            else:
+                a, c = attn.new_ones(self.value_heads), attn.new_zeros(self.value_heads)
+            return self.refiner(attn, post=((a * scale).to(attn.dtype), (c * scale).to(attn.dtype)))
         out = self.refiner(attn)
         if self.adapt_bn is not None:
             out = self.adapt_bn(out)
-        return out.to(attn.dtype)  # BN/conv may run in another precision under autocast
+        out = out.to(attn.dtype)  # BN/conv may run in another precision under autocast
+        return out * scale if scale != 1.0 else out
 
     def _check_prev(self, attn_prev: Tensor, x: Tensor) -> None:
         want = (x.shape[0], self.num_heads, x.shape[1], x.shape[1])
@@ -220,15 +308,16 @@ class RefinerAttention(Attention):
             if attn_prev is None:
                 raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")
             v = split_heads(self.qkv(x), self.value_heads)
-            attn = self.refine_map(attn_prev.to(v.dtype)) * self.scale
+            attn = self.refine_map(attn_prev.to(v.dtype), self.scale)
             carry = attn_prev
         else:
             q, k, v = self.qkv_heads(x)
             if self.value_heads != self.num_heads:
                 v = split_heads(merge_heads(v), self.value_heads)
             attn = attention_map(q, k, self.scale)
-            if self.residual_attention and attn_prev is not None:
-                attn = attn + self.scale * attn_prev.to(attn.dtype)  # official: added after the softmax
+            if self.residual_attention and attn_prev is not None:  # official: added after the softmax
+                prev = attn_prev.to(attn.dtype)
+                attn = attn.add_(prev, alpha=self.scale) if can_fold(self, attn) else attn + self.scale * prev
             attn = self.attn_drop(attn)
             if self.refiner is not None:
                 attn = self.refine_map(attn)

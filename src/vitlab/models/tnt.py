@@ -124,7 +124,8 @@ class PixelEmbed(nn.Module):
         (ph, pw), b, c = self.patch_size, x.shape[0], self.in_chans
         # (B, C, gh*ph, gw*pw) -> (B*gh*gw, C, ph, pw): the same rows as nn.Unfold + reshape in the official code
         patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b * gh * gw, c, ph, pw)
-        return self.proj(patches).flatten(2).transpose(1, 2), grid
+        # contiguous words: a transposed view would be copied again by every inner LayerNorm and residual add
+        return self.proj(patches).flatten(2).transpose(1, 2).contiguous(), grid
 
 
 class TNTBlock(nn.Module):
