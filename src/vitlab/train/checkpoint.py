@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found; pass a .pt file written by `vitlab train`")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning would only precede the error line
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).strip().splitlines()[0][:200]
         raise ValueError(
