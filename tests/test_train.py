@@ -164,7 +164,7 @@ def test_checkpoint_atomic_roundtrip_and_model_record(tmp_path):
     torch.testing.assert_close(rebuilt(x), model.eval()(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="holds a 'deit_mini' model, not 'cpvt_mini'"):
         check_model_name(ckpt, "cpvt_mini")
-    with pytest.raises(ValueError, match="does not fit the model: missing: .*pegs"):
+    with pytest.raises(ValueError, match=r"does not fit the model: missing: .*pegs"):
         load_state_checked(vitlab.create_model("cpvt_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7),
                            ckpt["model"], "ckpt")  # fmt: skip
 
@@ -187,7 +187,7 @@ def test_loading_never_runs_code_and_bad_files_are_clear(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="truncated or corrupt"):
         load_checkpoint(tmp_path / "cut.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
-    with pytest.raises(ValueError, match="truncated or corrupt|cannot be read"):
+    with pytest.raises(ValueError, match=r"truncated or corrupt|cannot be read"):
         load_checkpoint(tmp_path / "junk.pt")
     torch.save(mnist_model().state_dict(), tmp_path / "plain.pt")
     with pytest.raises(ValueError, match="not a vitlab checkpoint"):
