@@ -273,6 +273,8 @@ def test_train_eval_sample_cli_on_text(tmp_path, capsys):
     assert main([*args, "--resume", "--steps", "40"]) == 0
     assert json.loads((out / "metrics.json").read_text())["history"][-1]["step"] == 40
     capsys.readouterr()
+    assert main(["lm", "list"]) == 0
+    assert "aft_local_256_cifar" in capsys.readouterr().out
     assert main(["lm", "eval", str(tmp_path / "missing.pt")]) == 2
     assert "not found" in capsys.readouterr().err
 
@@ -413,6 +415,10 @@ def test_bench_case_and_ratios():
     results = [{"model": m, "T": 3072, "status": "ok", "step_s": s, "mem_mb": mem}
                for m, s, mem in (("aft_local", 1.0, 50.0), ("transformer", 2.0, 100.0), ("transformer_explicit", 4.0, 200.0))]
     rows = bench.ratios(results)
+    merged = bench.summarise([{"model": "aft_local", "T": 8, "status": "ok", "mem_mb": m, "time_s": {"times": ts}}
+                              for m, ts in ((10.0, [3.0, 2.0]), (12.0, [2.5, 4.0]))])  # fmt: skip
+    assert merged == [{"model": "aft_local", "T": 8, "status": "ok", "step_s": 2.0, "median_s": 2.75, "mem_mb": 12.0,
+                       "steps_timed": 4}]  # fmt: skip
     assert [(r["model"], r["mem_ratio"], r["speed_ratio"]) for r in rows][:2] == [("aft_local", 0.5, 2.0), ("transformer", 1.0, 1.0)]
     v = bench.targets(rows)["aft_local"]
     assert v["mem_met"] and v["speed_met"]

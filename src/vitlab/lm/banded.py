@@ -107,8 +107,8 @@ def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: in
 class BandedAFTLocal(AFTLocal):
     """:class:`~vitlab.mixers.AFTLocal` whose causal path is O(T·s·d) (:func:`aft_local_causal`).
 
-    Same parameters and outputs; sequences no longer than the window, non-causal use and window 0
-    (AFT-simple) take the parent's path. ``recompute=True`` keeps only the core's inputs for the backward
+    Same parameters and outputs; sequences no longer than the window or longer than ``max_len``, non-causal
+    use and window 0 (AFT-simple) take the parent's path. ``recompute=True`` keeps only the core's inputs for the backward
     pass and recomputes its intermediates there (activation checkpointing of the core, as flash attention
     recomputes its map): less memory in training, one more core forward per step. Other arguments as
     :class:`~vitlab.mixers.AFTLocal`.
@@ -123,9 +123,8 @@ class BandedAFTLocal(AFTLocal):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         n = x.shape[1]
-        if not self.causal or self.window == 0 or n <= self.window:
-            return super().mix(x, layout, attn_prev, return_aux)
-        self._fit(n, layout)  # the parent's length check (N <= max_len)
+        if not self.causal or self.window == 0 or n <= self.window or n > self.max_len:
+            return super().mix(x, layout, attn_prev, return_aux)  # (N > max_len: resampled, or the parent's error)
         q, k, v = self.qkv(x).chunk(3, -1)
         with _no_autocast(x):
             block = max(self.window, MIN_BLOCK)
