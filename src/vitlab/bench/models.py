@@ -9,19 +9,24 @@ A case is ``(model, batch, image size, dtype, mode, compiled)``:
 
 Each case runs in fresh processes (:mod:`vitlab.bench.measure`): one measures the
 peak resident memory of one call (peak - baseline after setup, allocator made
-tight), another times the calls. The timing process first measures the machine's
-GEMM rate (:mod:`vitlab.bench.gemm`, same threads, same dtype) right before the
-model is timed, so every result carries its own yardstick:
+tight), another times the calls. In the timing process the machine's GEMM rate
+(:mod:`vitlab.bench.gemm`, same threads, same dtype) is measured right before the
+model is timed, and again right after every timed call (a short probe: one round
+per shape), so every call is paired with the yardstick of its own moment:
 
     utilisation = model FLOPs per second / GEMM rate,  model FLOPs = 2 x MACs
     (x 3 for a training step: the backward pass costs twice the forward)
 
+``util`` is the median over the timed calls of each call's achieved FLOP/s over
+the GEMM rate probed next to it, ``util_run`` the median call time against the
+best GEMM rate of the whole run. Throughput and latency come from the model
+calls alone (the probes are timed apart). On a machine shared with other jobs
+the pairing cancels slow changes of the load, not fast ones: the load is
+reported with every case; compare figures taken at the same load.
+
 MACs are counted on the meta device (:mod:`vitlab.bench.flops`: matmuls and
 convolutions, the papers' convention); FLOPs = 2 x MACs + the mixers' elementwise
-work, reported apart. ``util`` divides by the case's own GEMM rate, ``util_run``
-by the best GEMM rate of the whole run. On a machine shared with other jobs,
-both move with the load (reported with every case): compare figures taken at
-the same load.
+work, reported apart.
 
 ``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
 2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
@@ -96,8 +101,9 @@ def prepare_case(
 ) -> Prepared:
     """Build the model and its input, run one warm call; return the call to measure.
 
-    With ``gemm`` the machine's GEMM rate (same dtype and threads) is measured first and returned in
-    ``info["gemm"]``; ``info["compile_s"]`` is the first (compiling) call's time when ``compile``.
+    With ``gemm`` the machine's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``) and
+    every call is followed by a GEMM probe: ``info["calls"]`` lists ``[model seconds, probe FLOP/s]`` per
+    call (the first is the setup's warm call). ``info["compile_s"]`` is the first call's time when ``compile``.
     """
     import torch
     import torch.nn.functional as F
@@ -141,13 +147,22 @@ def prepare_case(
         def reset() -> None:
             opt.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    step()  # warm call: lazy initialisation, optimizer state, compilation
-    info["first_call_s"] = time.perf_counter() - t0
+    calls: list[list[float]] = []
+
+    def timed_step() -> None:
+        t0 = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - t0
+        probe = measure_gemm(dtype, rounds=1).flops_per_s if gemm else None
+        calls.append([elapsed, probe])
+
+    timed_step()  # warm call: lazy initialisation, optimizer state, compilation
+    info["first_call_s"] = calls[0][0]
     if compile:
-        info["compile_s"] = info["first_call_s"]
+        info["compile_s"] = calls[0][0]
     info["loadavg"] = os.getloadavg()
-    return Prepared(step, info, reset)
+    info["calls"] = calls  # filled in as the calls run (info is written out after the timed calls)
+    return Prepared(timed_step, info, reset)
 
 
 # --------------------------------------------------------------------------- static facts (parent process)
@@ -255,6 +270,12 @@ def derive(r: dict[str, Any]) -> None:
     """Throughput, latency, achieved FLOP/s and utilisation of an ok result (in place)."""
     if r["status"] != "ok":
         return
+    from .measure import Timing
+
+    calls = r["info"].get("calls") or []
+    timed = calls[1:] if len(calls) > 1 else calls  # the first is the setup's warm call
+    if timed:  # the model calls alone, without the GEMM probes that follow them
+        r["time_s"] = {**Timing([c[0] for c in timed], len(calls) - len(timed)).summary(), "with_probes": r["time_s"]}
     t = r["time_s"]["median"]
     passes = 3 if r["mode"] == "train" else 1  # backward = 2 x forward
     model_flops = passes * r["count"]["model_flops"]
@@ -263,17 +284,29 @@ def derive(r: dict[str, Any]) -> None:
     r["latency_ms"] = t * 1e3
     r["achieved_flops_per_s"] = model_flops / t
     gemm = r["info"].get("gemm")
-    r["gemm_flops_per_s"] = gemm["flops_per_s"] if gemm else None
-    r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
+    probes = [c[1] for c in timed if c[1]]
+    r["gemm_flops_per_s"] = _median(probes) if probes else gemm["flops_per_s"] if gemm else None
+    if probes:
+        r["util_calls"] = [model_flops / c[0] / c[1] for c in timed if c[1]]
+        r["util"] = _median(r["util_calls"])
+    else:
+        r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
     r["loadavg"] = r["info"].get("loadavg")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
 
 def add_run_utilisation(results: list[dict[str, Any]]) -> None:
     """``util_run``: achieved FLOP/s over the best GEMM rate the whole run measured (per dtype)."""
     best: dict[str, float] = {}
     for r in results:
-        if r.get("gemm_flops_per_s"):
-            best[r["dtype"]] = max(best.get(r["dtype"], 0.0), r["gemm_flops_per_s"])
+        rates = [c[1] for c in (r.get("info") or {}).get("calls", []) if c[1]]
+        rates += [(r.get("info") or {}).get("gemm", {}).get("flops_per_s") or 0.0]
+        if r["status"] == "ok":
+            best[r["dtype"]] = max(best.get(r["dtype"], 0.0), *rates)
     for r in results:
         if r["status"] == "ok" and r["dtype"] in best:
             r["gemm_run_flops_per_s"] = best[r["dtype"]]
@@ -417,7 +450,7 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     legend = (
         "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
-        "util: 2 x MACs (x3 when training) per second / the GEMM rate measured in the same process; "
+        "util: median over calls of 2 x MACs (x3 when training) per second / the GEMM rate probed next to the call; "
         "run util: / the best GEMM rate of the run; peak: peak RSS of one call, +MiB: peak - baseline after setup"
     )
     return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
@@ -633,8 +666,10 @@ def run(args: argparse.Namespace) -> int:
             "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
             "model_flops": "2 x macs",
             "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.bench.flops)",
-            "util": "model_flops (x3 for a training step) / median time / GEMM rate measured in the same process",
-            "util_run": "the same over the best GEMM rate measured in the run",
+            "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
+            "probed right after that call in the same process",
+            "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
+            "gemm_flops_per_s": "median of the GEMM probes next to the timed calls",
             "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes",
         },
         "cases": results,
