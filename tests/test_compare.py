@@ -1,0 +1,102 @@
+"""vitlab compare: a two-variant run on a small budget writes the table, logs and plots; bad input is one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.bench.flops import count_macs
+from vitlab.cli import main as cli_main
+from vitlab.train.compare import adapt_to_size, method_of, render_markdown, render_text
+
+
+def test_adaptation_gives_a_4x4_grid_on_mnist():
+    for name in ("deit_mini", "cpvt_mini", "tnt_mini", "aft_conv_mini", "refiner_vit_mini"):
+        model = vitlab.create_model(name, img_size=28, in_chans=1, num_classes=10, **adapt_to_size(name, 28))
+        feats = model.forward_features(torch.randn(2, 1, 28, 28))
+        assert feats.shape[1] - model.num_prefix == 16, name
+    if "eamlp_mini" in vitlab.list_models():
+        m = vitlab.create_model(
+            "eamlp_mini", img_size=28, in_chans=1, num_classes=10, **adapt_to_size("eamlp_mini", 28)
+        )
+        assert m.grid == (4, 4)
+    assert adapt_to_size("deit_mini", 32) == {} and adapt_to_size("deit_small_patch16_224", 28) == {}
+    assert method_of("aft_conv_mini") == "AFT-conv" and method_of("aft_full_mini") == "AFT-full"
+
+
+def test_tables_render_missing_values():
+    rows = [{"model": "a", "method": "m", "top1": 90.123, "params_m": 0.2}, {"model": "b", "method": "n"}]
+    text = render_text(rows)
+    assert "90.12" in text and text.count("\n") == 3
+    md = render_markdown(rows, "note")
+    assert md.splitlines()[1].startswith("|---|---|---:") and "| b | n | - |" in md
+
+
+def run_compare(out, *extra: str) -> list[str]:
+    argv = ["compare", "--models", "deit_mini,cpvt_mini", "--epochs", "2", "--train-limit", "64", "--out", str(out),
+            *extra]  # fmt: skip
+    assert cli_main(argv) == 0
+    return argv
+
+
+def test_compare_two_variants_end_to_end(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    run_compare(out)
+    printed = capsys.readouterr().out
+    assert "deit_mini" in printed and "cpvt_mini" in printed and "wall time" in printed
+    for f in ("table.csv", "table.json", "table.md", "curves.png", "acc_vs_speed.png"):
+        assert (out / f).stat().st_size > 0, f
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    table = json.loads((out / "table.json").read_text())
+    rows = {r["model"]: r for r in table["rows"]}
+    assert table["meta"]["train_images"] == 64 and table["meta"]["heldout_images"] == 1000
+    for name, row in rows.items():
+        log = json.loads((out / name / "log.json").read_text())
+        assert [r["epoch"] for r in log] == [1, 2] and row["top1"] == log[-1]["val_top1"]
+        assert (out / name / "log.csv").exists() and "epoch 2/2" in (out / name / "train.log").read_text()
+        assert row["infer_img_s"] > 0 and row["train_img_s"] > 0 and row["peak_mib"] > row["train_mem_mib"] > 0
+        kw = dict(img_size=28, in_chans=1, num_classes=10, **adapt_to_size(name, 28))
+        with torch.device("meta"):
+            model = vitlab.create_model(name, **kw)
+        assert row["mmacs"] == pytest.approx(count_macs(model, (1, 28, 28)).total / 1e6)
+        assert row["params_m"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 1e6)
+    with open(out / "table.csv") as f:
+        assert [r["model"] for r in csv.DictReader(f)] == ["deit_mini", "cpvt_mini"]
+
+
+@pytest.mark.slow
+def test_compare_resume_reuses_finished_and_continues_unfinished(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    run_compare(out, "--no-plots", "--isolation", "subprocess")
+    first = {r["model"]: r for r in json.loads((out / "table.json").read_text())["rows"]}
+    # cpvt_mini loses its result and its last epoch: it is resumed, deit_mini is reused
+    (out / "cpvt_mini" / "result.json").unlink()
+    ckpt = torch.load(out / "cpvt_mini" / "last.pt", weights_only=True)
+    from vitlab.train import save_checkpoint
+
+    save_checkpoint(
+        {**{k: v for k, v in ckpt.items() if k not in ("format", "version")}, "epoch": 1}, out / "cpvt_mini" / "last.pt"
+    )
+    capsys.readouterr()
+    run_compare(out, "--no-plots", "--resume")
+    printed = capsys.readouterr()
+    assert "[deit_mini] finished before: reused" in printed.out
+    rows = {r["model"]: r for r in json.loads((out / "table.json").read_text())["rows"]}
+    assert rows["deit_mini"]["top1"] == first["deit_mini"]["top1"]
+    assert rows["cpvt_mini"]["top1"] is not None
+
+
+def test_compare_user_errors_are_one_line(tmp_path, capsys):
+    def error(*argv: str) -> str:
+        assert cli_main(["compare", "--out", str(tmp_path), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Traceback" not in err, err
+        return err
+
+    assert "unknown model 'deit_mni'" in error("--models", "deit_mini,deit_mni")
+    assert "does not exist" in error("--data", f"mnist-idx:{tmp_path / 'none'}")
+    assert "--threads must be" in error("--threads", "0")
