@@ -21,6 +21,7 @@ from vitlab.cli import main as cli_main
 from vitlab.train import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
 from vitlab.train.checkpoint import check_model_name, load_state_checked, model_from_checkpoint
 from vitlab.train.distill import HardDistillationLoss
+from vitlab.train.engine import init_weights_from
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT: 4x4 grid of 7-px patches, 1 block of width 32 -> a few seconds per epoch
@@ -268,11 +269,20 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
     assert rows[0]["top1"] == pytest.approx(log[-1]["val_top1"]) and rows[0]["n"] == 200
     assert rows[0]["top5"] >= rows[0]["top1"] and rows[1]["img_s"] > 0
 
+    # a distilled student, initialised from the teacher, trained under bf16 autocast
     student = tmp_path / "student"
     assert cli_main(["train", *TINY_RUN, "--epochs", "1", "--dist-token", "--teacher", str(teacher / "last.pt"),
-                     "--out", str(student)]) == 0  # fmt: skip
+                     "--init-from", str(teacher / "last.pt"), "--amp", "bf16", "--out", str(student)]) == 0  # fmt: skip
     assert "head_dist.weight" in load_checkpoint(student)["model"]
-    capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "initialised" in printed and "autocast torch.bfloat16" in printed
+
+    # --init-from a DeiT checkpoint into AFT-conv: the AFT paper's transfer (patch embedding, norms, MLPs, V)
+    aft = vitlab.create_model("aft_conv_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1,
+                              embed_dim=32)  # fmt: skip
+    assert "initialised" in init_weights_from(aft, str(teacher / "last.pt"))
+    for k in ("patch_embed.proj.weight", "blocks.0.mlp.fc1.weight", "norm.weight"):
+        assert torch.equal(aft.state_dict()[k], ckpt["model"][k]), k
 
     def error(*argv: str) -> str:
         assert cli_main(list(argv)) == 2

@@ -252,12 +252,19 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, rank: int) -> None:
         )
 
 
-def init_weights_from(model: nn.Module, path: str) -> None:
+def init_weights_from(model: nn.Module, path: str) -> str:
+    """``--init-from``: copy what fits from a checkpoint (vitlab's own, or official/timm ones that
+    ``vitlab.convert`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer. One line back."""
+    from ..convert import init_from
+
     try:
-        from ..convert import init_from  # written alongside the checkpoint converters
-    except ImportError:
-        raise TrainingError("--init-from needs vitlab.convert.init_from, which this version does not have") from None
-    init_from(model, path)
+        source = load_checkpoint(path)["model"]  # a vitlab checkpoint: its model weights
+    except ValueError:
+        source = path  # another format: vitlab.convert reads it (weights_only / safetensors)
+    report = init_from(model, source)
+    if not report.matched:
+        raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
+    return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
 
 
 # --------------------------------------------------------------------------- the loop
@@ -325,7 +332,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = create_model(cfg.model, **kwargs)
     if cfg.init_from and ckpt is None:
-        init_weights_from(model, cfg.init_from)
+        say(init_weights_from(model, cfg.init_from))
     model.to(device)
     criterion = None
     if cfg.teacher:
