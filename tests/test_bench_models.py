@@ -1,0 +1,363 @@
+"""vitlab bench: MAC counts against SPEC.md, the TNT paper's per-block complexity formulas, the analytic FLOPs
+of the mixers, the GEMM yardstick, a tiny CLI run, and the inference fast paths added for speed (each must compute
+the same function as the reference path it replaces).
+
+The parameter formula Params_TNT = 12cc + mcd + 12dd is checked term by term in tests/test_tnt.py
+(test_block_params_formula); FLOPs_TNT for TNT-S dims is in tests/test_tnt.py too. Here: FLOPs_T on the generic
+ViT block, FLOPs_TNT on TNT-Ti/S/B dims, both through the benchmark's own counter (meta and real CPU tensors).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from torch.utils.flop_counter import sdpa_backward_flop_count
+
+import vitlab
+from vitlab.bench import models as bench
+from vitlab.bench.flops import (
+    RELU6,
+    SIGMOID,
+    SOFTMAX,
+    count_flops,
+    count_macs,
+    flop_counter,
+    mixer_extra_flops,
+)
+from vitlab.bench.gemm import measure_gemm
+from vitlab.layers import Block
+from vitlab.layers.patch_embed import PatchEmbed
+from vitlab.mixers import (
+    AFTFull,
+    AFTSimple,
+    Attention,
+    DistributedLocalAttention,
+    ExternalAttention,
+    MultiHeadExternalAttention,
+    ReAttention,
+    RefinerAttention,
+)
+from vitlab.models.tnt import TNTBlock
+
+# SPEC.md "Named configurations": MACs at 224 (the papers' "FLOPs" are MACs)
+SPEC_GMACS = {
+    "deit_tiny_patch16_224": 1.25,
+    "deit_small_patch16_224": 4.60,
+    "deit_base_patch16_224": 17.56,
+    "tnt_ti_patch16_224": 1.40,
+    "tnt_s_patch16_224": 5.22,
+    "tnt_b_patch16_224": 14.05,
+}
+
+
+# ----------------------------------------------------------------------------- MACs against SPEC
+
+
+@pytest.mark.parametrize("name, spec", SPEC_GMACS.items())
+def test_macs_within_2_percent_of_spec(name, spec):
+    with torch.device("meta"):
+        model = vitlab.create_model(name)
+    macs = count_macs(model, (3, 224, 224)).gmacs
+    assert macs == pytest.approx(spec, rel=0.02)
+    counts = count_flops(model, (3, 224, 224), batch=2)  # the benchmark's path: linear in the batch
+    assert counts.macs / 2e9 == pytest.approx(macs, rel=1e-9)
+    assert counts.flops > 2 * counts.macs  # the attention softmax on top
+
+
+def test_cpu_sdpa_is_counted_like_meta():
+    """torch's flop counter does not know SDPA's CPU kernel; the benchmark's counter does."""
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_mini").eval()
+    on_cpu = count_flops(model, (3, 32, 32), device="cpu")
+    on_meta = count_flops(model, (3, 32, 32))
+    assert on_cpu.macs == on_meta.macs and on_cpu.extra_flops == on_meta.extra_flops
+    q = torch.randn(2, 3, 10, 8, requires_grad=True)
+    with flop_counter() as fc:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        fwd = fc.get_total_flops()
+        out.sum().backward()
+    assert fwd == 2 * (2 * 3 * 10 * 10 * 8) * 2  # QKᵀ and AV, 2 FLOPs per MAC
+    shape = (2, 3, 10, 8)  # the flash backward: torch's own formula (five products)
+    assert fc.get_total_flops() - fwd == sdpa_backward_flop_count(shape, shape, shape, shape) == 2.5 * fwd
+
+
+# ----------------------------------------------------------------------------- TNT paper Sec. 2.3 formulas
+
+
+def flops_t(n: int, d: int) -> int:
+    return 2 * n * d * (6 * d + n)
+
+
+def flops_tnt(n: int, d: int, m: int, c: int) -> int:
+    return 2 * n * m * c * (6 * c + m) + n * m * c * d + flops_t(n, d)
+
+
+def block_macs(module: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    with flop_counter() as fc, torch.no_grad():
+        module(*inputs)
+    return fc.get_total_flops() // 2
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+@pytest.mark.parametrize("n, d, heads", [(196, 384, 6), (50, 64, 2), (17, 48, 3)])
+def test_flops_t_is_a_vit_block(device, n, d, heads):
+    """FLOPs_T = 2nd(6d + n): the MACs of one pre-norm block (qkv 3nd², proj nd², MLP 8nd², QKᵀ and AV n²d each),
+    through SDPA (on CPU its flash kernel, counted by the benchmark) and through the explicit map."""
+    if device == "cpu" and n * d > 20000:
+        pytest.skip("real tensors only for the small shapes")
+    with torch.device(device):
+        for fused in (True, False):
+            blk = Block(d, Attention(d, heads, fused=fused)).eval()
+            assert block_macs(blk, torch.zeros(1, n, d), None) == flops_t(n, d)
+
+
+@pytest.mark.parametrize("d, c, heads, inner_heads", [(192, 12, 3, 2), (384, 24, 6, 4), (640, 40, 10, 4)])
+def test_flops_tnt_on_tnt_ti_s_b_dims(d, c, heads, inner_heads):
+    """FLOPs_TNT = 2nmc(6c + m) + nmcd + 2nd(6d + n) for one TNT block (n = 196 sentences of m = 16 words);
+    the outer transformer also sees the class token: its term is FLOPs_T(n + 1), the rest is exactly the paper's."""
+    n, m = 196, 16
+    with torch.device("meta"):
+        blk = TNTBlock(d, c, heads, inner_heads, num_words=m).eval()
+        got = block_macs(blk, torch.empty(n, m, c), torch.empty(1, n + 1, d))
+    assert got == flops_tnt(n, d, m, c) - flops_t(n, d) + flops_t(n + 1, d)
+    assert got == pytest.approx(flops_tnt(n, d, m, c), rel=0.01)
+    if d == 384:  # paper: 376M and 429M per block for TNT-S
+        assert round(flops_t(n, d) / 1e6) == 376 and round(flops_tnt(n, d, m, c) / 1e6) == 429
+
+
+def test_tnt_model_macs_are_embedding_plus_twelve_blocks_plus_head():
+    d, c, n, m, classes = 384, 24, 196, 16, 1000
+    with torch.device("meta"):
+        model = vitlab.create_model("tnt_s_patch16_224")
+    embed = n * m * c * 3 * 49 + n * (m * c) * d  # 7x7 word conv (4x4 outputs per patch), words -> sentence
+    blocks = 12 * (flops_tnt(n, d, m, c) - flops_t(n, d) + flops_t(n + 1, d))
+    assert count_macs(model, (3, 224, 224)).total == embed + blocks + d * classes
+
+
+# ----------------------------------------------------------------------------- analytic extras of the mixers
+
+
+def test_extras_attention_and_reattention_by_hand():
+    b, n, heads = 2, 7, 3
+    x = torch.empty(b, n, 24)
+    maps = b * heads * n * n
+    softmax = maps * (1 + 5)  # scale, then max / subtract / exp / sum / divide
+    assert mixer_extra_flops(Attention(24, heads), x) == {"attention softmax": softmax}
+    eval_bn, train_bn = 2, 5
+    re = ReAttention(24, heads, transform_scale=True).eval()
+    assert mixer_extra_flops(re, x) == {"re-attention maps": softmax + maps * (1 + eval_bn + 1)}  # bias, BN, scale
+    re_train = ReAttention(24, heads).train()  # no scale, BN with batch statistics
+    assert mixer_extra_flops(re_train, x) == {"re-attention maps": softmax + maps * (1 + train_bn)}
+
+
+def test_extras_refiner_by_hand():
+    b, n, heads, r = 2, 5, 2, 3
+    x, prev = torch.empty(b, n, 16), torch.empty(b, heads, n, n)
+    maps = b * n * n  # one map plane
+    shared = RefinerAttention(16, heads, expansion=r, official_extras=True, share=True).eval()
+    # expand: BN 2 + ReLU6 2 on rH maps; dw conv: BN 2 + ReLU6 2 on rH; reduce: BN 2 on H; + input map on H;
+    # adapt_bn 2 on H; the scale 1 on H (the convolutions themselves are MACs)
+    want = (2 + 2) * r * heads * maps * 2 + 2 * heads * maps + heads * maps + 2 * heads * maps + heads * maps
+    assert mixer_extra_flops(shared, x, attn_prev=prev) == {"refiner maps": want}
+    normal = RefinerAttention(16, heads, refine=False, residual_attention=True).eval()
+    softmax = (1 + 5) * heads * maps
+    assert mixer_extra_flops(normal, x, attn_prev=prev) == {"refiner maps": softmax + 2 * heads * maps}
+    assert mixer_extra_flops(normal, x) == {"refiner maps": softmax}  # first block: no previous map
+    paper = RefinerAttention(16, heads, expansion=r)  # the paper's linear refiner: only the softmax is extra
+    assert mixer_extra_flops(paper, x) == {"refiner maps": softmax}
+
+
+def test_refiner_dla_convolution_is_counted_as_macs():
+    """The depth-wise k x k convolution over the N x N maps: rH · N² · k² MACs (plus the two head mixes)."""
+    b, heads, r, n, k = 2, 2, 3, 9, 3
+    dla = DistributedLocalAttention(heads, r, k).eval()
+    got = block_macs(dla.to("meta"), torch.empty(b, heads, n, n, device="meta"))
+    assert got == b * n * n * (heads * r * heads + r * heads * k * k + r * heads * heads)
+
+
+def test_extras_external_attention_by_hand():
+    b, n = 2, 6
+    x = torch.empty(b, n, 16)
+    # per (token, slot): softmax over tokens 5, ℓ1 sum 1, divide 1; + eps once per token row
+    single = ExternalAttention(16, memory_size=8)
+    assert mixer_extra_flops(single, x) == {"external attention norm": b * (7 * n * 8 + n)}
+    multi = MultiHeadExternalAttention(16, num_heads=2, coef=4)  # 8 heads of the widened query, S = 64
+    assert mixer_extra_flops(multi, x) == {"external attention norm": b * 8 * (7 * n * 64 + n)}
+
+
+def test_extras_aft_by_hand():
+    b, t, c = 2, 5, 4
+    x = torch.empty(b, t, c)
+    simple = b * t * c * (SOFTMAX + 1 + 1 + SIGMOID + 1)  # softmax_t'(K), ⊙V, Σ_t', sigmoid(Q), gate
+    assert mixer_extra_flops(AFTSimple(c), x) == {"AFT": simple}
+    full = b * t * c * (3 + 1 + 1 + SIGMOID + 1) + 3 * t * t  # e^{K-max}, ⊙V, divide, sigmoid, gate; e^{w-max}
+    assert mixer_extra_flops(AFTFull(c, max_len=t), x) == {"AFT": full}
+    assert RELU6 == 2 and SOFTMAX == 5 and SIGMOID == 3
+
+
+def test_extras_are_collected_per_block_of_a_model():
+    with torch.device("meta"):
+        model = vitlab.create_model("aft_simple_mini")
+    counts = count_flops(model, (3, 32, 32), batch=3)
+    t, c, depth = 1 + 8 * 8, 64, 4
+    assert counts.extra_by_kind == {"AFT": depth * 11 * 3 * t * c}
+    assert counts.flops == 2 * counts.macs + counts.extra_flops
+
+
+# ----------------------------------------------------------------------------- GEMM yardstick, plan, targets
+
+
+def test_gemm_rate_is_the_best_shape():
+    rate = measure_gemm("fp32", threads=1, shapes=((64, 32, 48), (96, 64, 32)), rounds=2, round_time=0.005)
+    assert rate.flops_per_s == max(rate.by_shape.values()) > 0
+    assert set(rate.by_shape) == {"64x32x48", "96x64x32"} and rate.threads == 1
+    with pytest.raises(ValueError, match="dtype"):
+        measure_gemm("fp64")
+
+
+def _fake(model: str, util: float) -> dict:
+    return {"model": model, "roles": ["target"], "status": "ok", "util": util, "util_run": util,
+            "achieved_flops_per_s": 1e10, "gemm_flops_per_s": 2e10, "throughput": 3.0, "loadavg": [1.0, 1.0, 1.0]}
+
+
+def test_targets_pass_fail_and_missing():
+    results = [_fake("deit_small_patch16_224", 0.9), _fake("deit_tiny_patch16_224", 0.5)]
+    rows = {t["model"]: t for t in bench.evaluate_targets(results, threads=2)}
+    assert rows["deit_small_patch16_224"]["status"] == "PASS"
+    assert rows["deit_tiny_patch16_224"]["status"] == "FAIL"
+    assert rows["tnt_s_patch16_224"]["status"] == "N/A" and "note" not in rows["tnt_s_patch16_224"]
+    assert "note" in bench.evaluate_targets(results, threads=4)[0]
+
+
+def test_derive_pairs_each_call_with_its_probe():
+    r = {"status": "ok", "mode": "infer", "batch": 4, "count": {"model_flops": 8e9},
+         "time_s": {"median": 9.0}, "info": {"calls": [[5.0, 1e9], [1.0, 1e10], [2.0, 1e10], [4.0, 2e9]]}}
+    bench.derive(r)
+    assert r["time_s"]["median"] == 2.0 and r["throughput"] == 2.0  # the warm call is dropped
+    assert r["util_calls"] == [0.8, 0.4, 1.0] and r["util"] == 0.8
+
+
+def test_unknown_model_and_bad_options_are_clear_errors():
+    with pytest.raises(ValueError, match="closest: deit_small"):
+        bench.resolve(_args("deit_smal_patch16_224"))
+    with pytest.raises(ValueError, match="--batch"):
+        bench.resolve(_args("deit_mini", "--batch", "0"))
+    with pytest.raises(ValueError, match="name at least one model"):
+        bench.resolve(_args())
+
+
+def _args(*argv: str):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_run_writes_table_json_csv_png(tmp_path):
+    from vitlab.cli import main
+
+    out = tmp_path / "bench"
+    code = main(["bench", "deit_mini", "--img-size", "32", "--batch", "2", "--repeats", "1",
+                 "--gemm-rounds", "1", "--out", str(out)])
+    assert code == 0
+    doc = json.loads((out / "bench.json").read_text())
+    (case,) = doc["cases"]
+    assert case["status"] == "ok", case.get("reason")
+    assert case["tokens"] == 65 and case["img_size"] == 32
+    assert case["count"]["model_flops"] == 2 * case["count"]["macs"] > 0
+    assert case["throughput"] > 0 and case["util"] > 0 and case["gemm_flops_per_s"] > 0
+    assert case["mem"]["peak"] >= case["mem"]["baseline"] > 0
+    assert math.isclose(case["throughput"], 2 / case["time_s"]["median"])
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["model"] == "deit_mini" and float(rows[0]["util_pct"]) > 0
+    for png in ("throughput.png", "memory.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "util %" in (out / "bench.txt").read_text()
+
+
+# ----------------------------------------------------------------------------- fast inference paths
+
+
+def _randomise_batchnorms(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.normal_(0, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.normal_()
+            m.bias.data.normal_()
+
+
+def _fast_and_reference(module: torch.nn.Module, *args, **kw):
+    """The module's output with autograd off (its fast inference path) and on (the reference path)."""
+    with torch.no_grad():
+        fast = module(*args, **kw)
+    return fast, module(*args, **kw)
+
+
+@pytest.mark.parametrize("r, k, dla, reduction, extras, share", [
+    (3, 3, True, True, True, True), (3, 2, True, True, True, False), (1, 3, True, False, True, True),
+    (3, 3, False, True, False, False), (2, 5, True, False, False, True), (1, 1, True, True, True, True),
+])
+def test_refiner_inference_path_is_the_same_function(r, k, dla, reduction, extras, share):
+    torch.manual_seed(r * 10 + k)
+    m = RefinerAttention(24, 2, expansion=r, kernel_size=k, dla=dla, reduction=reduction, official_extras=extras,
+                         share=share, residual_attention=True).eval()
+    _randomise_batchnorms(m)
+    x, prev = torch.randn(3, 10, 24), torch.randn(3, 2, 10, 10).softmax(-1)
+    (fast, fast_aux), (ref, ref_aux) = _fast_and_reference(m, x, attn_prev=prev, return_aux=True)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_aux["attn"], ref_aux["attn"], rtol=1e-5, atol=1e-6)
+
+
+def test_refiner_inference_chunks_the_batch():
+    torch.manual_seed(0)
+    dla = DistributedLocalAttention(2, 3, 3, official_extras=True).eval()
+    _randomise_batchnorms(dla)
+    dla._CHUNK_BYTES = 1  # one sample per chunk
+    a = torch.randn(5, 2, 7, 7).softmax(-1)
+    fast, ref = _fast_and_reference(dla, a)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform_scale", [False, True])
+def test_reattention_inference_path_is_the_same_function(transform_scale):
+    torch.manual_seed(1)
+    m = ReAttention(32, 4, transform_scale=transform_scale).eval()
+    _randomise_batchnorms(m)
+    x = torch.randn(2, 9, 32)
+    (fast, fast_aux), (ref, ref_aux) = _fast_and_reference(m, x, return_aux=True)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_aux["attn"], ref_aux["attn"], rtol=1e-5, atol=1e-6)
+
+
+def test_external_inference_path_is_the_same_function():
+    torch.manual_seed(2)
+    m = MultiHeadExternalAttention(32, 2).eval()
+    for p in m.parameters():
+        p.data.normal_(0, 0.5)  # non-zero memory biases: one is cancelled, the other moves into proj
+    x = torch.randn(2, 9, 32)
+    (fast, fast_aux), (ref, ref_aux) = _fast_and_reference(m, x, return_aux=True)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_aux["attn"], ref_aux["attn"], rtol=1e-5, atol=1e-7)
+
+
+def test_stem_inference_path_and_block_folds_are_the_same_function():
+    torch.manual_seed(3)
+    stem = PatchEmbed(16, 3, 32, (8, 16)).eval()
+    _randomise_batchnorms(stem)
+    x = torch.randn(2, 3, 32, 32)
+    (fast, _), (ref, _) = _fast_and_reference(stem, x)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert fast.is_contiguous()
+    blk = Block(32, Attention(32, 4), residual_scale=0.5, ls_init=(None, 0.1)).eval()
+    t = torch.randn(2, 5, 32)
+    s = 0.5  # the block written out: x += mixer(LN(s·x)) / s; x += γ ⊙ MLP(LN(s·x)) / s
+    y = t + blk.mixer(blk.norm1(s * t)) / s
+    y = y + blk.ls2.gamma * blk.mlp(blk.norm2(s * y)) / s
+    torch.testing.assert_close(blk(t, None), y, rtol=1e-5, atol=1e-6)
