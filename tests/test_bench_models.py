@@ -258,9 +258,19 @@ def _args(*argv: str):
     return p.parse_args(list(argv))
 
 
-def test_cli_run_writes_table_json_csv_png(tmp_path):
+def test_wait_policy_default_passive_unless_set(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert bench.apply_wait_policy(None) == "PASSIVE"
+    assert bench.apply_wait_policy("active") == "ACTIVE"
+    assert bench.apply_wait_policy(None) == "ACTIVE"  # set now: inherited
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert bench.apply_wait_policy("inherit") is None
+
+
+def test_cli_run_writes_table_json_csv_png(tmp_path, monkeypatch):
     from vitlab.cli import main
 
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # restored after the test (the bench sets it for its cases)
     out = tmp_path / "bench"
     code = main(["bench", "deit_mini", "--img-size", "32", "--batch", "2", "--repeats", "1",
                  "--gemm-rounds", "1", "--out", str(out)])
@@ -279,6 +289,7 @@ def test_cli_run_writes_table_json_csv_png(tmp_path):
     for png in ("throughput.png", "memory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "util %" in (out / "bench.txt").read_text()
+    assert doc["machine"]["omp_wait_policy"] == "PASSIVE"
 
 
 # ----------------------------------------------------------------------------- fast inference paths

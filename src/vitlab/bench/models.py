@@ -28,6 +28,15 @@ MACs are counted on the meta device (:mod:`vitlab.bench.flops`: matmuls and
 convolutions, the papers' convention); FLOPs = 2 x MACs + the mixers' elementwise
 work, reported apart.
 
+OpenMP threads that wait at the end of a parallel region spin by default
+(libgomp's ACTIVE policy). On a machine shared with other jobs a spinning
+thread burns the time slice its partner needs, so every one of the hundreds of
+parallel operators of a forward pass can cost a scheduler quantum: a model
+with many small operators looks several times slower than its GEMMs while a
+single long GEMM does not. ``--omp-wait-policy`` (default ``passive`` unless
+``OMP_WAIT_POLICY`` is already set) fixes the policy for the case processes,
+the GEMM yardstick included, and is recorded with the results.
+
 ``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
 2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
 EAMLP-14 >= 75 %, Refined-ViT-S >= 60 %.
@@ -589,6 +598,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)",
     )
     p.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "inherit"),
+        default=None,
+        help="OpenMP wait policy of the case processes (default: passive, or OMP_WAIT_POLICY when set; "
+        "'inherit' leaves the environment as it is)",
+    )
+    p.add_argument(
         "--isolation",
         choices=("forkserver", "subprocess"),
         default="forkserver",
@@ -616,14 +632,24 @@ def resolve(args: argparse.Namespace) -> None:
         raise ValueError(f"--img-size must be positive, got {args.img_size}")
 
 
+def apply_wait_policy(choice: str | None) -> str | None:
+    """Set ``OMP_WAIT_POLICY`` for the case processes (started after this); returns the policy they run with."""
+    if choice is None:
+        choice = "inherit" if "OMP_WAIT_POLICY" in os.environ else "passive"
+    if choice != "inherit":
+        os.environ["OMP_WAIT_POLICY"] = choice.upper()
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
 def run(args: argparse.Namespace) -> int:
     resolve(args)
     cases = plan_cases(args)
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine_info(args.threads)
+    info["omp_wait_policy"] = policy = apply_wait_policy(args.omp_wait_policy)
     print(
         f"vitlab bench: {len(cases)} cases, fresh processes per case; torch {info['torch']}, {args.threads} threads, "
-        f"{info['cpu']}; load {os.getloadavg()[0]:.1f}"
+        f"{info['cpu']}; OMP_WAIT_POLICY={policy or 'unset (libgomp: active)'}; load {os.getloadavg()[0]:.1f}"
     )
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -636,7 +662,8 @@ def run(args: argparse.Namespace) -> int:
         text += "\n\n" + targets_text(targets)
     text += (
         f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
-        f"({info['cpu_count']} CPUs): on a shared machine, timings and utilisation move with the load"
+        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}: on a shared machine, timings and "
+        "utilisation move with the load"
     )
     print("\n" + text)
     config = {
@@ -651,6 +678,7 @@ def run(args: argparse.Namespace) -> int:
             "threads",
             "repeats",
             "warmup",
+            "omp_wait_policy",
             "max_time",
             "gemm_rounds",
             "targets",
