@@ -26,7 +26,14 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(drop)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        h = self.fc1(x)
+        if type(self.act) is nn.GELU and not (torch.is_grad_enabled() and h.requires_grad):
+            # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation
+            # and page-faulting of it fewer; the same values)
+            h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
+        else:
+            h = self.act(h)
+        return self.drop2(self.fc2(self.drop1(h)))
 
 
 class LayerScale(nn.Module):
