@@ -25,7 +25,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
     "lm": ("vitlab.lm.cli", "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench"),
-    "lm": ("vitlab.lm.cli", "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench"),
 }
 
 
