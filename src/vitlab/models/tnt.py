@@ -128,6 +128,17 @@ class PixelEmbed(nn.Module):
         return self.proj(patches).flatten(2).transpose(1, 2).contiguous(), grid
 
 
+def _add_to_patches(outer: Tensor, z: Tensor) -> Tensor:
+    """``[outer_cls, outer_patches + z]`` as a new tensor. Without autograd the sum is written straight into the
+    new tensor (one pass over the tokens, not an add then a concatenation)."""
+    if torch.is_grad_enabled() and (outer.requires_grad or z.requires_grad):
+        return torch.cat([outer[:, :1], outer[:, 1:] + z], dim=1)
+    out = torch.empty_like(outer)
+    out[:, :1] = outer[:, :1]
+    torch.add(outer[:, 1:], z, out=out[:, 1:])
+    return out
+
+
 class TNTBlock(nn.Module):
     """One TNT block: inner block on the words, fusion into the sentences, outer block.
 
@@ -192,7 +203,7 @@ class TNTBlock(nn.Module):
                 inner, inner_aux = inner
                 aux.update({f"inner_{k}": v for k, v in inner_aux.items()})
             # a new tensor, not the official in-place slice update: the caller's outer tokens stay intact
-            outer = torch.cat([outer[:, :1], outer[:, 1:] + self.proj(inner, b)], dim=1)
+            outer = _add_to_patches(outer, self.proj(inner, b))
         outer = self.outer(outer, layout or TokenLayout(num_prefix=1), return_aux=return_aux)
         if return_aux:
             outer, outer_aux = outer
