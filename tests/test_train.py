@@ -313,6 +313,26 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
     )
 
 
+def test_a_batch_too_big_for_memory_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    """An allocation failure in the training step (simulated: CPU allocators raise this RuntimeError)."""
+    real = vitlab.models.create_model
+
+    def failing(*args, **kw):
+        model = real(*args, **kw)
+
+        def forward(x):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 123456789012 bytes")  # fmt: skip
+
+        model.forward = forward
+        return model
+
+    monkeypatch.setattr(vitlab.models, "create_model", failing)
+    assert cli_main(["train", *TINY_RUN, "--epochs", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "a batch of 32 images does not fit in memory" in err and "--batch-size" in err
+
+
 @pytest.mark.slow
 def test_two_ddp_processes_match_one_process_at_the_same_global_batch(tmp_path):
     """torchrun with 2 CPU processes (gloo), global batch 32 = 2 x 16, against 1 process with batch 32.

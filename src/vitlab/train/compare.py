@@ -7,7 +7,7 @@ two cores train two variants side by side. Inference throughput is timed afterwa
 (fresh process, ``--threads`` threads, batch 256, median of repeats).
 
 On 28-px data (the embedded MNIST) the ``*_mini`` configs, built for 32 px with patch 4, are adapted to a
-4x4 grid of 7-px patches (TNT: 2x2 words per patch; EAMLP: T2T soft splits 7/4/2, 3/2/1, 3/1/1, the
+4x4 grid of 7-px patches (TNT: 4x4 words per patch, as TNT-S; EAMLP: T2T soft splits 7/4/2, 3/2/1, 3/1/1, the
 official first split); ``--no-adapt`` keeps them as registered.
 
 Output (``--out``, default ``runs/compare``): ``table.csv``, ``table.json``, ``table.md``, ``curves.png``
@@ -83,7 +83,7 @@ def adapt_to_size(name: str, img_size: int) -> dict[str, Any]:
     if cfg.arch == "t2t":
         return {"soft_split": ((7, 4, 2), (3, 2, 1), (3, 1, 1))}
     if cfg.arch == "tnt":
-        return {"patch_size": 7, "inner_stride": 4}
+        return {"patch_size": 7, "inner_stride": 2}  # 4x4 words of each 7-px patch, as TNT-S's 16 words
     return {"patch_size": 7}
 
 

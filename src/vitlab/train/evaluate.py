@@ -45,7 +45,7 @@ def evaluate_checkpoint(
 
     from ..data import BatchLoader, load_dataset, make_transform
     from .checkpoint import check_model_name, load_checkpoint, model_from_checkpoint
-    from .engine import amp_dtype, evaluate
+    from .engine import amp_dtype, evaluate, is_oom
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -84,6 +84,12 @@ def evaluate_checkpoint(
             res = evaluate(model, loader, dev, dtype)
         except ValueError as e:
             raise ValueError(f"{ckpt['model_name']} cannot run at {size}px: {e}") from None
+        except RuntimeError as e:
+            if is_oom(e):
+                raise ValueError(
+                    f"a batch of {batch_size} images at {size}px does not fit in memory; use a smaller --batch-size"
+                ) from None
+            raise
         rows.append({"model": ckpt["model_name"], "img_size": size, "trained_at": train_size,
                      "weights": "ema" if ema else "model", **res})  # fmt: skip
     return rows
