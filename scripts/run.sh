@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/vitlab bench-mixers "$@"
+.venv/bin/vitlab compare "$@"
