@@ -4,7 +4,9 @@ Each variant trains in a fresh process (``vitlab.bench.measure``: forked from a 
 imported torch), so its peak resident memory is its own. ``--jobs`` variants train at once, each with
 ``--threads // --jobs`` torch threads: these small models use one core far better than two, so by default the
 two cores train two variants side by side. Inference throughput is timed afterwards, one variant at a time
-(fresh process, ``--threads`` threads, batch 256, median of repeats).
+(fresh process, the same threads per variant, batch 256, median of repeats). Timing with as many threads as
+the other work on a loaded machine leaves them is unreliable: ops made of many small parallel regions (e.g.
+``nn.Unfold`` in T2T/EAMLP, one region per image) then wait for a descheduled thread in each region.
 
 On 28-px data (the embedded MNIST) the ``*_mini`` configs, built for 32 px with patch 4, are adapted to a
 4x4 grid of 7-px patches (TNT: 4x4 words per patch, as TNT-S; EAMLP: T2T soft splits 7/4/2, 3/2/1, 3/1/1, the
@@ -222,7 +224,7 @@ def write_tables(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
         f"Held-out top-1/top-5 after {meta['epochs']} epochs on {meta['data']} ({meta['train_images']} train / "
         f"{meta['heldout_images']} held-out images), batch {meta['batch_size']}, lr {meta['lr']}; train img/s with "
         f"{meta['threads_per_job']} thread(s) per variant, {meta['jobs']} variant(s) at a time; inference img/s "
-        f"with {meta['threads']} thread(s), batch 256, one at a time; peak MiB = peak resident memory of the "
+        f"with the same {meta['threads_per_job']} thread(s), batch 256, one variant at a time; peak MiB = peak resident memory of the "
         f"variant's training process. Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}."
     )
     (out / "table.md").write_text(render_markdown(rows, note))
@@ -379,14 +381,14 @@ def run(args: argparse.Namespace) -> int:
             by_cost = sorted(names, key=lambda n: -next((c for k, c in COST.items() if n.startswith(k)), 1.0))
             for f in [pool.submit(train_one, n) for n in by_cost]:
                 f.result()
-        # inference throughput: one variant at a time, all threads
+        # inference throughput: one variant at a time, the threads each variant trained with
         infer: dict[str, float] = {}
         with CaseRunner(args.isolation, timeout=600) as r:
             for name in names:
                 if results[name]["status"] != "ok":
                     continue
                 spec = CaseSpec("vitlab.train.compare:inference_case", {"checkpoint": str(out / name / "last.pt")},
-                                warmup=2, repeats=20, max_time=2.0, threads=args.threads, passes=("time",))  # fmt: skip
+                                warmup=2, repeats=20, max_time=2.0, threads=per_job, passes=("time",))  # fmt: skip
                 res = r.run(spec)
                 if res["status"] == "ok":
                     infer[name] = res["info"]["batch"] / res["time_s"]["median"]
