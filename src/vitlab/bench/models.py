@@ -482,7 +482,7 @@ def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r["status"] == "ok"]
-    groups = sorted({(r["mode"], r["dtype"]) for r in ok}, key=lambda g: (MODES.index(g[0]), g[1]))
+    groups = sorted({(r["mode"], r["dtype"]) for r in ok}, key=lambda g: (MODES.index(g[0]), DTYPES.index(g[1])))
     groups = groups or [("infer", "fp32")]
     paths = []
     specs = (
@@ -496,8 +496,12 @@ def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
         ),
     )
     for fname, xkey, xlabel, yfun, ylabel in specs:
-        fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.8), squeeze=False)
-        for ax, (mode, dtype) in zip(axes[0], groups):
+        cols = min(2, len(groups))
+        rows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+        for ax in axes.flat[len(groups) :]:
+            ax.set_visible(False)
+        for ax, (mode, dtype) in zip(axes.flat, groups):
             lines: dict[str, list[tuple[float, float]]] = {}
             for r in ok:
                 if (r["mode"], r["dtype"]) != (mode, dtype) or r.get(xkey) is None or yfun(r) is None:
