@@ -39,9 +39,12 @@ METHOD = {
     "tnt": "TNT", "eamlp": "EAMLP (external attention)", "aft_full": "AFT-full", "aft_simple": "AFT-simple",
     "aft_conv": "AFT-conv", "aft_local": "AFT-local",
 }  # fmt: skip
-# the compare recipe: short, the same for every variant (tuned so the plain DeiT baseline clears 85 %)
+# the compare recipe: short and the same for every variant. Tuned on the embedded MNIST so that the slowest
+# learners (TNT, then DeiT/DeepViT/EAMLP) clear 85 % held-out: batch 32 beats 64 at equal images seen, lr 3e-3
+# beats 2e-3 and 5e-3, random-crop padding (even 2 px) costs the attention-only models 20 points at this
+# budget, EMA and stochastic depth do not help a run this short
 RECIPE = dict(
-    epochs=7, batch_size=32, lr=3e-3, min_lr=1e-5, warmup_epochs=0.5, weight_decay=0.05, clip_grad=1.0,
+    epochs=8, batch_size=32, lr=3e-3, min_lr=1e-5, warmup_epochs=0.5, weight_decay=0.05, clip_grad=1.0,
     drop_path=0.0, smoothing=0.1, crop_padding=0, ema=0.0,
 )  # fmt: skip
 MB = 1024 * 1024
