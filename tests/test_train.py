@@ -367,3 +367,18 @@ def test_two_ddp_processes_match_one_process_at_the_same_global_batch(tmp_path):
     torch.manual_seed(0)
     init = vitlab.create_model("deit_mini", **ckpt["model_kwargs"]).state_dict()
     assert ckpt["step"] == 8 and min((one[k] - init[k]).abs().max().item() for k in one) > 1e-3
+
+
+def test_eval_at_another_size_resamples_aft_position_biases(tmp_path):
+    """`vitlab eval --img-size`: AFT-full's learned position biases are interpolated like a position table."""
+    from vitlab.train.evaluate import evaluate_checkpoint
+
+    kw = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1, embed_dim=32)
+    model = vitlab.create_model("aft_full_mini", **kw)
+    save_checkpoint({"model_name": "aft_full_mini", "model_kwargs": kw, "model": model.state_dict(),
+                     "config": {"data": "mnist", "holdout": 200}}, tmp_path / "aft.pt")  # fmt: skip
+    rows = evaluate_checkpoint(tmp_path / "aft.pt", [28, 42], threads=1)
+    assert [(r["img_size"], r["n"]) for r in rows] == [(28, 200), (42, 200)]
+    with torch.no_grad():  # at the training size the checkpoint's own model is what was evaluated
+        x = torch.randn(2, 1, 28, 28)
+        torch.testing.assert_close(model_from_checkpoint(load_checkpoint(tmp_path / "aft.pt"))(x), model.eval()(x))

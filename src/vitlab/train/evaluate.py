@@ -2,7 +2,8 @@
 size or others (``--img-size 28 56``): the CPVT paper's "train at 224, test at 384 without fine-tuning".
 
 At another size the held-out images are resized (bilinear, antialiased) and the model runs on the larger
-patch grid: PEG and AFT-conv adapt by construction, a learned position table is resampled (bicubic).
+patch grid: PEG and AFT-conv adapt by construction, a learned position table and AFT-full/local's position
+biases are resampled (bicubic over the patch grid).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def evaluate_checkpoint(
     other = any(s != train_size for s in sizes)
     overrides = {"dynamic_img_size": True} if other and supports_dynamic_size(ckpt["model_name"]) else {}
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    if other:  # AFT-full/local: interpolate the learned position biases to the new token count, as the table
+        for m in model.modules():
+            if isinstance(getattr(m, "resample", None), bool):
+                m.resample = True
     dev = torch.device(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
