@@ -70,10 +70,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[0][:200]
+        detail = next(
+            (ln.strip() for ln in str(e).splitlines() if ln.strip().startswith(("Unsupported", "Trying"))), ""
+        )
+        if "global" in detail.lower():  # Python objects beyond tensors and plain values: loading could run code
+            raise ValueError(
+                f"checkpoint {path} holds Python objects that are not tensors or plain values ({detail[:160]}); "
+                "vitlab never unpickles those (loading could run code): pass a checkpoint written by `vitlab train`"
+            ) from None
         raise ValueError(
-            f"checkpoint {path} cannot be read safely ({reason}); only tensors and plain values are loaded, "
-            "so pass a checkpoint written by `vitlab train`"
+            f"checkpoint {path} is truncated, corrupt or not a PyTorch file ({detail[:80] or 'unreadable'}); "
+            "re-create it or pass another file"
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, AttributeError) as e:
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
