@@ -415,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
                 train_mem_mib=mem["delta"] / MB, train_s=s["train_time_s"], wall_s=res["time_s"]["median"],
                 model_args=json.dumps(configs[name].model_args),
             )  # fmt: skip
+            if "cuda_peak_mib" in s:
+                row["cuda_peak_mib"] = s["cuda_peak_mib"]
         else:
             row["error"] = res.get("reason")
         rows.append(row)

@@ -484,6 +484,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "final": rows[-1] if rows else {}, "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
             "train_time_s": train_s, "wall_s": time.perf_counter() - t_start, "checkpoint": str(out / "last.pt"),
         }  # fmt: skip
+        if device.type == "cuda":  # the host RSS says little about a GPU run
+            summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     if world > 1:
         dist.barrier()
