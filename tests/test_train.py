@@ -58,10 +58,12 @@ def test_param_groups_exclude_norms_biases_tokens_and_tables():
     assert decay["weight_decay"] == 0.05 and no_decay["weight_decay"] == 0.0
     # names a mixer declares (e.g. position biases) are excluded through model.no_weight_decay()
     aft = vitlab.create_model("aft_full_mini", img_size=28, in_chans=1, num_classes=10)
-    aft.blocks[1].mixer.no_weight_decay = lambda: {"u", "v"}
     names = {id(p): n for n, p in aft.named_parameters()}
     excluded = {names[id(p)] for p in param_groups(aft, 0.05)[1]["params"]}
-    assert {"blocks.1.mixer.u", "blocks.1.mixer.v"} <= excluded and "blocks.0.mixer.u" not in excluded
+    assert {"blocks.0.mixer.u", "blocks.0.mixer.v", "blocks.1.mixer.u", "blocks.1.mixer.v"} <= excluded
+    aft.blocks[1].mixer.no_weight_decay = lambda: {"qkv.weight"}
+    excluded = {names[id(p)] for p in param_groups(aft, 0.05)[1]["params"]}
+    assert "blocks.1.mixer.qkv.weight" in excluded and "blocks.0.mixer.qkv.weight" not in excluded
 
 
 def test_adamw_skips_decay_where_excluded():

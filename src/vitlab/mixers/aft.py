@@ -285,6 +285,10 @@ class AFTFull(TokenMixer):
             self.u = nn.Parameter(torch.randn(max_len, bias_dim) * 0.01)
             self.v = nn.Parameter(torch.randn(max_len, bias_dim) * 0.01)
 
+    def no_weight_decay(self) -> set[str]:
+        """Position biases are not weight-decayed (AFT §6.1: weight decay on the linear weights only)."""
+        return {n for n in ("u", "v", "w") if getattr(self, n) is not None}
+
     def extra_repr(self) -> str:
         d = None if self.u is None else self.u.shape[1]
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, max_len={self.max_len}, bias_dim={d}, " + (
@@ -442,6 +446,10 @@ class AFTConv(TokenMixer):
         self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
         self.gamma = nn.Parameter(torch.zeros(num_heads))
         self.beta = nn.Parameter(torch.zeros(num_heads))
+
+    def no_weight_decay(self) -> set[str]:
+        """The kernel and its re-parameterisation gains are not weight-decayed (decay would pull gamma to 0)."""
+        return {"w", "gamma", "beta"}
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
