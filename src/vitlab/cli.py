@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from .runtime import configure_from_env
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
@@ -21,10 +23,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
     "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
     "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
-    "analyze": ("vitlab.analysis.cli", "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model"),
+    "analyze": (
+        "vitlab.analysis.cli",
+        "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model",
+    ),
     "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
-    "lm": ("vitlab.lm.cli", "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench"),
+    "lm": (
+        "vitlab.lm.cli",
+        "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench",
+    ),
 }
 
 
@@ -54,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     try:
+        configure_from_env()  # reuse freed activations instead of page-faulting fresh ones (vitlab.runtime)
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

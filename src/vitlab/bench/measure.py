@@ -9,11 +9,13 @@
   allocates the inputs) and returns the callable to measure (or a
   :class:`Prepared`). Two passes, each in its own process:
 
-  - *memory*: glibc's allocator is made tight first (:func:`tighten_allocator`:
-    freed blocks go back to the OS, so RSS follows the live tensors), the RSS after
+  - *memory*: glibc's allocator is made tight first
+    (:func:`vitlab.runtime.return_freed_memory`: freed blocks go back to the OS, so RSS
+    follows the live tensors), the RSS after
     setup is the *baseline*, the kernel's peak-RSS counter is reset (Linux), the
     callable runs once, and ``peak - baseline`` is the memory that call needed;
-  - *time*: default allocator, warmup + timed repeats, median and IQR.
+  - *time*: the allocator of the ``vitlab`` command (``CaseSpec.allocator``, default
+    :func:`vitlab.runtime.keep_freed_memory`), warmup + timed repeats, median and IQR.
 
 ``python -m vitlab.bench.measure --self-check`` allocates a known amount in a
 fresh process and prints what was measured.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import importlib
 import json
@@ -41,6 +42,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from ..runtime import allocator_policy, keep_freed_memory, return_freed_memory
 
 MB = 1024 * 1024
 
@@ -189,6 +192,8 @@ class CaseSpec:
     threads: int | None = None  # torch.set_num_threads in the child (None: leave torch's default)
     #: "memory": one call under a tight allocator; "time": warmup + timed calls; each in its own process
     passes: tuple[str, ...] = ("memory", "time")
+    #: the time pass's allocator: "keep" (what the vitlab command uses) or "default" (glibc's own policy)
+    allocator: str = "keep"
 
 
 ISOLATIONS = ("forkserver", "subprocess")
@@ -243,7 +248,8 @@ class CaseRunner:
           kernel's peak counter was reset after setup, so that ``peak`` is the call's own),
           ``allocator``;
         * time: ``time_s`` (:meth:`Timing.summary`) and ``mem["timed"]``: baseline, peak and delta
-          over the warmup and timed calls under the default allocator (includes heap fragmentation).
+          over the warmup and timed calls under ``spec.allocator`` (includes heap fragmentation and, with
+          "keep", freed memory kept for reuse), and ``allocator``.
 
         A failing pass stops the case. Never raises for a failing case: a crash, a timeout or an
         out-of-memory kill is reported as ``error``.
@@ -357,7 +363,10 @@ def _resolve(target: str) -> Callable[..., Any]:
 def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     """One pass of :meth:`CaseRunner.run` in this process (``spec.passes`` names it)."""
     (name,) = spec.passes
-    tight = name == "memory" and tighten_allocator()  # before setup, so that setup leaves no free heap
+    if name == "memory":
+        tight = return_freed_memory()  # before setup, so that setup leaves no free heap
+    elif spec.allocator == "keep":
+        keep_freed_memory()
     if spec.threads:
         import torch
 
@@ -385,8 +394,9 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
         return {"status": "not_implemented", "reason": str(e) or "not implemented", "info": prepared.info}
     peak = peak_rss_bytes()
     out["mem"] = {"baseline": baseline, "peak": peak, "delta": peak - baseline}
+    out["mem"]["allocator"] = allocator_policy()
     if name == "memory":
-        allocator = f"glibc, fixed mmap threshold {_TIGHT >> 10} KiB" if tight else "default"
+        allocator = "glibc, fixed mmap threshold 128 KiB" if tight else "default"
         out["mem"].update(**{"import": import_rss}, peak_reset=reset, allocator=allocator)
     return out
 
@@ -395,27 +405,6 @@ def _release(prepared: Prepared) -> None:
     if prepared.reset is not None:
         prepared.reset()
     gc.collect()
-
-
-_TIGHT = 128 * 1024
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def tighten_allocator() -> bool:
-    """Make glibc serve blocks >= 128 KiB by mmap and unmap them on free, and release its free heap.
-
-    By default glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after
-    which freed blocks stay resident in the heap, so a process's RSS overstates its live memory by
-    however fragmented the heap became. Fixing the threshold makes RSS follow the live blocks.
-    True if it worked (glibc only).
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _TIGHT) == 1
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return ok
 
 
 def _measure_guarded(spec: CaseSpec) -> dict[str, Any]:
