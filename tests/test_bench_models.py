@@ -220,8 +220,17 @@ def test_gemm_rate_is_the_best_shape():
 
 
 def _fake(model: str, util: float) -> dict:
-    return {"model": model, "roles": ["target"], "status": "ok", "util": util, "util_run": util,
-            "achieved_flops_per_s": 1e10, "gemm_flops_per_s": 2e10, "throughput": 3.0, "loadavg": [1.0, 1.0, 1.0]}
+    return {
+        "model": model,
+        "roles": ["target"],
+        "status": "ok",
+        "util": util,
+        "util_run": util,
+        "achieved_flops_per_s": 1e10,
+        "gemm_flops_per_s": 2e10,
+        "throughput": 3.0,
+        "loadavg": [1.0, 1.0, 1.0],
+    }
 
 
 def test_targets_pass_fail_and_missing():
@@ -234,8 +243,14 @@ def test_targets_pass_fail_and_missing():
 
 
 def test_derive_pairs_each_call_with_its_probe():
-    r = {"status": "ok", "mode": "infer", "batch": 4, "count": {"model_flops": 8e9},
-         "time_s": {"median": 9.0}, "info": {"calls": [[5.0, 1e9], [1.0, 1e10], [2.0, 1e10], [4.0, 2e9]]}}
+    r = {
+        "status": "ok",
+        "mode": "infer",
+        "batch": 4,
+        "count": {"model_flops": 8e9},
+        "time_s": {"median": 9.0},
+        "info": {"calls": [[5.0, 1e9], [1.0, 1e10], [2.0, 1e10], [4.0, 2e9]]},
+    }
     bench.derive(r)
     assert r["time_s"]["median"] == 2.0 and r["throughput"] == 2.0  # the warm call is dropped
     assert r["util_calls"] == [0.8, 0.4, 1.0] and r["util"] == 0.8
@@ -272,8 +287,23 @@ def test_cli_run_writes_table_json_csv_png(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # restored after the test (the bench sets it for its cases)
     out = tmp_path / "bench"
-    code = main(["bench", "deit_mini", "--img-size", "32", "--batch", "2", "--repeats", "1",
-                 "--gemm-rounds", "1", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "deit_mini",
+            "--img-size",
+            "32",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+            "--gemm-rounds",
+            "1",
+            "--profile",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = json.loads((out / "bench.json").read_text())
     (case,) = doc["cases"]
@@ -290,6 +320,33 @@ def test_cli_run_writes_table_json_csv_png(tmp_path, monkeypatch):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "util %" in (out / "bench.txt").read_text()
     assert doc["machine"]["omp_wait_policy"] == "PASSIVE"
+    assert case["mem_timed"]["allocator"] == "keep" and doc["config"]["allocator"] == "keep"
+    prof = case["info"]["profile"]
+    assert prof["groups"]["gemm"]["flops"] > 0 and prof["gemm_util"] > 0 and prof["ceiling_util"] > 0
+    assert math.isclose(sum(g["share"] for g in prof["groups"].values()), 1.0)
+    assert "matrix products run at" in (out / "profile_deit_mini_infer_fp32_b2_32px.txt").read_text()
+
+
+def test_profile_groups_and_counts_flops():
+    from vitlab.bench.profile import group_of, op_flops, profile_call, with_yardstick
+
+    assert op_flops("aten::addmm", [[64], [32, 16], [16, 64]]) == 2 * 32 * 16 * 64
+    assert op_flops("aten::bmm", [[4, 8, 16], [4, 16, 5]]) == 2 * 4 * 8 * 16 * 5
+    assert (
+        op_flops("aten::_scaled_dot_product_flash_attention_for_cpu", [[2, 3, 10, 8], [2, 3, 12, 8], [2, 3, 12, 8]])
+        == 4 * 2 * 3 * 10 * 12 * 8
+    )
+    assert op_flops("aten::add", [[3], [3]]) == 0.0
+    assert [
+        group_of(n) for n in ("aten::mm", "aten::_softmax", "aten::native_layer_norm", "aten::copy_", "aten::gelu")
+    ] == ["gemm", "attention", "norm", "copy", "elementwise"]
+    a, b, x = torch.randn(64, 48), torch.randn(48, 80), torch.randn(8, 32)
+    prof = profile_call(lambda: (torch.mm(a, b), x.softmax(-1), torch.nn.functional.layer_norm(x, (32,)), x.exp()))
+    g = prof["groups"]
+    assert g["gemm"]["flops"] == 2 * 64 * 48 * 80 and g["gemm"]["calls"] == 1
+    assert g["attention"]["ms"] > 0 and g["norm"]["ms"] > 0 and g["elementwise"]["ms"] > 0
+    full = with_yardstick(prof, gemm_flops_per_s=1e9, model_flops=2 * 64 * 48 * 80)
+    assert math.isclose(full["gemm_util"], g["gemm"]["gflops_per_s"])  # 1 GFLOP/s yardstick
 
 
 # ----------------------------------------------------------------------------- fast inference paths
@@ -311,14 +368,30 @@ def _fast_and_reference(module: torch.nn.Module, *args, **kw):
     return fast, module(*args, **kw)
 
 
-@pytest.mark.parametrize("r, k, dla, reduction, extras, share", [
-    (3, 3, True, True, True, True), (3, 2, True, True, True, False), (1, 3, True, False, True, True),
-    (3, 3, False, True, False, False), (2, 5, True, False, False, True), (1, 1, True, True, True, True),
-])
+@pytest.mark.parametrize(
+    "r, k, dla, reduction, extras, share",
+    [
+        (3, 3, True, True, True, True),
+        (3, 2, True, True, True, False),
+        (1, 3, True, False, True, True),
+        (3, 3, False, True, False, False),
+        (2, 5, True, False, False, True),
+        (1, 1, True, True, True, True),
+    ],
+)
 def test_refiner_inference_path_is_the_same_function(r, k, dla, reduction, extras, share):
     torch.manual_seed(r * 10 + k)
-    m = RefinerAttention(24, 2, expansion=r, kernel_size=k, dla=dla, reduction=reduction, official_extras=extras,
-                         share=share, residual_attention=True).eval()
+    m = RefinerAttention(
+        24,
+        2,
+        expansion=r,
+        kernel_size=k,
+        dla=dla,
+        reduction=reduction,
+        official_extras=extras,
+        share=share,
+        residual_attention=True,
+    ).eval()
     _randomise_batchnorms(m)
     x, prev = torch.randn(3, 10, 24), torch.randn(3, 2, 10, 10).softmax(-1)
     (fast, fast_aux), (ref, ref_aux) = _fast_and_reference(m, x, attn_prev=prev, return_aux=True)

@@ -37,6 +37,11 @@ single long GEMM does not. ``--omp-wait-policy`` (default ``passive`` unless
 ``OMP_WAIT_POLICY`` is already set) fixes the policy for the case processes,
 the GEMM yardstick included, and is recorded with the results.
 
+The timed calls run under the allocator policy of every ``vitlab`` command
+(:func:`vitlab.runtime.keep_freed_memory`: freed activations are reused, not
+returned to the OS and page-faulted back); ``--allocator default`` times glibc's
+own policy for comparison. The memory pass always uses a tight allocator.
+
 ``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
 2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
 EAMLP-14 >= 75 %, Refined-ViT-S >= 60 %.
@@ -106,6 +111,7 @@ def prepare_case(
     compile: bool = False,
     gemm: bool = True,
     gemm_rounds: int = 5,
+    profile: bool = False,
     seed: int = 0,
 ) -> Prepared:
     """Build the model and its input, run one warm call; return the call to measure.
@@ -113,6 +119,8 @@ def prepare_case(
     With ``gemm`` the machine's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``) and
     every call is followed by a GEMM probe: ``info["calls"]`` lists ``[model seconds, probe FLOP/s]`` per
     call (the first is the setup's warm call). ``info["compile_s"]`` is the first call's time when ``compile``.
+    ``profile``: one more call under the profiler after the warm call, grouped into ``info["profile"]``
+    (:func:`vitlab.bench.profile.profile_call`).
     """
     import torch
     import torch.nn.functional as F
@@ -167,6 +175,10 @@ def prepare_case(
 
     timed_step()  # warm call: lazy initialisation, optimizer state, compilation
     info["first_call_s"] = calls[0][0]
+    if profile:
+        from .profile import profile_call
+
+        info["profile"] = profile_call(step)
     if compile:
         info["compile_s"] = calls[0][0]
     info["loadavg"] = os.getloadavg()
@@ -259,10 +271,12 @@ def run_plan(cases: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
 
 def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The memory pass (no GEMM measurement) and the time pass (GEMM rate first), each in a fresh process."""
-    common = dict(warmup=args.warmup, repeats=args.repeats, max_time=args.max_time, threads=args.threads)
+    common = dict(
+        warmup=args.warmup, repeats=args.repeats, max_time=args.max_time, threads=args.threads, allocator=args.allocator
+    )
     out: dict[str, Any] = {"status": "ok"}
     passes = [("memory", {**params, "gemm": False})] if not args.no_memory else []
-    passes.append(("time", {**params, "gemm": True, "gemm_rounds": args.gemm_rounds}))
+    passes.append(("time", {**params, "gemm": True, "gemm_rounds": args.gemm_rounds, "profile": args.profile}))
     for name, p in passes:
         res = runner.run(CaseSpec(CASE_TARGET, p, passes=(name,), **common))
         if res["status"] != "ok":
@@ -597,6 +611,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemm-rounds", type=int, default=5, help="timed rounds per GEMM shape (default 5)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass (faster)")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one call per case: time per kind of work (matrix products, attention, norms, copies, "
+        "elementwise) with their GFLOP/s, top operators; profile_*.txt",
+    )
+    p.add_argument(
         "--targets",
         action="store_true",
         help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)",
@@ -607,6 +627,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="OpenMP wait policy of the case processes (default: passive, or OMP_WAIT_POLICY when set; "
         "'inherit' leaves the environment as it is)",
+    )
+    p.add_argument(
+        "--allocator",
+        choices=("keep", "default"),
+        default="keep",
+        help="allocator policy of the timed calls: keep freed memory for reuse (default, as every vitlab command) "
+        "or glibc's default (returns large blocks to the OS: page faults on every new activation)",
     )
     p.add_argument(
         "--isolation",
@@ -653,7 +680,8 @@ def run(args: argparse.Namespace) -> int:
     info["omp_wait_policy"] = policy = apply_wait_policy(args.omp_wait_policy)
     print(
         f"vitlab bench: {len(cases)} cases, fresh processes per case; torch {info['torch']}, {args.threads} threads, "
-        f"{info['cpu']}; OMP_WAIT_POLICY={policy or 'unset (libgomp: active)'}; load {os.getloadavg()[0]:.1f}"
+        f"{info['cpu']}; OMP_WAIT_POLICY={policy or 'unset (libgomp: active)'}; allocator {args.allocator}; "
+        f"load {os.getloadavg()[0]:.1f}"
     )
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -666,8 +694,8 @@ def run(args: argparse.Namespace) -> int:
         text += "\n\n" + targets_text(targets)
     text += (
         f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
-        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}: on a shared machine, timings and "
-        "utilisation move with the load"
+        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}, allocator {args.allocator}: on a shared "
+        "machine, timings and utilisation move with the load"
     )
     print("\n" + text)
     config = {
@@ -683,6 +711,7 @@ def run(args: argparse.Namespace) -> int:
             "repeats",
             "warmup",
             "omp_wait_policy",
+            "allocator",
             "max_time",
             "gemm_rounds",
             "targets",
@@ -707,7 +736,8 @@ def run(args: argparse.Namespace) -> int:
         "cases": results,
         "targets": targets,
     }
-    paths = {"json": args.out / "bench.json", "csv": args.out / "bench.csv", "txt": args.out / "bench.txt"}
+    profiles = write_profiles(results, args.out)  # adds each profile's yardstick figures to the results
+    paths = {"json": args.out / "bench.json", "csv": args.out / "bench.csv", "txt": args.out / "bench.txt", **profiles}
     paths["json"].write_text(json.dumps(doc, indent=1, default=str))
     write_csv(results, paths["csv"])
     paths["txt"].write_text(text + "\n")
@@ -715,6 +745,29 @@ def run(args: argparse.Namespace) -> int:
     pngs = plot(results, args.out, title)
     print(f"wrote {', '.join(str(p) for p in [*paths.values(), *pngs])} ({elapsed:.0f} s)")
     return 0
+
+
+def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    """``profile_<case>.txt`` for every profiled case; prints each one's summary by kind of work."""
+    from .profile import profile_text, with_yardstick
+
+    paths = {}
+    for r in results:
+        prof = (r.get("info") or {}).get("profile") if r["status"] == "ok" else None
+        if not prof:
+            continue
+        passes = 3 if r["mode"] == "train" else 1
+        prof = r["info"]["profile"] = with_yardstick(
+            prof, r.get("gemm_flops_per_s"), passes * r["count"]["model_flops"]
+        )
+        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px" + (
+            "_compiled" if r["compile"] else ""
+        )
+        text = profile_text(name, prof)
+        paths[f"profile {name}"] = out / f"profile_{name}.txt"
+        paths[f"profile {name}"].write_text(text + "\n")
+        print("\n" + "\n".join(text.splitlines()[:10]))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
