@@ -197,7 +197,9 @@ def test_sharing_options():
         split.head.bias.zero_()
         split.head.bias[256:512] = 5.0  # the head rows of channel 1
         lg = split.logits(torch.zeros(1, 6, 32))
-    assert torch.allclose(lg[0, [1, 4]], torch.full((2, 256), 5.0)) and torch.allclose(lg[0, [0, 2, 3, 5]], torch.zeros(4, 256))
+    assert torch.allclose(lg[0, [1, 4]], torch.full((2, 256), 5.0)) and torch.allclose(
+        lg[0, [0, 2, 3, 5]], torch.zeros(4, 256)
+    )
 
 
 # ---------------------------------------------------------------- bits/dim
@@ -412,15 +414,36 @@ def test_bench_case_and_ratios():
     step = bench.prepare_case("aft_local_rc", T=64, layers=1, dim=32, batch=1)
     step.fn()
     assert step.info["mixer"][1]["recompute"] and step.info["rss_before_model"] > 0
-    results = [{"model": m, "T": 3072, "status": "ok", "step_s": s, "mem_mb": mem}
-               for m, s, mem in (("aft_local", 1.0, 50.0), ("transformer", 2.0, 100.0), ("transformer_explicit", 4.0, 200.0))]
+    results = [
+        {"model": m, "T": 3072, "status": "ok", "step_s": s, "mem_mb": mem}
+        for m, s, mem in (("aft_local", 1.0, 50.0), ("transformer", 2.0, 100.0), ("transformer_flash", 4.0, 200.0))
+    ]
     rows = bench.ratios(results)
     merged = bench.summarise([{"model": "aft_local", "T": 8, "status": "ok", "mem_mb": m, "time_s": {"times": ts}}
                               for m, ts in ((10.0, [3.0, 2.0]), (12.0, [2.5, 4.0]))])  # fmt: skip
     assert merged == [{"model": "aft_local", "T": 8, "status": "ok", "step_s": 2.0, "median_s": 2.75, "mem_mb": 12.0,
                        "steps_timed": 4}]  # fmt: skip
-    assert [(r["model"], r["mem_ratio"], r["speed_ratio"]) for r in rows][:2] == [("aft_local", 0.5, 2.0), ("transformer", 1.0, 1.0)]
+    assert [(r["model"], r["mem_ratio"], r["speed_ratio"]) for r in rows][:2] == [
+        ("aft_local", 0.5, 2.0),
+        ("transformer", 1.0, 1.0),
+    ]
     v = bench.targets(rows)["aft_local"]
     assert v["mem_met"] and v["speed_met"]
     text = "\n".join(bench.verdict_lines(bench.targets(rows), rows))
-    assert "0.25x" in text and "4.00x" in text  # against the materialised-map Transformer
+    assert "0.25x" in text and "4.00x" in text  # against the flash Transformer (no attention dropout)
+
+
+def test_transformer_baseline_drops_attention_weights():
+    """``attn_dropout`` (default: ``dropout``) reaches the attention mixer; AFT mixers have no such weights."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    drops = create_lm("tiny_transformer", dropout=0.0, attn_dropout=0.5).train()
+    assert drops.blocks[0].mixer.attn_drop.p == 0.5
+    assert not torch.equal(drops.loss(x), drops.loss(x))  # only the attention weights are dropped
+    assert torch.equal(drops.eval().loss(x), drops.loss(x))
+    plain = create_lm("tiny_transformer", dropout=0.0, attn_dropout=0.0).train()
+    assert torch.equal(plain.loss(x), plain.loss(x))
+    assert create_lm("tiny_transformer", dropout=0.1).blocks[0].mixer.attn_drop.p == 0.1  # follows dropout
+    assert create_lm("tiny_aft_simple", dropout=0.1).config["attn_dropout"] == 0.1
+    with pytest.raises(ValueError, match="attn_dropout"):
+        create_lm("tiny_transformer", attn_dropout=1.0)

@@ -11,7 +11,10 @@ Conventions:
 * images are H x W x 3 sub-pixel sequences (raster order, RGB interleaved); the paper shares one token
   embedding and one 256-way head across R, G, B (``channels=1``). ``channels=3`` gives each channel its
   own embedding rows and head (position t's symbol belongs to channel ``t % channels``).
-* dropout (paper: 0.1) is applied to the embeddings, after each mixer (residual dropout) and inside the FFN.
+* dropout (paper: 0.1) is applied to the embeddings, after each mixer (residual dropout) and inside the FFN;
+  the Transformer baseline also drops attention weights (``attn_dropout``, by default the same rate, as
+  ``nn.Transformer`` and GPT-2 do; with a rate > 0, SDPA on CPU takes its math path, which stores the T x T
+  maps like the paper's 2021 baseline; ``attn_dropout=0`` keeps the flash kernel).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class CausalLM(nn.Module):
             to the mixer (e.g. ``{"window": 256, "bias_dim": 64}``). Every mixer is built causal.
         ffn_mult: FFN hidden width / d (paper: 4).
         dropout: embedding, residual and FFN dropout (paper: 0.1).
+        attn_dropout: dropout on the attention weights of the ``attention`` mixer (None: ``dropout``); AFT has
+            no attention weights and ignores it.
         tie_head: the head reuses the token embedding (V rows) as its weight.
         channels: 1 = one embedding and head shared by all positions (the paper's RGB sharing);
             c > 1 = separate embedding rows and head per channel ``t % c``.
@@ -83,6 +88,7 @@ class CausalLM(nn.Module):
         heads: int = 1,
         ffn_mult: float = 4.0,
         dropout: float = 0.1,
+        attn_dropout: float | None = None,
         tie_head: bool = False,
         channels: int = 1,
     ) -> None:
@@ -91,14 +97,17 @@ class CausalLM(nn.Module):
                           ("heads", heads), ("channels", channels)):  # fmt: skip
             if int(val) != val or val < 1:
                 raise ValueError(f"CausalLM: {name} must be a positive integer, got {val!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"CausalLM: dropout must be in [0, 1), got {dropout}")
+        attn_dropout = dropout if attn_dropout is None else attn_dropout
+        for name, val in (("dropout", dropout), ("attn_dropout", attn_dropout)):
+            if not 0.0 <= val < 1.0:
+                raise ValueError(f"CausalLM: {name} must be in [0, 1), got {val}")
         if tie_head and channels != 1:
             raise ValueError("CausalLM: tie_head needs channels=1 (one embedding shared by all positions)")
         kind, opts = parse_mixer(mixer)
         self.config = {
             "vocab_size": vocab_size, "max_len": max_len, "dim": dim, "depth": depth, "mixer": [kind, opts],
-            "heads": heads, "ffn_mult": ffn_mult, "dropout": dropout, "tie_head": tie_head, "channels": channels,
+            "heads": heads, "ffn_mult": ffn_mult, "dropout": dropout, "attn_dropout": attn_dropout,
+            "tie_head": tie_head, "channels": channels,
         }  # fmt: skip
         self.vocab_size, self.max_len, self.dim, self.channels = vocab_size, max_len, dim, channels
         self.bos = channels * vocab_size  # the last embedding row
@@ -108,14 +117,16 @@ class CausalLM(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList()
         for _ in range(depth):
-            self.blocks.append(DecoderBlock(dim, self._mixer(kind, opts, dim, heads, max_len), ffn_mult, dropout))
+            self.blocks.append(
+                DecoderBlock(dim, self._mixer(kind, opts, dim, heads, max_len, attn_dropout), ffn_mult, dropout)
+            )
         self.norm = nn.LayerNorm(dim)
         self.head = None if tie_head else nn.Linear(dim, channels * vocab_size)
         self.init_weights()
 
     @staticmethod
-    def _mixer(kind: str, opts: dict[str, Any], dim: int, heads: int, max_len: int) -> nn.Module:
-        defaults = {"num_heads": heads, "max_len": max_len}
+    def _mixer(kind: str, opts: dict[str, Any], dim: int, heads: int, max_len: int, attn_dropout: float) -> nn.Module:
+        defaults = {"num_heads": heads, "max_len": max_len, "attn_drop": attn_dropout}  # each mixer takes what it has
         if kind != "aft_local":
             return build(kind, dim, defaults=defaults, causal=True, **opts)
         # AFTLocal with the O(T s d) causal path (same parameters and state dict)
@@ -144,8 +155,11 @@ class CausalLM(nn.Module):
     # ------------------------------------------------------------------ pieces shared with incremental decoding
 
     def check_tokens(self, tokens: Tensor, start: int = 0) -> None:
-        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32,
-                                                                                         torch.uint8, torch.int16):
+        if (
+            not isinstance(tokens, Tensor)
+            or tokens.dim() != 2
+            or tokens.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16)
+        ):
             what = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"CausalLM: expected integer tokens of shape (B, T), got {what}")
         n = tokens.shape[1]
@@ -220,27 +234,47 @@ _TINY = {"vocab_size": 256, "max_len": 256, "dim": 32, "depth": 2, "dropout": 0.
 # name -> (CausalLM arguments, where it comes from)
 LM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     # CIFAR-10 (paper Table 2; factorised bias d' = 64, window 256)
-    "aft_local_256_cifar": ({**_CIFAR, "dim": 256, "depth": 24, "mixer": ("aft_local", {"window": 256, "bias_dim": 64})},
-                            "Table 2: AFT-local-256, L=24, d=256 (best, 2.74 bits/dim test)"),
-    "aft_local_256_cifar_l12": ({**_CIFAR, "dim": 512, "depth": 12,
-                                 "mixer": ("aft_local", {"window": 256, "bias_dim": 64})},
-                                "Table 2: AFT-local-256, L=12, d=512"),
-    "aft_simple_cifar": ({**_CIFAR, "dim": 256, "depth": 24, "mixer": "aft_simple"}, "Table 2: AFT-simple, L=24, d=256"),
-    "transformer_cifar": ({**_CIFAR, "dim": 256, "depth": 24, "heads": 2, "mixer": "attention"},
-                          "Table 2: Transformer, L=24, d=256, h=2"),
-    "transformer_cifar_l12": ({**_CIFAR, "dim": 512, "depth": 12, "heads": 4, "mixer": "attention"},
-                              "Table 2: Transformer, L=12, d=512, h=4"),
+    "aft_local_256_cifar": (
+        {**_CIFAR, "dim": 256, "depth": 24, "mixer": ("aft_local", {"window": 256, "bias_dim": 64})},
+        "Table 2: AFT-local-256, L=24, d=256 (best, 2.74 bits/dim test)",
+    ),
+    "aft_local_256_cifar_l12": (
+        {**_CIFAR, "dim": 512, "depth": 12, "mixer": ("aft_local", {"window": 256, "bias_dim": 64})},
+        "Table 2: AFT-local-256, L=12, d=512",
+    ),
+    "aft_simple_cifar": (
+        {**_CIFAR, "dim": 256, "depth": 24, "mixer": "aft_simple"},
+        "Table 2: AFT-simple, L=24, d=256",
+    ),
+    "transformer_cifar": (
+        {**_CIFAR, "dim": 256, "depth": 24, "heads": 2, "mixer": "attention"},
+        "Table 2: Transformer, L=24, d=256, h=2",
+    ),
+    "transformer_cifar_l12": (
+        {**_CIFAR, "dim": 512, "depth": 12, "heads": 4, "mixer": "attention"},
+        "Table 2: Transformer, L=12, d=512, h=4",
+    ),
     # enwik8 (paper Tables 4-6; window 32, d' = 256, T = 1024)
-    "aft_local_32_enwik8": ({**_ENWIK8, "dim": 256, "depth": 24, "mixer": ("aft_local", {"window": 32, "bias_dim": 256})},
-                            "Table 4: AFT-local-32, L=24, d=256"),
-    "aft_local_32_enwik8_l12": ({**_ENWIK8, "dim": 512, "depth": 12,
-                                 "mixer": ("aft_local", {"window": 32, "bias_dim": 256})},
-                                "Table 4: AFT-local-32, L=12, d=512"),
-    "aft_simple_enwik8": ({**_ENWIK8, "dim": 256, "depth": 24, "mixer": "aft_simple"}, "Table 4: AFT-simple, L=24, d=256"),
-    "transformer_enwik8": ({**_ENWIK8, "dim": 256, "depth": 24, "heads": 4, "mixer": "attention"},
-                           "Table 4: Transformer, L=24, d=256, h=4"),
-    "transformer_enwik8_l12": ({**_ENWIK8, "dim": 512, "depth": 12, "heads": 8, "mixer": "attention"},
-                               "Table 4: Transformer base, L=12, d=512, h=8"),
+    "aft_local_32_enwik8": (
+        {**_ENWIK8, "dim": 256, "depth": 24, "mixer": ("aft_local", {"window": 32, "bias_dim": 256})},
+        "Table 4: AFT-local-32, L=24, d=256",
+    ),
+    "aft_local_32_enwik8_l12": (
+        {**_ENWIK8, "dim": 512, "depth": 12, "mixer": ("aft_local", {"window": 32, "bias_dim": 256})},
+        "Table 4: AFT-local-32, L=12, d=512",
+    ),
+    "aft_simple_enwik8": (
+        {**_ENWIK8, "dim": 256, "depth": 24, "mixer": "aft_simple"},
+        "Table 4: AFT-simple, L=24, d=256",
+    ),
+    "transformer_enwik8": (
+        {**_ENWIK8, "dim": 256, "depth": 24, "heads": 4, "mixer": "attention"},
+        "Table 4: Transformer, L=24, d=256, h=4",
+    ),
+    "transformer_enwik8_l12": (
+        {**_ENWIK8, "dim": 512, "depth": 12, "heads": 8, "mixer": "attention"},
+        "Table 4: Transformer base, L=12, d=512, h=8",
+    ),
     # tiny models for tests and quick CPU runs
     "tiny_aft_local": ({**_TINY, "mixer": ("aft_local", {"window": 8, "bias_dim": 16})}, "tests: AFT-local-8"),
     "tiny_aft_simple": ({**_TINY, "mixer": "aft_simple"}, "tests: AFT-simple"),
