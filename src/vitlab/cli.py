@@ -77,5 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run_tool(command: str, argv: list[str] | None = None) -> int:
+    """``vitlab COMMAND ARGV...``: the entry of the ``benchmarks/`` scripts and ``python -m vitlab.<tool>`` (one
+    parser, one error format, the same runtime settings as the command)."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
+
+
 if __name__ == "__main__":
     sys.exit(main())

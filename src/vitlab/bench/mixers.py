@@ -822,15 +822,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point without the rest of the CLI (``python benchmarks/mixers.py``, ``python -m vitlab.bench.mixers``)."""
-    parser = argparse.ArgumentParser(prog="bench-mixers", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"bench-mixers: error: {e}", file=sys.stderr)
-        return 2
+    """``vitlab bench-mixers`` (``python benchmarks/mixers.py``, ``python -m vitlab.bench.mixers``)."""
+    from ..cli import run_tool
+
+    return run_tool("bench-mixers", argv)
 
 
 if __name__ == "__main__":

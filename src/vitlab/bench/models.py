@@ -771,15 +771,10 @@ def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point without the rest of the CLI (``python benchmarks/models.py``, ``python -m vitlab.bench.models``)."""
-    parser = argparse.ArgumentParser(prog="vitlab bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"vitlab bench: error: {e}", file=sys.stderr)
-        return 2
+    """``vitlab bench`` (``python benchmarks/models.py``, ``python -m vitlab.bench.models``)."""
+    from ..cli import run_tool
+
+    return run_tool("bench", argv)
 
 
 if __name__ == "__main__":
