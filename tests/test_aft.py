@@ -6,6 +6,7 @@ The goldens (community implementations) are in test_aft_golden.py.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
 from vitlab.mixers import aft as aft_mod
+from vitlab.mixers.aft_banded import MIN_BLOCK, band_positions, local_bias_band
 
 # ---------------------------------------------------------------- naive references (float64, literal sums)
 
@@ -421,6 +423,116 @@ def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
     assert qkv16[0].dtype == torch.bfloat16  # projections did run in bf16
     # reference: the same bf16 projections, everything after them in float64; proj ran in bf16
     assert_rel(out16, reference(m, x, GRID, qkv=qkv16), 3e-2)
+
+
+# ---------------------------------------------------------------- causal AFT-local: the O(T·s·d) band
+
+
+class CoreSpy:
+    """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_causal: the band)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("aft_full", "aft_local_causal"):
+            original = getattr(aft_mod, name)
+
+            def spy(*args, _name=name, _core=original, **kw):
+                self.calls.append(_name)
+                return _core(*args, **kw)
+
+            monkeypatch.setattr(aft_mod, name, spy)
+
+
+def randomise_bias(m, std):
+    with torch.no_grad():
+        for p in (m.u, m.v, m.w):
+            if p is not None:
+                p.normal_(0, std)
+
+
+def dense_forward(m, x):
+    """AFTLocal's O(N²) path written out: AFT-full's core on the module's dense masked bias."""
+    q, k, v = m.qkv(x).chunk(3, -1)
+    return m.proj(aft_mod.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=True))
+
+
+@pytest.mark.parametrize(("n", "window", "outside", "factorised"),
+                         [(50, 7, "zero", True), (64, 16, "zero", True), (37, 20, "zero", False),
+                          (50, 3, "-inf", True), (33, 32, "zero", True), (45, 1, "zero", False)])  # fmt: skip
+def test_banded_core_is_the_paper_equation(n, window, outside, factorised):
+    torch.manual_seed(0)
+    b, c = 2, 6
+    q, k, v = (torch.randn(b, n, c, dtype=torch.float64) * 2 for _ in range(3))
+    m = AFTLocal(c, n, window=window, outside=outside, bias_dim=4 if factorised else None, causal=True).double()
+    randomise_bias(m, 1.0)
+    band = local_bias_band(n, max(window, MIN_BLOCK), m.u, m.v, m.w)
+    y = aft_mod.aft_local_causal(q, k, v, band, window, outside == "zero", lambda t, g: None)  # no fallback
+    ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
+    assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_band_positions_cover_the_window():
+    t, tk = band_positions(10, 4)
+    assert t.shape == (3, 4, 1) and tk.shape == (3, 1, 8)
+    lag = t - tk
+    # every (t, t') with 0 <= t - t' < 4 appears exactly once in the band
+    for q in range(10):
+        keys = tk.expand(3, 4, 8)[(t.expand(3, 4, 8) == q) & (lag >= 0) & (lag < 4) & (tk >= 0)]
+        assert sorted(keys.tolist()) == list(range(max(0, q - 3), q + 1))
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"bias_dim": None}, {"outside": "-inf"}, {"window": 40}, {"window": 1}, {"recompute": True}]
+)
+def test_banded_module_equals_dense_forward_and_gradients(kw, monkeypatch):
+    torch.manual_seed(1)
+    m = AFTLocal(24, 64, causal=True, **{"window": 7, **kw})
+    randomise_bias(m, 0.5)
+    spy = CoreSpy(monkeypatch)
+    x = torch.randn(2, 50, 24, requires_grad=True)
+    y = m(x)
+    assert spy.calls == ["aft_local_causal"]
+    y_ref = dense_forward(m, x)
+    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    params = list(m.parameters())
+    for a, b in zip(torch.autograd.grad(y, [x, *params], g), torch.autograd.grad(y_ref, [x, *params], g)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_build_causal_aft_local_takes_the_band_path(monkeypatch):
+    torch.manual_seed(2)
+    m = build("aft_local", 24, causal=True, max_len=40, window=5)
+    assert m.recompute is False and "recompute" not in repr(m)
+    randomise_bias(m, 0.5)
+    spy = CoreSpy(monkeypatch)
+    for x, layout in ((torch.randn(2, 33, 24), None), (torch.randn(2, 21, 24), GRID)):  # shorter than max_len
+        spy.calls.clear()
+        out = m(x, layout)
+        assert spy.calls == ["aft_local_causal"]  # a sequence or a grid with a class token: 1-D token order
+        assert_rel(out, reference(m, x, layout), 1e-5)
+    # no longer than the window, or not causal: the dense path
+    spy.calls.clear()
+    m(torch.randn(2, 5, 24))
+    build("aft_local", 24, max_len=40, window=5)(torch.randn(2, 40, 24))
+    assert spy.calls == ["aft_full", "aft_full"]
+    assert "recompute=True" in repr(build("aft_local", 24, causal=True, max_len=40, recompute=True))
+
+
+def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
+    torch.manual_seed(3)
+    counter = FallbackCounter(monkeypatch)
+    n, c, window = 40, 4, 6
+    q, v = torch.randn(2, n, c), torch.randn(2, n, c)
+    k = torch.randn(2, n, c) * 1e3
+    m = AFTLocal(c, n, window=window, bias_dim=None, causal=True)
+    randomise_bias(m, 1e3)
+    band = local_bias_band(n, MIN_BLOCK, w=m.w)
+    y = aft_mod.aft_local_causal(q, k, v, band, window, True, partial(m._causal_bias_rows, n))
+    ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
+    assert counter.entries > 0  # the exact float64 fallback ran
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- bad input and token counts

@@ -1,17 +1,15 @@
-"""Causal sequence models (vitlab.lm): banded AFT-local vs the paper equation, causality, incremental
-decoding == full forward, bits/dim, data layout and augmentation, overfitting, CLI, bad input."""
+"""Causal sequence models (vitlab.lm): causality, incremental decoding == full forward, bits/dim, data layout
+and augmentation, overfitting, CLI, bad input. The banded causal AFT-local core is tested in test_aft.py."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from conftest import DATA
 from vitlab.lm import CausalLM, bits_per_dim, create_lm, list_lms, lm_config, shift_right
-from vitlab.lm.banded import BandedAFTLocal, aft_local_causal, band_positions, local_bias_band
 from vitlab.lm.data import ByteData, ImageSequences, augment_images, images_to_sequences, sequences_to_images
 from vitlab.lm.decode import IncrementalDecoder, generate
 from vitlab.mixers import AFTLocal
@@ -30,88 +28,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def naive_local(q, k, v, w, window, outside):
-    """Paper Eq. 2, causal, AFT-local bias (w kept for t - t' < window, else 0 / -inf), summed per t in float64."""
-    n = k.shape[1]
-    out = torch.empty_like(q)
-    for t in range(n):
-        lag = t - torch.arange(t + 1)
-        row = torch.where(lag < window, w[t, : t + 1], torch.tensor(0.0 if outside == "zero" else -math.inf))
-        p = (k[:, : t + 1] + row[None, :, None]).softmax(1)  # e^{K + w} / Σ e^{K + w}, overflow-free
-        out[:, t] = torch.sigmoid(q[:, t]) * (p * v[:, : t + 1]).sum(1)
-    return out
-
-
 def randomise_biases(model, std=0.5):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.split(".")[-1] in ("u", "v", "w") and ".mixer." in name:
                 p.normal_(0, std)
-
-
-# ---------------------------------------------------------------- banded causal AFT-local
-
-
-@pytest.mark.parametrize(("n", "window", "outside", "factorised"),
-                         [(50, 7, "zero", True), (64, 16, "zero", True), (37, 20, "zero", False),
-                          (50, 3, "-inf", True), (33, 32, "zero", True), (45, 1, "zero", False)])  # fmt: skip
-def test_banded_core_is_the_paper_equation(n, window, outside, factorised):
-    torch.manual_seed(0)
-    b, c = 2, 6
-    q, k, v = (torch.randn(b, n, c, dtype=torch.float64) * 2 for _ in range(3))
-    m = AFTLocal(c, n, window=window, outside=outside, bias_dim=4 if factorised else None, causal=True).double()
-    randomise_biases(torch.nn.ModuleDict({"x": torch.nn.ModuleDict({"mixer": m})}), std=1.0)
-    block = max(window, 16)
-    band = local_bias_band(m, n, block).double()
-    w = m.u @ m.v.T if factorised else m.w
-    y = aft_local_causal(q, k, v, band, window, outside == "zero", lambda t, g: None)
-    ref = naive_local(q, k, v, w.detach(), window, outside)
-    assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
-
-
-def test_band_positions_cover_the_window():
-    t, tk = band_positions(10, 4)
-    assert t.shape == (3, 4, 1) and tk.shape == (3, 1, 8)
-    lag = t - tk
-    # every (t, t') with 0 <= t - t' < 4 appears exactly once in the band
-    for q in range(10):
-        keys = tk.expand(3, 4, 8)[(t.expand(3, 4, 8) == q) & (lag >= 0) & (lag < 4) & (tk >= 0)]
-        assert sorted(keys.tolist()) == list(range(max(0, q - 3), q + 1))
-
-
-@pytest.mark.parametrize("kw", [{}, {"bias_dim": None}, {"outside": "-inf"}, {"window": 40}, {"window": 1}])
-def test_banded_module_equals_aft_local_forward_and_gradients(kw):
-    torch.manual_seed(1)
-    opts = {"window": 7, **kw}
-    ref = AFTLocal(24, 64, causal=True, **opts)
-    randomise_biases(torch.nn.ModuleDict({"x": torch.nn.ModuleDict({"mixer": ref})}))
-    fast = BandedAFTLocal(24, 64, causal=True, **opts)
-    fast.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 50, 24, requires_grad=True)
-    y_ref, y = ref(x), fast(x)
-    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    g = torch.randn_like(y)
-    for a, b in zip(torch.autograd.grad(y, [x, *fast.parameters()], g),
-                    torch.autograd.grad(y_ref, [x, *ref.parameters()], g)):  # fmt: skip
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_banded_core_stable_for_huge_keys_and_biases():
-    torch.manual_seed(3)
-    n, c, window = 40, 4, 6
-    q, v = torch.randn(2, n, c), torch.randn(2, n, c)
-    k = torch.randn(2, n, c) * 1e3
-    w = torch.randn(n, n) * 1e3
-    m = AFTLocal(c, n, window=window, bias_dim=None, causal=True)
-    with torch.no_grad():
-        m.w.copy_(w)
-    fast = BandedAFTLocal(c, n, window=window, bias_dim=None, causal=True)
-    fast.load_state_dict(m.state_dict())
-    band = local_bias_band(fast, n, 16)
-    y = aft_local_causal(q, k, v, band, window, True, lambda t, g: fast._fallback_rows(n, t))
-    ref = naive_local(q.double(), k.double(), v.double(), w.double(), window, "zero")
-    assert torch.isfinite(y).all()
-    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- models
@@ -127,7 +48,7 @@ def test_named_configs_build_with_the_papers_shapes():
     assert count(local) - count(simple) == 24 * 2 * 3072 * 64
     assert tfm.blocks[0].mixer.num_heads == 2 and len(tfm.blocks) == 24 and tfm.dim == 256
     mixer = local.blocks[0].mixer
-    assert isinstance(mixer, BandedAFTLocal) and mixer.window == 256 and mixer.causal
+    assert type(mixer) is AFTLocal and mixer.window == 256 and mixer.causal  # the mixer itself: no LM variant
     assert lm_config("aft_local_32_enwik8")["mixer"] == ("aft_local", {"window": 32, "bias_dim": 256})
 
 
@@ -371,6 +292,8 @@ def test_bad_input():
         create_lm("aft_local_cifar")
     with pytest.raises(ValueError, match="no option"):
         create_lm("tiny_aft_local", mixer=("aft_local", {"windw": 3}))
+    with pytest.raises(ValueError, match="every CausalLM mixer is causal"):
+        create_lm("tiny_aft_local", mixer=("aft_local", {"window": 3, "causal": False}))
     with pytest.raises(ValueError, match="does not apply"):
         create_lm("tiny_aft_simple", window=4)
     with pytest.raises(ValueError, match="unknown causal mixer"):

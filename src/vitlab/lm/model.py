@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Block
-from ..mixers import AFTLocal, build
+from ..mixers import build
 from ..mixers.base import TokenLayout
-from .banded import BandedAFTLocal
 
 MixerSpec = str | tuple[str, dict[str, Any]] | list
 KINDS = ("aft_local", "aft_simple", "aft_full", "attention")
@@ -126,15 +125,10 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _mixer(kind: str, opts: dict[str, Any], dim: int, heads: int, max_len: int, attn_dropout: float) -> nn.Module:
+        if "causal" in opts:
+            raise ValueError(f"mixer {kind!r}: every CausalLM mixer is causal; drop the 'causal' option")
         defaults = {"num_heads": heads, "max_len": max_len, "attn_drop": attn_dropout}  # each mixer takes what it has
-        if kind != "aft_local":
-            return build(kind, dim, defaults=defaults, causal=True, **opts)
-        # AFTLocal with the O(T s d) causal path (same parameters and state dict)
-        accepted = (set(inspect.signature(AFTLocal).parameters) | {"recompute"}) - {"self", "dim", "causal"}
-        if set(opts) - accepted:
-            raise ValueError(f"mixer 'aft_local' has no option {', '.join(sorted(set(opts) - accepted))}; "
-                             f"accepted: {', '.join(sorted(accepted))}")  # fmt: skip
-        return BandedAFTLocal(dim, causal=True, **{"max_len": max_len, **opts})
+        return build(kind, dim, defaults=defaults, causal=True, **opts)
 
     def init_weights(self) -> None:
         """N(0, 0.02) for linear weights and embeddings (GPT/Image Transformer), zero biases; the AFT position

@@ -8,11 +8,12 @@ weights combine the keys with learned pair-wise position biases (paper Eq. 2)::
 (``w[t, t']``: t = output position). Variants (paper §3.2):
 
 * :class:`AFTFull`   -- a learned ``T x T`` bias, factorised ``w = u vᵀ`` (Eq. 7);
-* :class:`AFTLocal`  -- ``w`` kept for ``|t - t'| < s``, 0 outside (global connectivity kept);
+* :class:`AFTLocal`  -- ``w`` kept for ``|t - t'| < s``, 0 outside (global connectivity kept); causal
+  sequences longer than s take an O(T·s·d) banded path (:func:`aft_local_causal`, :mod:`.aft_banded`);
 * :class:`AFTSimple` -- no bias: ``Y_t = sigmoid(Q_t) * sum_t' softmax_t'(K)_t' V_t'``;
 * :class:`AFTConv`   -- heads with one key channel each and a shared ``k x k`` relative bias (Eq. 6).
 
-The core functions (:func:`aft_full`, :func:`aft_simple`, :func:`aft_conv`)
+The core functions (:func:`aft_full`, :func:`aft_local_causal`, :func:`aft_simple`, :func:`aft_conv`)
 take fp32 ``q, k, v`` and never form a ``(B, T, T, d)`` tensor: AFT-full/local
 are two matrix products with ``exp(w)``, AFT-simple is O(T·d), AFT-conv is a
 depth-wise convolution plus sums outside the window (no cancellation, unlike the
@@ -34,7 +35,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from .aft_banded import MIN_BLOCK, banded_causal_sums, local_bias_band
 from .base import TokenLayout, TokenMixer, check_divisible
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
@@ -103,6 +106,21 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     ctx = torch.cat([ek * v, ek], -1).transpose(0, 1).reshape(n, b * 2 * c)
     num, den = ((w - wmax).exp() @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: w[t])
+    return torch.sigmoid(q) * y.squeeze(-1)
+
+
+def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
+                     bias_rows: BiasRows) -> Tensor:  # fmt: skip
+    """Causal AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf)
+    for ``t - t' >= window``.
+
+    ``q, k, v`` (B, T, C) fp32; ``w_band`` (nb, b, 2b) the raw bias on the band of
+    :func:`~vitlab.mixers.aft_banded.band_positions` with ``b >= window``; ``bias_rows(t, g)`` the full rows
+    of the effective bias (future -inf) for the exact fallback of underflowed entries (:func:`_ratio`).
+    The sums are :func:`~vitlab.mixers.aft_banded.banded_causal_sums`.
+    """
+    num, den = banded_causal_sums(k, v, w_band, window, outside_zero)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
     return torch.sigmoid(q) * y.squeeze(-1)
 
 
@@ -331,11 +349,14 @@ class AFTFull(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv(x).chunk(3, -1)
         with _no_autocast(x):
-            w = self.position_bias(x.shape[1], layout)
-            qf, kf, vf = q.float(), k.float(), v.float()
-            y = aft_simple(qf, kf, vf, self.causal) if w is None else aft_full(qf, kf, vf, w, self.causal)
+            y = self._core(q.float(), k.float(), v.float(), layout)
         out = self.proj(y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
+        """The AFT core on fp32 ``q, k, v`` (B, N, hidden), autocast off."""
+        w = self.position_bias(k.shape[1], layout)
+        return aft_simple(q, k, v, self.causal) if w is None else aft_full(q, k, v, w, self.causal)
 
 
 class AFTLocal(AFTFull):
@@ -344,7 +365,14 @@ class AFTLocal(AFTFull):
     ``outside="zero"`` (paper default) sets w = 0 outside the window, so every pair keeps weight
     ``e^{K_t'}`` (global connectivity); ``outside="-inf"`` drops those pairs (the paper's ablation).
     ``window=0`` is AFT-simple: no position bias (and no bias parameters) at all, any token count.
-    Default window 32 (paper's best on Enwik8, Table 5). Other arguments as :class:`AFTFull`.
+    Default window 32 (paper's best on Enwik8, Table 5). The window is in token order (|t - t'|), whatever
+    the layout.
+
+    Causal use on ``window < N <= max_len`` tokens takes the O(N·s·d) path :func:`aft_local_causal` (only
+    the band of pairs inside the window is formed; same outputs as the dense O(N² d) path the other cases
+    take). ``recompute=True`` keeps only that core's inputs for the backward pass and recomputes its
+    intermediates there (activation checkpointing, as flash attention recomputes its map): less memory in
+    training, one more core forward per step. Other arguments as :class:`AFTFull`.
     """
 
     def __init__(
@@ -358,6 +386,7 @@ class AFTLocal(AFTFull):
         causal: bool = False,
         qkv_bias: bool = True,
         resample: bool = False,
+        recompute: bool = False,
     ) -> None:
         super().__init__(dim, max_len, hidden_dim, bias_dim, causal, qkv_bias, resample)
         if window < 0:
@@ -366,11 +395,14 @@ class AFTLocal(AFTFull):
             raise ValueError(f"AFTLocal: outside must be 'zero' or '-inf', got {outside!r}")
         self.window = window
         self.outside = outside
+        self.recompute = recompute
         if window == 0:  # unused parameters would break DDP and waste the optimiser's state
             self.u = self.v = self.w = None
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}, outside={self.outside!r}"
+        return super().extra_repr() + f", window={self.window}, outside={self.outside!r}" + (
+            ", recompute=True" if self.recompute else ""
+        )
 
     def _fit(self, n: int, layout: TokenLayout) -> Callable[[Tensor, int], Tensor]:
         if self.window == 0:  # no table: any token count
@@ -382,6 +414,22 @@ class AFTLocal(AFTFull):
         pos = torch.arange(n, device=w.device)
         far = (pos[:, None] - pos[None]).abs() >= self.window
         return w.masked_fill(far, 0.0 if self.outside == "zero" else float("-inf"))
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
+        n = k.shape[1]
+        if not self.causal or self.window == 0 or n <= self.window or n > self.max_len:
+            return super()._core(q, k, v, layout)  # (N > max_len: resampled, or _fit's error)
+        # causal and N <= max_len: the top-left block of w whatever the layout, so the band is all it needs
+        band = local_bias_band(n, max(self.window, MIN_BLOCK), self.u, self.v, self.w).float()
+        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._causal_bias_rows, n))
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(aft_local_causal, *args, use_reentrant=False)
+        return aft_local_causal(*args)
+
+    def _causal_bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
+        """Full rows ``w[t, :]`` (m, n) with the future excluded; only underflowed entries need them."""
+        future = torch.arange(n, device=t.device)[None] > t[:, None]
+        return self.position_bias(n)[t].masked_fill(future, float("-inf"))
 
 
 class AFTSimple(TokenMixer):
