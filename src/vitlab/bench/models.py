@@ -178,6 +178,8 @@ def prepare_case(
     if profile:
         from .profile import profile_call
 
+        for _ in range(2):  # the allocator's heap reaches its steady state (no first-touch page faults)
+            step()
         info["profile"] = profile_call(step)
     if compile:
         info["compile_s"] = calls[0][0]

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/lm.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``vitlab lm bench`` (``python benchmarks/lm.py``)."""
+    from ..cli import run_tool
+
+    return run_tool("lm", ["bench", *(sys.argv[1:] if argv is None else argv)])
