@@ -29,10 +29,8 @@ import inspect
 import json
 import math
 import os
-import platform
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +38,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vitlab.bench.measure import MB, PRELOAD, CaseRunner, CaseSkipped, CaseSpec, Prepared
+from vitlab.bench.measure import (
+    GB,
+    MB,
+    PRELOAD,
+    CaseRunner,
+    CaseSkipped,
+    CaseSpec,
+    Prepared,
+    csv_list,
+    fmt_mem,
+    fmt_time,
+    machine_info,
+    warm_process,
+)
 from vitlab.mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
 
-GB = 1024 * MB
 REFERENCES = ("aft_full_naive", "attention_explicit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("forward", "train")
@@ -136,20 +146,6 @@ def build_mixer(kind: str, dim: int, tokens: int, heads: int, window: int, kerne
 
 
 # --------------------------------------------------------------------------- one case (runs in the child process)
-
-
-def warm_process() -> None:
-    """Start what every case would start on its first call: the thread pool, BLAS, the autograd engine.
-
-    These cost ~60 MB of resident memory once per process (torch 2.13 CPU; ~30 MB of it are the Python
-    modules the first ``backward(gradient)`` imports), whatever the mixer; done before the baseline, they
-    are not counted as the mixer's memory.
-    """
-    lin = torch.nn.Linear(64, 64)
-    x = torch.randn(4096, 64, requires_grad=True)
-    y = lin(x).exp()
-    y.backward(torch.ones_like(y))  # the same call as a train case makes
-    (torch.ones(256, 256) @ torch.ones(256, 256)).sum().item()
 
 
 def prepare_case(
@@ -367,19 +363,6 @@ def describe(r: dict[str, Any]) -> str:
     )
 
 
-def fmt_time(s: float) -> str:
-    return f"{s:.3g} s" if s >= 0.9995 else f"{_three_digits(s * 1e3)} ms"
-
-
-def fmt_mem(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= 999.5 * MB else f"{_three_digits(b / MB)} MB"
-
-
-def _three_digits(x: float) -> str:
-    """3 significant digits without exponent notation (x < 1000)."""
-    return f"{x:.0f}" if x >= 99.95 else f"{x:.3g}"
-
-
 # --------------------------------------------------------------------------- targets
 
 
@@ -568,32 +551,6 @@ def targets_text(targets: list[dict[str, Any]]) -> str:
     return "\n".join(["targets:"] + [f"  [{t['status']}] {t['name']}\n         {t['detail']}" for t in targets])
 
 
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem_total = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem_total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "threads": args.threads,
-        "mem_total_bytes": mem_total,
-        "isolation": args.isolation,
-    }
-
-
 def mem_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -657,34 +614,18 @@ def plot(results: list[dict[str, Any]], path: Path, main_batch: int, title: str)
 # --------------------------------------------------------------------------- command line
 
 
-def _csv(kind: type, choices: Iterable[str] | None = None):
-    def parse(text: str) -> list:
-        items = [kind(x) for x in text.split(",") if x.strip()]
-        if choices is not None:
-            bad = [x for x in items if x not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}"
-                )
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        return items
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     kinds = [*MIXERS, *REFERENCES]
     parser.epilog = "Without options: the cases the targets need, then every mixer over " + "; ".join(
         f"T = {','.join(map(str, t))} in {'/'.join(d)} {' and '.join(m)}" for d, m, t in DEFAULT_SWEEPS
     )
     sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
-    sel.add_argument("--mixers", type=_csv(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
-    sel.add_argument("--tokens", type=_csv(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})")
+    sel.add_argument("--mixers", type=csv_list(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
+    sel.add_argument("--tokens", type=csv_list(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})")
     sel.add_argument("--dim", type=int, help=f"token width (default {TARGET_DIM})")
     sel.add_argument("--batch", type=int, help=f"batch size (default {TARGET_BATCH})")
-    sel.add_argument("--dtypes", type=_csv(str, DTYPES), help="fp32,bf16 (default both)")
-    sel.add_argument("--modes", type=_csv(str, MODES), help="forward,train (default both)")
+    sel.add_argument("--dtypes", type=csv_list(str, DTYPES), help="fp32,bf16 (default both)")
+    sel.add_argument("--modes", type=csv_list(str, MODES), help="forward,train (default both)")
     sel.add_argument("--quick", action="store_true", help="a tiny run (3 mixers, T=16,64, dim 32, batch 2, 1 repeat)")
     sel.add_argument("--targets-only", action="store_true", help="only the cases the targets need")
     sel.add_argument("--with-targets", action="store_true", help="add the targets' cases to a chosen sweep")
@@ -758,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
         budget = min(budget, int(0.6 * avail))
     plan = plan_cases(args, budget)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = machine_info(args)
+    info = {**machine_info(args.threads), "isolation": args.isolation}
     print(
         f"vitlab bench-mixers: {len(plan.cases)} cases, each in a fresh process ({args.isolation}); "
         f"torch {info['torch']}, {args.threads} threads, {info['cpu']}; memory budget {budget / GB:.1f} GB"

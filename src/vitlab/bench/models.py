@@ -55,13 +55,22 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .measure import MB, PRELOAD, CaseRunner, CaseSpec, Prepared
+from .measure import (
+    MB,
+    PRELOAD,
+    CaseRunner,
+    CaseSpec,
+    Prepared,
+    csv_list,
+    fmt_mem,
+    fmt_time,
+    machine_info,
+    warm_process,
+)
 
-GB = 1024 * MB
 DTYPES = ("fp32", "bf16")
 MODES = ("infer", "train")
 CASE_TARGET = "vitlab.bench.models:prepare_case"
@@ -92,16 +101,6 @@ def build(name: str, img_size: int | None) -> Any:
     return create_model(name, **overrides)
 
 
-def _warm_process() -> None:
-    """Start the thread pool, BLAS and the autograd engine before anything is measured (~60 MB once per
-    process, whatever the model)."""
-    import torch
-
-    lin = torch.nn.Linear(64, 64)
-    x = torch.randn(512, 64, requires_grad=True)
-    lin(x).exp().sum().backward()
-
-
 def prepare_case(
     model: str,
     batch: int,
@@ -128,7 +127,7 @@ def prepare_case(
     from .gemm import measure_gemm
 
     torch.manual_seed(seed)
-    _warm_process()
+    warm_process()
     info: dict[str, Any] = {"threads": torch.get_num_threads()}
     if gemm:
         info["gemm"] = measure_gemm(dtype, rounds=gemm_rounds).as_dict()
@@ -350,15 +349,6 @@ def describe(r: dict[str, Any]) -> str:
     )
 
 
-def fmt_time(s: float) -> str:
-    ms = s * 1e3
-    return f"{ms:.3g} ms" if ms < 1000 else f"{s:.3g} s"
-
-
-def fmt_mem(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= GB else f"{b / MB:.3g} MB"
-
-
 # --------------------------------------------------------------------------- targets
 
 
@@ -543,44 +533,7 @@ def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     return paths
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-    }
-
-
 # --------------------------------------------------------------------------- command line
-
-
-def _csv_list(kind: type, choices: Iterable[str] | None = None):
-    def parse(text: str) -> list:
-        items = [kind(x) for x in text.split(",") if x.strip()]
-        if choices is not None:
-            bad = [x for x in items if x not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}"
-                )
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        return items
-
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -589,10 +542,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtypes fp32,bf16 --modes infer,train; vitlab bench --targets"
     )
     p.add_argument("models", nargs="*", help="registered model names (vitlab models lists them)")
-    p.add_argument("--batch", type=_csv_list(int), default=[1, 8], help="batch sizes (default 1,8)")
-    p.add_argument("--img-size", type=_csv_list(int), default=None, help="input resolutions (default: the model's)")
-    p.add_argument("--dtypes", type=_csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16 (default fp32)")
-    p.add_argument("--modes", type=_csv_list(str, MODES), default=["infer"], help="infer,train (default infer)")
+    p.add_argument("--batch", type=csv_list(int), default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument("--img-size", type=csv_list(int), default=None, help="input resolutions (default: the model's)")
+    p.add_argument("--dtypes", type=csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16 (default fp32)")
+    p.add_argument("--modes", type=csv_list(str, MODES), default=["infer"], help="infer,train (default infer)")
     p.add_argument(
         "--compile",
         nargs="?",
