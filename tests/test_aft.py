@@ -429,11 +429,12 @@ def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
 
 
 class CoreSpy:
-    """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_causal: the band)."""
+    """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_causal / aft_local_banded: the band;
+    aft_local_causal calls aft_local_banded)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, names=("aft_full", "aft_local_causal")):
         self.calls = []
-        for name in ("aft_full", "aft_local_causal"):
+        for name in names:
             original = getattr(aft_mod, name)
 
             def spy(*args, _name=name, _core=original, **kw):
@@ -453,7 +454,7 @@ def randomise_bias(m, std):
 def dense_forward(m, x):
     """AFTLocal's O(N²) path written out: AFT-full's core on the module's dense masked bias."""
     q, k, v = m.qkv(x).chunk(3, -1)
-    return m.proj(aft_mod.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=True))
+    return m.proj(aft_mod.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=m.causal))
 
 
 @pytest.mark.parametrize(("n", "window", "outside", "factorised"),
@@ -511,10 +512,10 @@ def test_build_causal_aft_local_takes_the_band_path(monkeypatch):
         out = m(x, layout)
         assert spy.calls == ["aft_local_causal"]  # a sequence or a grid with a class token: 1-D token order
         assert_rel(out, reference(m, x, layout), 1e-5)
-    # no longer than the window, or not causal: the dense path
+    # no longer than the window, or a resampled bias: the dense path
     spy.calls.clear()
     m(torch.randn(2, 5, 24))
-    build("aft_local", 24, max_len=40, window=5)(torch.randn(2, 40, 24))
+    build("aft_local", 24, max_len=40, window=5, resample=True)(torch.randn(2, 30, 24))
     assert spy.calls == ["aft_full", "aft_full"]
     assert "recompute=True" in repr(build("aft_local", 24, causal=True, max_len=40, recompute=True))
 
@@ -528,11 +529,118 @@ def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
     m = AFTLocal(c, n, window=window, bias_dim=None, causal=True)
     randomise_bias(m, 1e3)
     band = local_bias_band(n, MIN_BLOCK, w=m.w)
-    y = aft_mod.aft_local_causal(q, k, v, band, window, True, partial(m._causal_bias_rows, n))
+    y = aft_mod.aft_local_causal(q, k, v, band, window, True, partial(m._bias_rows, n))
     ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
     assert counter.entries > 0  # the exact float64 fallback ran
     assert torch.isfinite(y).all()
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- non-causal AFT-local: the band of blocks i-1, i, i+1
+
+BAND_SPY = ("aft_full", "aft_local_causal", "aft_local_banded")
+
+
+@pytest.mark.parametrize(("n", "window", "outside", "factorised"),
+                         [(50, 7, "zero", True), (64, 16, "zero", True), (37, 20, "zero", False),
+                          (50, 3, "-inf", True), (33, 32, "zero", True), (45, 1, "zero", False),
+                          (100, 5, "-inf", False), (81, 16, "zero", True)])  # fmt: skip
+def test_noncausal_banded_core_is_the_paper_equation(n, window, outside, factorised):
+    torch.manual_seed(0)
+    b, c = 2, 6
+    q, k, v = (torch.randn(b, n, c, dtype=torch.float64) * 2 for _ in range(3))
+    m = AFTLocal(c, n, window=window, outside=outside, bias_dim=4 if factorised else None).double()
+    randomise_bias(m, 1.0)
+    band = local_bias_band(n, max(window, MIN_BLOCK), m.u, m.v, m.w, causal=False)
+    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None)  # no fallback
+    # Eq. 2 term by term over all t' (every exponent shifted by the largest of its sum)
+    w = naive_bias(m, n)
+    ref = torch.empty_like(y)
+    for t in range(n):
+        logits = k + w[t, :, None]
+        weights = torch.exp(logits - logits.amax(1, keepdim=True))
+        ref[:, t] = torch.sigmoid(q[:, t]) * (weights * v).sum(1) / weights.sum(1)
+    assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_noncausal_band_positions_cover_the_window():
+    t, tk = band_positions(10, 4, causal=False)
+    assert t.shape == (3, 4, 1) and tk.shape == (3, 1, 12)
+    t, tk, lag = t.expand(3, 4, 12), tk.expand(3, 4, 12), t - tk
+    for q in range(10):  # every (t, t') with |t - t'| < 4 appears exactly once
+        keys = tk[(t == q) & (lag.abs() < 4) & (tk >= 0) & (tk < 10)]
+        assert sorted(keys.tolist()) == list(range(max(0, q - 3), min(10, q + 4)))
+
+
+@pytest.mark.parametrize(("window", "outside", "layout"),
+                         [(5, "zero", TokenLayout(grid=(6, 8), num_prefix=1)), (5, "-inf", TokenLayout(grid=(6, 8))),
+                          (3, "zero", GRID), (20, "zero", None), (48, "-inf", None)])  # fmt: skip
+def test_noncausal_module_takes_the_band_and_is_the_paper_equation(window, outside, layout, monkeypatch):
+    torch.manual_seed(5)
+    n = 49 if layout is None else layout.num_prefix + layout.grid[0] * layout.grid[1]  # N = max_len
+    m = AFTLocal(24, n, window=window, outside=outside, resample=True)
+    randomise_bias(m, 0.5)
+    spy = CoreSpy(monkeypatch, BAND_SPY)
+    x = torch.randn(2, n, 24)
+    out = m(x, layout)
+    assert spy.calls == ["aft_local_banded"]  # a grid with or without a class token: 1-D token order
+    assert_rel(out, reference(m, x, layout), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"bias_dim": None}, {"outside": "-inf"}, {"window": 40}, {"window": 1}, {"recompute": True}]
+)
+def test_noncausal_banded_module_equals_dense_forward_and_gradients(kw, monkeypatch):
+    torch.manual_seed(1)
+    m = AFTLocal(24, 50, **{"window": 7, **kw})
+    randomise_bias(m, 0.5)
+    spy = CoreSpy(monkeypatch, BAND_SPY)
+    x = torch.randn(2, 50, 24, requires_grad=True)
+    y = m(x)
+    assert spy.calls == ["aft_local_banded"]
+    y_ref = dense_forward(m, x)
+    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    params = list(m.parameters())
+    for a, b in zip(torch.autograd.grad(y, [x, *params], g), torch.autograd.grad(y_ref, [x, *params], g)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_noncausal_dense_when_the_bias_is_not_the_table(monkeypatch):
+    """N <= window, or N != max_len (resampled bias, 1-D or 2-D): the dense path; causal spans 2b keys."""
+    m = AFTLocal(24, 36, window=5, resample=True)
+    spy = CoreSpy(monkeypatch, BAND_SPY)
+    m(torch.randn(2, 5, 24))
+    m(torch.randn(2, 30, 24))
+    m(torch.randn(2, 26, 24), TokenLayout(grid=(5, 5), num_prefix=1))
+    m(torch.randn(2, 36, 24), TokenLayout(grid=(6, 6)))  # the table's own grid: w as is
+    assert spy.calls == ["aft_full", "aft_full", "aft_full", "aft_local_banded"]
+    spy.calls.clear()
+    AFTLocal(24, 36, window=5, causal=True)(torch.randn(2, 30, 24))
+    assert spy.calls == ["aft_local_causal", "aft_local_banded"]
+
+
+@pytest.mark.parametrize("outside", ["zero", "-inf"])
+def test_noncausal_banded_path_stable_for_huge_keys_and_biases(outside, monkeypatch):
+    torch.manual_seed(3)
+    counter = FallbackCounter(monkeypatch)
+    n, c, window = 40, 4, 6
+    q, v = torch.randn(2, n, c), torch.randn(2, n, c)
+    k = big(2, n, c).requires_grad_()
+    m = AFTLocal(c, n, window=window, outside=outside, bias_dim=None)
+    randomise_bias(m, 1e4)
+    band = local_bias_band(n, MIN_BLOCK, w=m.w, causal=False)
+    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", partial(m._bias_rows, n))
+    kd = k.detach().double().requires_grad_()
+    ref = naive_full(q, kd, v, naive_bias(m, n))
+    assert counter.entries > 0  # the exact float64 fallback ran
+    assert_rel(y, ref, 1e-5)
+    g = torch.randn(2, n, c)
+    (y * g).sum().backward()
+    (ref * g.double()).sum().backward()
+    # saturated weights: gradients ~0 in float64, fp32 round-off of (V - Y) in ours
+    assert torch.isfinite(k.grad).all()
+    assert torch.allclose(k.grad.double(), kd.grad, atol=1e-6)
 
 
 # ---------------------------------------------------------------- bad input and token counts

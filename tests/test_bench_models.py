@@ -197,10 +197,15 @@ def test_extras_aft_by_hand():
     assert mixer_extra_flops(AFTSimple(c), x) == {"AFT": simple}
     full = b * t * c * (3 + 1 + 1 + SIGMOID + 1) + 3 * t * t  # e^{K-max}, ⊙V, divide, sigmoid, gate; e^{w-max}
     assert mixer_extra_flops(AFTFull(c, max_len=t), x) == {"AFT": full}
-    assert mixer_extra_flops(AFTLocal(c, max_len=t, window=2), x) == {"AFT": full}  # dense when not causal
+    assert mixer_extra_flops(AFTLocal(c, max_len=8, window=2, resample=True), x) == {"AFT": full}  # resampled w
+    assert mixer_extra_flops(AFTLocal(c, max_len=t, window=5), x) == {"AFT": full}  # T <= window
     long = torch.empty(b, 40, c)  # causal, window < T <= max_len: the O(T·s·d) band, blocks of 16 (MIN_BLOCK)
     band = b * 40 * c * (3 + 1 + 6 + 1 + SIGMOID + 1) + 3 * 3 * 16 * 32  # 3 blocks of 16 x 32 band entries
     assert mixer_extra_flops(AFTLocal(c, max_len=40, window=2, causal=True), long) == {"AFT": band}
+    # not causal, window < T == max_len: 3 blocks of 16 x 48 band entries, a third band product to add (2), and
+    # per block a suffix: reversed cumulative sum, add to the prefix (2 x 2C)
+    band = b * 40 * c * (3 + 1 + 6 + 2 + 1 + SIGMOID + 1) + b * 3 * 2 * 2 * c + 3 * 3 * 16 * 48
+    assert mixer_extra_flops(AFTLocal(c, max_len=40, window=2), long) == {"AFT": band}
     assert RELU6 == 2 and SOFTMAX == 5 and SIGMOID == 3
 
 

@@ -230,13 +230,17 @@ def aft_full_flops(batch: int, tokens: int, channels: int) -> int:
     return 9 * batch * tokens * channels + 3 * tokens * tokens
 
 
-def aft_local_banded_flops(batch: int, tokens: int, channels: int, block: int) -> int:
-    """Causal AFT-local on its O(T·s·d) band (:func:`vitlab.mixers.aft.aft_local_causal`; the band products are
-    MACs): ``e^{w - max}`` 3 per band entry (``nb`` blocks of ``b x 2b``), ``e^{K - max}`` 3 and ``e^K ⊙ V`` 1 per
-    element, the prefix of the pairs outside the window (block sums, cumulative sum, scale, add) 6 per output
-    element of numerator and denominator together, then divide 1, ``sigmoid(Q)`` 3 and the gate 1."""
+def aft_local_banded_flops(batch: int, tokens: int, channels: int, block: int, causal: bool = True) -> int:
+    """AFT-local on its O(T·s·d) band (:func:`vitlab.mixers.aft.aft_local_banded`; the band products are MACs):
+    ``e^{w - max}`` 3 per band entry (``nb`` blocks of ``b x 2b``, non-causal ``b x 3b``), ``e^{K - max}`` 3 and
+    ``e^K ⊙ V`` 1 per element, the prefix of the pairs outside the window (block sums, cumulative sum, scale,
+    add) 6 per output element of numerator and denominator together, then divide 1, ``sigmoid(Q)`` 3 and the
+    gate 1. Non-causal also: the third band product's add 2 per output element, and per block the suffix's
+    reversed cumulative sum and its add to the prefix (2 per block and element of the 2C channels)."""
     nb = -(-tokens // block)
-    return 15 * batch * tokens * channels + 6 * nb * block * block
+    if causal:
+        return 15 * batch * tokens * channels + 6 * nb * block * block
+    return 17 * batch * tokens * channels + 4 * batch * nb * channels + 9 * nb * block * block
 
 
 def aft_simple_flops(batch: int, tokens: int, channels: int) -> int:
@@ -269,10 +273,10 @@ def _aft_flops(m: nn.Module, x: torch.Tensor, kw: dict[str, Any]) -> tuple[str, 
         layout = kw.get("layout") or _positional_layout(kw)
         grid = layout.grid if layout is not None and layout.grid is not None else (n, 1)
         return "AFT", aft_conv_flops(b, n, m.dim, m.num_heads, m.kernel_size, grid, m.outside == "zero")
-    if isinstance(m, AFTLocal) and m.causal and 0 < m.window < n <= m.max_len:  # the banded path runs
+    if isinstance(m, AFTLocal) and 0 < m.window < n <= m.max_len and (m.causal or n == m.max_len):  # banded path
         from ..mixers.aft_banded import MIN_BLOCK
 
-        return "AFT", aft_local_banded_flops(b, n, m.hidden_dim, max(m.window, MIN_BLOCK))
+        return "AFT", aft_local_banded_flops(b, n, m.hidden_dim, max(m.window, MIN_BLOCK), m.causal)
     if isinstance(m, AFTFull) and not (isinstance(m, AFTLocal) and m.window == 0):
         return "AFT", aft_full_flops(b, n, m.hidden_dim)
     return "AFT", aft_simple_flops(b, n, m.hidden_dim)

@@ -8,12 +8,12 @@ weights combine the keys with learned pair-wise position biases (paper Eq. 2)::
 (``w[t, t']``: t = output position). Variants (paper §3.2):
 
 * :class:`AFTFull`   -- a learned ``T x T`` bias, factorised ``w = u vᵀ`` (Eq. 7);
-* :class:`AFTLocal`  -- ``w`` kept for ``|t - t'| < s``, 0 outside (global connectivity kept); causal
-  sequences longer than s take an O(T·s·d) banded path (:func:`aft_local_causal`, :mod:`.aft_banded`);
+* :class:`AFTLocal`  -- ``w`` kept for ``|t - t'| < s``, 0 outside (global connectivity kept); sequences
+  longer than s take an O(T·s·d) banded path (:func:`aft_local_banded`, :mod:`.aft_banded`);
 * :class:`AFTSimple` -- no bias: ``Y_t = sigmoid(Q_t) * sum_t' softmax_t'(K)_t' V_t'``;
 * :class:`AFTConv`   -- heads with one key channel each and a shared ``k x k`` relative bias (Eq. 6).
 
-The core functions (:func:`aft_full`, :func:`aft_local_causal`, :func:`aft_simple`, :func:`aft_conv`)
+The core functions (:func:`aft_full`, :func:`aft_local_banded`, :func:`aft_simple`, :func:`aft_conv`)
 take fp32 ``q, k, v`` and never form a ``(B, T, T, d)`` tensor: AFT-full/local
 are two matrix products with ``exp(w)``, AFT-simple is O(T·d), AFT-conv is a
 depth-wise convolution plus sums outside the window (no cancellation, unlike the
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .aft_banded import MIN_BLOCK, banded_causal_sums, local_bias_band
+from .aft_banded import MIN_BLOCK, banded_sums, local_bias_band
 from .base import TokenLayout, TokenMixer, check_divisible
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
@@ -109,19 +109,25 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     return torch.sigmoid(q) * y.squeeze(-1)
 
 
-def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
-                     bias_rows: BiasRows) -> Tensor:  # fmt: skip
-    """Causal AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf)
-    for ``t - t' >= window``.
+def aft_local_banded(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
+                     bias_rows: BiasRows, causal: bool = False) -> Tensor:  # fmt: skip
+    """AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf) for
+    ``|t - t'| >= window`` (``causal``: and t' <= t only).
 
-    ``q, k, v`` (B, T, C) fp32; ``w_band`` (nb, b, 2b) the raw bias on the band of
+    ``q, k, v`` (B, T, C) fp32; ``w_band`` (nb, b, 2b causal, else 3b) the raw bias on the band of
     :func:`~vitlab.mixers.aft_banded.band_positions` with ``b >= window``; ``bias_rows(t, g)`` the full rows
-    of the effective bias (future -inf) for the exact fallback of underflowed entries (:func:`_ratio`).
-    The sums are :func:`~vitlab.mixers.aft_banded.banded_causal_sums`.
+    of the effective bias (future -inf when causal) for the exact fallback of underflowed entries
+    (:func:`_ratio`). The sums are :func:`~vitlab.mixers.aft_banded.banded_sums`.
     """
-    num, den = banded_causal_sums(k, v, w_band, window, outside_zero)
+    num, den = banded_sums(k, v, w_band, window, outside_zero, causal)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
     return torch.sigmoid(q) * y.squeeze(-1)
+
+
+def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
+                     bias_rows: BiasRows) -> Tensor:  # fmt: skip
+    """Causal AFT-local core: :func:`aft_local_banded` with ``causal=True`` (``w_band`` (nb, b, 2b))."""
+    return aft_local_banded(q, k, v, w_band, window, outside_zero, bias_rows, causal=True)
 
 
 def _causal_rows(n: int, t: Tensor) -> Tensor:
@@ -368,11 +374,13 @@ class AFTLocal(AFTFull):
     Default window 32 (paper's best on Enwik8, Table 5). The window is in token order (|t - t'|), whatever
     the layout.
 
-    Causal use on ``window < N <= max_len`` tokens takes the O(N·s·d) path :func:`aft_local_causal` (only
-    the band of pairs inside the window is formed; same outputs as the dense O(N² d) path the other cases
-    take). ``recompute=True`` keeps only that core's inputs for the backward pass and recomputes its
-    intermediates there (activation checkpointing, as flash attention recomputes its map): less memory in
-    training, one more core forward per step. Other arguments as :class:`AFTFull`.
+    Sequences longer than the window whose bias is a block of the stored table (causal:
+    ``window < N <= max_len``; non-causal: ``window < N == max_len``) take the O(N·s·d) path
+    :func:`aft_local_banded` (only the band of pairs inside the window is formed; same outputs as the dense
+    O(N² d) path the other cases take: shorter sequences, and the resampled bias of ``resample=True``).
+    ``recompute=True`` keeps only that core's inputs for the backward pass and recomputes its intermediates
+    there (activation checkpointing, as flash attention recomputes its map): less memory in training, one
+    more core forward per step. Other arguments as :class:`AFTFull`.
     """
 
     def __init__(
@@ -417,19 +425,23 @@ class AFTLocal(AFTFull):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
         n = k.shape[1]
-        if not self.causal or self.window == 0 or n <= self.window or n > self.max_len:
-            return super()._core(q, k, v, layout)  # (N > max_len: resampled, or _fit's error)
-        # causal and N <= max_len: the top-left block of w whatever the layout, so the band is all it needs
-        band = local_bias_band(n, max(self.window, MIN_BLOCK), self.u, self.v, self.w).float()
-        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._causal_bias_rows, n))
+        # the band needs w[:N, :N] of the table as is, whatever the layout: causal N <= max_len (top-left block)
+        # or N == max_len; other N are resampled (or rejected) by _fit on the dense path
+        if self.window == 0 or not self.window < n <= self.max_len or not (self.causal or n == self.max_len):
+            return super()._core(q, k, v, layout)
+        band = local_bias_band(n, max(self.window, MIN_BLOCK), self.u, self.v, self.w, self.causal).float()
+        core = aft_local_causal if self.causal else aft_local_banded
+        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._bias_rows, n))
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(aft_local_causal, *args, use_reentrant=False)
-        return aft_local_causal(*args)
+            return checkpoint(core, *args, use_reentrant=False)
+        return core(*args)
 
-    def _causal_bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
-        """Full rows ``w[t, :]`` (m, n) with the future excluded; only underflowed entries need them."""
-        future = torch.arange(n, device=t.device)[None] > t[:, None]
-        return self.position_bias(n)[t].masked_fill(future, float("-inf"))
+    def _bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
+        """Full rows ``w[t, :]`` (m, n), the future excluded when causal; only underflowed entries need them."""
+        rows = self.position_bias(n)[t]
+        if not self.causal:
+            return rows
+        return rows.masked_fill(torch.arange(n, device=t.device)[None] > t[:, None], float("-inf"))
 
 
 class AFTSimple(TokenMixer):
