@@ -105,19 +105,18 @@ def banded_sums(
     shift = w.detach().amax(-1, keepdim=True)  # (nb, b, 1)
     e = (w - shift).exp()  # (nb, b, span·b)
     ek = (k - k.detach().amax(1, keepdim=True)).exp()
-    ctx = torch.cat([ek * v, ek], -1)  # (B, T, 2C)
-    # a zero block first (and last): x[:, i + j] is key block i - 1 + j of query block i
-    x = F.pad(ctx, (0, 0, block, (nb + span - 2) * block - n)).view(bsz, nb + span - 1, block, 2 * c)
-    out = e[..., :block] @ x[:, :nb]
-    for j in range(1, span):
-        out = out + e[..., j * block : (j + 1) * block] @ x[:, j : j + nb]
+    # token-major (T, B·2C): one (b x span·b) @ (span·b x B·2C) product per block for the whole batch
+    ctx = torch.cat([ek * v, ek], -1).transpose(0, 1).reshape(n, bsz * 2 * c)
+    x = F.pad(ctx, (0, 0, block, (nb + span - 2) * block - n))  # a zero block first (and last)
+    keys = x.unfold(0, span * block, block).transpose(1, 2)  # (nb, span·b, B·2C) view: blocks i-1 .. of block i
+    out = torch.bmm(e, keys)  # (nb, b, B·2C)
     if outside_zero and nb > 2:
-        sums = x[:, 1 : nb + 1].sum(2)  # (B, nb, 2C) block sums
-        far = F.pad(sums[:, : nb - 2].cumsum(1), (0, 0, 2, 0))  # block i: Σ over blocks <= i - 2
+        sums = x[block : (nb + 1) * block].view(nb, block, -1).sum(1)  # (nb, B·2C) block sums
+        far = F.pad(sums[: nb - 2].cumsum(0), (0, 0, 2, 0))  # block i: Σ over blocks <= i - 2
         if not causal:  # block i: Σ over blocks >= i + 2
-            far = far + F.pad(sums[:, 2:].flip(1).cumsum(1).flip(1), (0, 0, 0, 2))
+            far = far + F.pad(sums[2:].flip(0).cumsum(0).flip(0), (0, 0, 0, 2))
         # rows with such blocks have pairs outside the window in the band (c_t >= 0, scale <= 1); the others
         # have far = 0 and may have c_t << 0
-        out = out + (-shift.clamp_min(0)).exp() * far[:, :, None]
-    num, den = out.flatten(1, 2)[:, :n].split(c, -1)
+        out = out + (-shift.clamp_min(0)).exp() * far[:, None]
+    num, den = out.view(nb * block, bsz, 2 * c)[:n].transpose(0, 1).split(c, -1)
     return num, den
