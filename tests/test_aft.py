@@ -428,6 +428,9 @@ def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
 # ---------------------------------------------------------------- causal AFT-local: the O(T·s·d) band
 
 
+BAND_SPY = ("aft_full", "aft_local_causal", "aft_local_banded")
+
+
 class CoreSpy:
     """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_causal / aft_local_banded: the band;
     aft_local_causal calls aft_local_banded)."""
@@ -482,17 +485,19 @@ def test_band_positions_cover_the_window():
         assert sorted(keys.tolist()) == list(range(max(0, q - 3), q + 1))
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize(
     "kw", [{}, {"bias_dim": None}, {"outside": "-inf"}, {"window": 40}, {"window": 1}, {"recompute": True}]
 )
-def test_banded_module_equals_dense_forward_and_gradients(kw, monkeypatch):
+def test_banded_module_equals_dense_forward_and_gradients(kw, causal, monkeypatch):
+    """Causal: N=50 < max_len; non-causal: N == max_len (the table unchanged)."""
     torch.manual_seed(1)
-    m = AFTLocal(24, 64, causal=True, **{"window": 7, **kw})
+    m = AFTLocal(24, 64 if causal else 50, causal=causal, **{"window": 7, **kw})
     randomise_bias(m, 0.5)
-    spy = CoreSpy(monkeypatch)
+    spy = CoreSpy(monkeypatch) if causal else CoreSpy(monkeypatch, BAND_SPY)
     x = torch.randn(2, 50, 24, requires_grad=True)
     y = m(x)
-    assert spy.calls == ["aft_local_causal"]
+    assert spy.calls == ["aft_local_causal" if causal else "aft_local_banded"]
     y_ref = dense_forward(m, x)
     assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     g = torch.randn_like(y)
@@ -538,7 +543,6 @@ def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
 
 # ---------------------------------------------------------------- non-causal AFT-local: the band of blocks i-1, i, i+1
 
-BAND_SPY = ("aft_full", "aft_local_causal", "aft_local_banded")
 
 
 @pytest.mark.parametrize(("n", "window", "outside", "factorised"),
@@ -585,25 +589,6 @@ def test_noncausal_module_takes_the_band_and_is_the_paper_equation(window, outsi
     out = m(x, layout)
     assert spy.calls == ["aft_local_banded"]  # a grid with or without a class token: 1-D token order
     assert_rel(out, reference(m, x, layout), 1e-5)
-
-
-@pytest.mark.parametrize(
-    "kw", [{}, {"bias_dim": None}, {"outside": "-inf"}, {"window": 40}, {"window": 1}, {"recompute": True}]
-)
-def test_noncausal_banded_module_equals_dense_forward_and_gradients(kw, monkeypatch):
-    torch.manual_seed(1)
-    m = AFTLocal(24, 50, **{"window": 7, **kw})
-    randomise_bias(m, 0.5)
-    spy = CoreSpy(monkeypatch, BAND_SPY)
-    x = torch.randn(2, 50, 24, requires_grad=True)
-    y = m(x)
-    assert spy.calls == ["aft_local_banded"]
-    y_ref = dense_forward(m, x)
-    assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    g = torch.randn_like(y)
-    params = list(m.parameters())
-    for a, b in zip(torch.autograd.grad(y, [x, *params], g), torch.autograd.grad(y_ref, [x, *params], g)):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_noncausal_dense_when_the_bias_is_not_the_table(monkeypatch):
