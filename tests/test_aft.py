@@ -460,9 +460,17 @@ def dense_forward(m, x):
     return m.proj(aft_mod.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=m.causal))
 
 
-@pytest.mark.parametrize(("n", "window", "outside", "factorised"),
-                         [(50, 7, "zero", True), (64, 16, "zero", True), (37, 20, "zero", False),
-                          (50, 3, "-inf", True), (33, 32, "zero", True), (45, 1, "zero", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "window", "outside", "factorised"),
+    [
+        (50, 7, "zero", True),
+        (64, 16, "zero", True),
+        (37, 20, "zero", False),
+        (50, 3, "-inf", True),
+        (33, 32, "zero", True),
+        (45, 1, "zero", False),
+    ],
+)
 def test_banded_core_is_the_paper_equation(n, window, outside, factorised):
     torch.manual_seed(0)
     b, c = 2, 6
@@ -544,11 +552,19 @@ def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
 # ---------------------------------------------------------------- non-causal AFT-local: the band of blocks i-1, i, i+1
 
 
-
-@pytest.mark.parametrize(("n", "window", "outside", "factorised"),
-                         [(50, 7, "zero", True), (64, 16, "zero", True), (37, 20, "zero", False),
-                          (50, 3, "-inf", True), (33, 32, "zero", True), (45, 1, "zero", False),
-                          (100, 5, "-inf", False), (81, 16, "zero", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "window", "outside", "factorised"),
+    [
+        (50, 7, "zero", True),
+        (64, 16, "zero", True),
+        (37, 20, "zero", False),
+        (50, 3, "-inf", True),
+        (33, 32, "zero", True),
+        (45, 1, "zero", False),
+        (100, 5, "-inf", False),
+        (81, 16, "zero", True),
+    ],
+)
 def test_noncausal_banded_core_is_the_paper_equation(n, window, outside, factorised):
     torch.manual_seed(0)
     b, c = 2, 6
@@ -576,9 +592,16 @@ def test_noncausal_band_positions_cover_the_window():
         assert sorted(keys.tolist()) == list(range(max(0, q - 3), min(10, q + 4)))
 
 
-@pytest.mark.parametrize(("window", "outside", "layout"),
-                         [(5, "zero", TokenLayout(grid=(6, 8), num_prefix=1)), (5, "-inf", TokenLayout(grid=(6, 8))),
-                          (3, "zero", GRID), (20, "zero", None), (48, "-inf", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("window", "outside", "layout"),
+    [
+        (5, "zero", TokenLayout(grid=(6, 8), num_prefix=1)),
+        (5, "-inf", TokenLayout(grid=(6, 8))),
+        (3, "zero", GRID),
+        (20, "zero", None),
+        (48, "-inf", None),
+    ],
+)
 def test_noncausal_module_takes_the_band_and_is_the_paper_equation(window, outside, layout, monkeypatch):
     torch.manual_seed(5)
     n = 49 if layout is None else layout.num_prefix + layout.grid[0] * layout.grid[1]  # N = max_len

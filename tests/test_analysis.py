@@ -256,8 +256,10 @@ def test_aft_conv_bias_json_is_exp_w_minus_one(tmp_path):
         # paper Eq. 8 in float64: w' = gamma (w - mean) / std + beta, plotted as exp(w') - 1
         w = blk.mixer.w.double()
         std = w.var((1, 2), unbiased=False, keepdim=True).add(1e-8).sqrt()
-        want = torch.expm1(blk.mixer.gamma.double()[:, None, None] * (w - w.mean((1, 2), keepdim=True)) / std
-                           + blk.mixer.beta.double()[:, None, None])  # fmt: skip
+        want = torch.expm1(
+            blk.mixer.gamma.double()[:, None, None] * (w - w.mean((1, 2), keepdim=True)) / std
+            + blk.mixer.beta.double()[:, None, None]
+        )
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
         for i, (r, c) in enumerate(hot):  # the constructed spike is where the plot puts it
             assert divmod(int(got[i].argmax()), s) == (r, c)
@@ -270,8 +272,13 @@ def test_aft_bias_is_zero_at_init_and_skipped_without_aft(tmp_path):
     res = run(vitlab.create_model("aft_conv_mini", depth=1), ["aft_bias"], tmp_path)
     assert np.array(res["aft_bias"]["kernels"]).shape == (1, 16, 5, 5)
     assert not np.array(res["aft_bias"]["kernels"]).any()  # gamma = beta = 0: AFT-conv starts as AFT-simple
-    report = analyze(vitlab.create_model("deit_mini", depth=1).eval(), *images_and_input(), ["aft_bias", "external"],
-                     tmp_path / "deit", log=lambda s: None)  # fmt: skip
+    report = analyze(
+        vitlab.create_model("deit_mini", depth=1).eval(),
+        *images_and_input(),
+        ["aft_bias", "external"],
+        tmp_path / "deit",
+        log=lambda s: None,
+    )
     assert "AFT-conv" in report["analyses"]["aft_bias"]["skipped"]
     assert "external" in report["analyses"]["external"]["skipped"]
     assert not (tmp_path / "deit" / "aft_bias.json").exists()
@@ -330,7 +337,15 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
         assert name in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["explicit_path_max_abs_logit_diff"] < 1e-5
-    assert set(summary["analyses"]) == {"attention", "collapse", "heads", "evolution", "aft_bias", "aft_keys", "external"}
+    assert set(summary["analyses"]) == {
+        "attention",
+        "collapse",
+        "heads",
+        "evolution",
+        "aft_bias",
+        "aft_keys",
+        "external",
+    }
     assert "skipped" in summary["analyses"]["aft_keys"] and "skipped: " in text
     att = json.loads((out / "attention.json").read_text())
     assert att["query"] == "patch 10 (row 1, col 2)" and att["query_token"] == 11
@@ -344,8 +359,17 @@ def test_cli_reads_image_files(tmp_path, capsys):
     Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     Image.fromarray(rng.integers(0, 256, (30, 30), dtype=np.uint8)).save(tmp_path / "b.jpg")  # grey -> RGB
     out = tmp_path / "an"
-    args = ["analyze", "cpvt_gap_mini", "--images", str(tmp_path / "a.png"), str(tmp_path / "b.jpg"),
-            "--what", "evolution,attention", "--out", str(out)]  # fmt: skip
+    args = [
+        "analyze",
+        "cpvt_gap_mini",
+        "--images",
+        str(tmp_path / "a.png"),
+        str(tmp_path / "b.jpg"),
+        "--what",
+        "evolution,attention",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     assert "2 image files" in capsys.readouterr().out
     att = json.loads((out / "attention.json").read_text())
@@ -365,8 +389,24 @@ def test_cli_checkpoint_round_trip(tmp_path, capsys):
     sims = []
     for ckpt in ("w.safetensors", "w.pt"):
         out = tmp_path / ckpt.replace(".", "_")
-        args = ["analyze", "deepvit_mini", "--checkpoint", str(tmp_path / ckpt), "--in-chans", "1", "--img-size",
-                "28", "--data", "mnist", "--num-images", "3", "--what", "collapse", "--out", str(out)]  # fmt: skip
+        args = [
+            "analyze",
+            "deepvit_mini",
+            "--checkpoint",
+            str(tmp_path / ckpt),
+            "--in-chans",
+            "1",
+            "--img-size",
+            "28",
+            "--data",
+            "mnist",
+            "--num-images",
+            "3",
+            "--what",
+            "collapse",
+            "--out",
+            str(out),
+        ]
         assert main(args) == 0, capsys.readouterr().err
         sims.append(json.loads((out / "collapse.json").read_text())["similarity"])
     assert sims[0] == sims[1]

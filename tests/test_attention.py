@@ -68,8 +68,9 @@ def test_golden_plain_attention_from_deepvit_weights():
     bn = (mixed - g.buffer("var_norm.running_mean")[:, None, None]) / torch.sqrt(
         g.buffer("var_norm.running_var")[:, None, None] + 1e-5
     )
-    assert_close_to_golden(bn * g.param("var_norm.weight")[:, None, None] + g.param("var_norm.bias")[:, None, None],
-                           g.output("attn"))
+    assert_close_to_golden(
+        bn * g.param("var_norm.weight")[:, None, None] + g.param("var_norm.bias")[:, None, None], g.output("attn")
+    )
 
 
 def test_aux_map_rows_sum_to_one_and_causal_map_is_lower_triangular():

@@ -224,8 +224,19 @@ def test_grid_mixer_without_a_grid_is_skipped():
 
 
 def test_quick_run_writes_json_table_and_png(tmp_path):
-    cmd = [sys.executable, "benchmarks/mixers.py", "--quick", "--mixers", "attention,aft_simple", "--tokens", "16,64",
-           "--modes", "train", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "benchmarks/mixers.py",
+        "--quick",
+        "--mixers",
+        "attention,aft_simple",
+        "--tokens",
+        "16,64",
+        "--modes",
+        "train",
+        "--out",
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=bench_root())
     assert out.returncode == 0, out.stderr
     assert "[4/4]" in out.stdout and "median time" in out.stdout

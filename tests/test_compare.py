@@ -37,8 +37,18 @@ def test_tables_render_missing_values():
 
 
 def run_compare(out, *extra: str) -> list[str]:
-    argv = ["compare", "--models", "deit_mini,cpvt_mini", "--epochs", "2", "--train-limit", "64", "--out", str(out),
-            *extra]  # fmt: skip
+    argv = [
+        "compare",
+        "--models",
+        "deit_mini,cpvt_mini",
+        "--epochs",
+        "2",
+        "--train-limit",
+        "64",
+        "--out",
+        str(out),
+        *extra,
+    ]
     assert cli_main(argv) == 0
     return argv
 

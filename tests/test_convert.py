@@ -38,22 +38,32 @@ REFINER_MIXERS = [
     ("refiner", dict(refine=False, residual_attention=True)),
     ("refiner", dict(share=True, official_extras=True)),
 ]
-TNT_SMALL = dict(img_size=32, patch_size=8, num_classes=10, outer_dim=32, inner_dim=8, depth=2, outer_heads=4,
-                 inner_heads=2)
+TNT_SMALL = dict(
+    img_size=32, patch_size=8, num_classes=10, outer_dim=32, inner_dim=8, depth=2, outer_heads=4, inner_heads=2
+)
 
 
 def golden_model(file: str) -> torch.nn.Module:
     """vitlab model with the configuration the golden file's reference was built with."""
     if file == "refiner_model.npz":
-        return VisionTransformer(**GOLD, depth=4, mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5),
-                                 aux_head=True, mixer=REFINER_MIXERS)
+        return VisionTransformer(
+            **GOLD, depth=4, mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5), aux_head=True, mixer=REFINER_MIXERS
+        )
     if file == "deepvit_model.npz":
-        return VisionTransformer(**GOLD, depth=4, mlp_ratio=3, residual_scale=0.5,
-                                 mixer=["attention", "attention", RE_ATTN, RE_ATTN])
+        return VisionTransformer(
+            **GOLD, depth=4, mlp_ratio=3, residual_scale=0.5, mixer=["attention", "attention", RE_ATTN, RE_ATTN]
+        )
     if file.startswith("cpvt_deit"):
         cls = "cls" in file
-        return VisionTransformer(**GOLD, depth=3, mlp_ratio=4, pos_embed="none", peg_at=(0,), class_token=cls,
-                                 global_pool="token" if cls else "avg")
+        return VisionTransformer(
+            **GOLD,
+            depth=3,
+            mlp_ratio=4,
+            pos_embed="none",
+            peg_at=(0,),
+            class_token=cls,
+            global_pool="token" if cls else "avg",
+        )
     return TNT(**TNT_SMALL)
 
 
@@ -115,8 +125,9 @@ def test_reports_name_the_dropped_tensors():
     assert any("qk + v -> qkv" in n for n in tnt.notes)
     # Refined-ViT without its token-labelling head: aux_head is dropped, said so, and the rest still matches
     g = load_golden("refiner_model.npz")
-    model = VisionTransformer(**GOLD, depth=4, mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5),
-                              mixer=REFINER_MIXERS).eval()
+    model = VisionTransformer(
+        **GOLD, depth=4, mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5), mixer=REFINER_MIXERS
+    ).eval()
     report = load_reference(model, reference_state(g), "refiner")
     assert report.ok and set(report.dropped) == {"aux_head.weight", "aux_head.bias"}
     assert "aux head" in str(report)
@@ -234,7 +245,11 @@ def test_strict_errors_list_every_problem():
         load_reference(model, state, source="timm_vit")
     msg = str(err.value)
     assert "1 missing, 1 unexpected, 1 shape mismatches" in msg.splitlines()[0]
-    for needle in ("blocks.2.norm1.weight", "blocks.0.mixer.extra", "head.weight: checkpoint (5, 64) vs model (1000, 64)"):
+    for needle in (
+        "blocks.2.norm1.weight",
+        "blocks.0.mixer.extra",
+        "head.weight: checkpoint (5, 64) vs model (1000, 64)",
+    ):
         assert needle in msg
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "strict failure changed the model"
     # non-strict loads what fits and reports the rest
@@ -262,9 +277,15 @@ def test_unknown_source_and_fusion_errors():
 
 @pytest.mark.parametrize(
     "file, source",
-    [("refiner_model.npz", "refiner"), ("deepvit_model.npz", "deepvit"), ("cpvt_deit_cls_model.npz", "cpvt"),
-     ("cpvt_deit_gap_model.npz", "cpvt"), ("tnt_model_huawei.npz", "tnt_huawei"), ("tnt_model_timm.npz", "tnt_timm"),
-     ("cpvt_peg.npz", "twins_peg")],
+    [
+        ("refiner_model.npz", "refiner"),
+        ("deepvit_model.npz", "deepvit"),
+        ("cpvt_deit_cls_model.npz", "cpvt"),
+        ("cpvt_deit_gap_model.npz", "cpvt"),
+        ("tnt_model_huawei.npz", "tnt_huawei"),
+        ("tnt_model_timm.npz", "tnt_timm"),
+        ("cpvt_peg.npz", "twins_peg"),
+    ],
 )
 def test_detect_source_on_goldens(file, source):
     assert detect_source(load_golden(file).state()) == source
@@ -296,9 +317,23 @@ def official_keys(model: str) -> list[str]:
         keys += [f"patch_embed.conv{i}.weight"] + [f"patch_embed.bn{i}.{leaf}" for leaf in BN]
     for b in range(16):
         p = f"blocks.{b}."
-        keys += [p + k for k in ("norm1.weight", "norm1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
-                                 "attn.proj.bias", "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias",
-                                 "mlp.fc2.weight", "mlp.fc2.bias")]
+        keys += [
+            p + k
+            for k in (
+                "norm1.weight",
+                "norm1.bias",
+                "attn.qkv.weight",
+                "attn.qkv.bias",
+                "attn.proj.weight",
+                "attn.proj.bias",
+                "norm2.weight",
+                "norm2.bias",
+                "mlp.fc1.weight",
+                "mlp.fc1.bias",
+                "mlp.fc2.weight",
+                "mlp.fc2.bias",
+            )
+        ]
         if model == "refiner_vit_s":
             keys.append(p + "mlp.scale_channel")
             if b % 2:  # share=True blocks refine the previous map
@@ -365,9 +400,20 @@ def eamlp_official_state(model: T2TViT, token_golden, block_golden) -> dict[str,
     state = {"cls_token": rand("cls_token"), "pos_embed": torch.zeros(1, 17, 32)}
     for i in (1, 2):
         t, o = f"tokens_to_token.attention{i}.", f"tokens_to_token.layers.{i - 1}."
-        for part in ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias",
-                     "mlp.fc2.weight", "mlp.fc2.bias", "attn.proj.weight", "attn.proj.bias", "attn.q_linear.weight",
-                     "attn.q_linear.bias"):
+        for part in (
+            "norm1.weight",
+            "norm1.bias",
+            "norm2.weight",
+            "norm2.bias",
+            "mlp.fc1.weight",
+            "mlp.fc1.bias",
+            "mlp.fc2.weight",
+            "mlp.fc2.bias",
+            "attn.proj.weight",
+            "attn.proj.bias",
+            "attn.q_linear.weight",
+            "attn.q_linear.bias",
+        ):
             state[t + part] = rand(o + part)
     # token layer 2 in the models' default token_performer.py spelling
     a = "tokens_to_token.attention2.attn."
@@ -379,13 +425,22 @@ def eamlp_official_state(model: T2TViT, token_golden, block_golden) -> dict[str,
     state["tokens_to_token.project.weight"] = rand("tokens_to_token.project.weight")
     state["tokens_to_token.project.bias"] = rand("tokens_to_token.project.bias")
     for b in range(len(model.blocks)):
-        for part in ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias",
-                     "mlp.fc2.weight", "mlp.fc2.bias"):
+        for part in (
+            "norm1.weight",
+            "norm1.bias",
+            "norm2.weight",
+            "norm2.bias",
+            "mlp.fc1.weight",
+            "mlp.fc1.bias",
+            "mlp.fc2.weight",
+            "mlp.fc2.bias",
+        ):
             state[f"blocks.{b}.{part}"] = rand(f"blocks.{b}.{part}")
         for off, ours_name in (("trans_dims", "query"), ("linear_0", "mk"), ("linear_1", "mv"), ("proj", "proj")):
             for leaf in ("weight", "bias"):
-                state[f"blocks.{b}.attn.{off}.{leaf}"] = (block_golden.param(f"{off}.{leaf}") if b == 0 else
-                                                          rand(f"blocks.{b}.mixer.{ours_name}.{leaf}"))
+                state[f"blocks.{b}.attn.{off}.{leaf}"] = (
+                    block_golden.param(f"{off}.{leaf}") if b == 0 else rand(f"blocks.{b}.mixer.{ours_name}.{leaf}")
+                )
     for k in ("norm.weight", "norm.bias", "head.weight", "head.bias"):
         state[k] = rand(k)
     return state
@@ -394,8 +449,17 @@ def eamlp_official_state(model: T2TViT, token_golden, block_golden) -> dict[str,
 def test_eamlp_official_names():
     token_g, block_g = load_golden("ea_token_eamlp.npz"), load_golden("ea_multihead_eamlp.npz")
     # token layer 1 takes 2 * 4 * 4 = 32 features to 16 (the golden's dims); blocks are 32 wide with 2 heads
-    model = T2TViT(img_size=32, in_chans=2, num_classes=10, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2,
-                   token_dim=16, soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1))).eval()
+    model = T2TViT(
+        img_size=32,
+        in_chans=2,
+        num_classes=10,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2,
+        token_dim=16,
+        soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
+    ).eval()
     state = eamlp_official_state(model, token_g, block_g)
     assert detect_source(state) == "eamlp"
     report = load_reference(model, state, source="eamlp")
@@ -420,16 +484,49 @@ def test_eamlp_registered_config_takes_official_key_set():
     official = []
     for i in (1, 2):
         t = f"tokens_to_token.attention{i}."
-        official += [t + p for p in ("norm1.weight", "norm1.bias", "attn.q_linear.weight", "attn.q_linear.bias",
-                                     "attn.linear_0.weight", "attn.linear_1.weight", "attn.linear_1.bias",
-                                     "attn.proj.weight", "attn.proj.bias", "norm2.weight", "norm2.bias",
-                                     "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")]
+        official += [
+            t + p
+            for p in (
+                "norm1.weight",
+                "norm1.bias",
+                "attn.q_linear.weight",
+                "attn.q_linear.bias",
+                "attn.linear_0.weight",
+                "attn.linear_1.weight",
+                "attn.linear_1.bias",
+                "attn.proj.weight",
+                "attn.proj.bias",
+                "norm2.weight",
+                "norm2.bias",
+                "mlp.fc1.weight",
+                "mlp.fc1.bias",
+                "mlp.fc2.weight",
+                "mlp.fc2.bias",
+            )
+        ]
     official += ["tokens_to_token.project.weight", "tokens_to_token.project.bias", "cls_token", "pos_embed"]
     for b in range(7):
-        official += [f"blocks.{b}.{p}" for p in (
-            "norm1.weight", "norm1.bias", "attn.trans_dims.weight", "attn.trans_dims.bias", "attn.linear_0.weight",
-            "attn.linear_0.bias", "attn.linear_1.weight", "attn.linear_1.bias", "attn.proj.weight", "attn.proj.bias",
-            "norm2.weight", "norm2.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")]
+        official += [
+            f"blocks.{b}.{p}"
+            for p in (
+                "norm1.weight",
+                "norm1.bias",
+                "attn.trans_dims.weight",
+                "attn.trans_dims.bias",
+                "attn.linear_0.weight",
+                "attn.linear_0.bias",
+                "attn.linear_1.weight",
+                "attn.linear_1.bias",
+                "attn.proj.weight",
+                "attn.proj.bias",
+                "norm2.weight",
+                "norm2.bias",
+                "mlp.fc1.weight",
+                "mlp.fc1.bias",
+                "mlp.fc2.weight",
+                "mlp.fc2.bias",
+            )
+        ]
     official += ["norm.weight", "norm.bias", "head.weight", "head.bias"]
     assert sorted(rename_keys(dict.fromkeys(official, torch.zeros(1)), "eamlp")) == sorted(model.state_dict())
 
@@ -477,7 +574,9 @@ def test_deit_to_aftconv_transfer_copies_exactly_the_allowed_tensors(tmp_path):
 def test_transfer_needs_an_aft_model_and_attention_blocks():
     with pytest.raises(ValueError, match="AFT mixers"):
         transfer_deit_to_aftconv(vitlab.create_model("deit_mini"), timm_deit_mini_state())
-    refiner = {k.replace(".mixer.", ".attn."): v for k, v in vitlab.create_model("refiner_vit_mini").state_dict().items()}
+    refiner = {
+        k.replace(".mixer.", ".attn."): v for k, v in vitlab.create_model("refiner_vit_mini").state_dict().items()
+    }
     with pytest.raises(ValueError, match="value rows"):  # shared refiner blocks have a (C, C) values-only qkv
         transfer_deit_to_aftconv(vitlab.create_model("aft_conv_mini"), refiner, source="timm_vit")
 
@@ -503,7 +602,9 @@ def test_cli_convert(tmp_path):
     g = load_golden("tnt_model_timm.npz")
     src = write_checkpoint(reference_state(g), tmp_path / "tnt_timm.pth", "model")
     # tnt_mini has another shape: a clear strict failure after the report, nothing written
-    out = vitlab_cli("convert", str(src), "--model", "tnt_mini", "--source", "tnt_timm", "--out", str(tmp_path / "x.safetensors"))
+    out = vitlab_cli(
+        "convert", str(src), "--model", "tnt_mini", "--source", "tnt_timm", "--out", str(tmp_path / "x.safetensors")
+    )
     assert out.returncode == 2 and "shape mismatches" in out.stdout
     assert out.stderr.strip().count("\n") == 0 and "--no-strict" in out.stderr
     assert not (tmp_path / "x.safetensors").exists()

@@ -26,8 +26,17 @@ from vitlab.export import (
 )
 from vitlab.models import get_config
 
-FAMILIES = ["deit_mini", "refiner_vit_mini", "deepvit_mini", "cpvt_mini", "tnt_mini", "eamlp_mini",
-            "aft_full_mini", "aft_simple_mini", "aft_conv_mini"]
+FAMILIES = [
+    "deit_mini",
+    "refiner_vit_mini",
+    "deepvit_mini",
+    "cpvt_mini",
+    "tnt_mini",
+    "eamlp_mini",
+    "aft_full_mini",
+    "aft_simple_mini",
+    "aft_conv_mini",
+]
 DYNAMIC = {"cpvt_mini", "aft_conv_mini"}
 ATOL = 1e-4
 
@@ -122,11 +131,30 @@ def test_torch_compile_inductor(name):
 # -------------------------------------------------------------------------------------------------- CLI
 def test_cli_export_torchscript(tmp_path):
     out = tmp_path / "deit.pt"
-    proc = subprocess.run([sys.executable, "-m", "vitlab.cli", "export", "deit_mini", "--format", "torchscript",
-                           "--out", str(out), "--check"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vitlab.cli",
+            "export",
+            "deit_mini",
+            "--format",
+            "torchscript",
+            "--out",
+            str(out),
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["out"] == str(out) and out.exists() and info["max_abs_error"] <= ATOL
-    bad = subprocess.run([sys.executable, "-m", "vitlab.cli", "export", "no_such_model", "--out", "x.onnx"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "vitlab.cli", "export", "no_such_model", "--out", "x.onnx"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "unknown model" in bad.stderr and bad.stderr.strip().count("\n") == 0

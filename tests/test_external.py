@@ -47,12 +47,21 @@ def test_golden_eanet_segmentation_module():
     x = g.input("x")
     b, c, h, w = x.shape
     ea = ExternalAttention(c, memory_size=g.param("linear_0.weight").shape[0]).eval()
-    ea.load_state_dict({"mk.weight": g.param("linear_0.weight")[..., 0], "mv.weight": g.param("linear_1.weight")[..., 0]})
+    ea.load_state_dict(
+        {"mk.weight": g.param("linear_0.weight")[..., 0], "mv.weight": g.param("linear_1.weight")[..., 0]}
+    )
     y = F.conv2d(x, g.param("conv1.weight"), g.param("conv1.bias"))
     y = ea(y.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(b, c, h, w)  # (B, n, c) tokens
     y = F.conv2d(y, g.param("conv2.0.weight"))
-    y = F.batch_norm(y, g.buffer("conv2.1.running_mean"), g.buffer("conv2.1.running_var"),
-                     g.param("conv2.1.weight"), g.param("conv2.1.bias"), training=False, eps=1e-5)
+    y = F.batch_norm(
+        y,
+        g.buffer("conv2.1.running_mean"),
+        g.buffer("conv2.1.running_var"),
+        g.param("conv2.1.weight"),
+        g.param("conv2.1.bias"),
+        training=False,
+        eps=1e-5,
+    )
     assert_close_to_golden(F.relu(y + x), g.output("x"))
 
 
@@ -71,8 +80,11 @@ def test_golden_eamlp_token_layer():
     g = load_golden("ea_token_eamlp.npz")
     t = F.linear(g.input("x"), g.param("q_linear.weight"), g.param("q_linear.bias"))
     attn = double_normalize(F.linear(t, g.param("linear_1.weight")), token_dim=1, memory_dim=2)
-    y = F.linear(F.linear(attn, g.param("linear_2.weight"), g.param("linear_2.bias")), g.param("proj.weight"),
-                 g.param("proj.bias"))
+    y = F.linear(
+        F.linear(attn, g.param("linear_2.weight"), g.param("linear_2.bias")),
+        g.param("proj.weight"),
+        g.param("proj.bias"),
+    )
     assert attn.shape[-1] == 128
     assert_close_to_golden(t + y, g.output("x"))
 
@@ -143,7 +155,9 @@ def test_modules_stable_for_huge_logits_fp32_and_bf16_autocast():
     for m, make_logits in logits.items():
         out, aux = m(x, return_aux=True)
         assert torch.isfinite(out).all()
-        torch.testing.assert_close(aux["attn"].double(), naive_double_norm(make_logits().detach()), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            aux["attn"].double(), naive_double_norm(make_logits().detach()), rtol=1e-5, atol=1e-6
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low, aux_low = m(x, return_aux=True)
         assert torch.isfinite(low).all() and aux_low["attn"].dtype == torch.bfloat16
@@ -167,8 +181,13 @@ def test_memory_init_mv_is_mk_transpose_copy():
 # ----------------------------------------------------------------------------- contract
 
 
-@pytest.mark.parametrize("make", [lambda: ExternalAttention(16, memory_size=8, bias=True, attn_drop=0.1),
-                                  lambda: MultiHeadExternalAttention(16, num_heads=2, attn_drop=0.1, proj_drop=0.1)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ExternalAttention(16, memory_size=8, bias=True, attn_drop=0.1),
+        lambda: MultiHeadExternalAttention(16, num_heads=2, attn_drop=0.1, proj_drop=0.1),
+    ],
+)
 def test_shapes_and_gradients_reach_every_parameter(make):
     torch.manual_seed(5)
     m = make().train()

@@ -67,10 +67,16 @@ def test_no_future_leakage(name):
         assert not torch.allclose(out2[:, t + 1 :], out[:, t + 1 :])
 
 
-@pytest.mark.parametrize(("name", "kw"), [*((n, {}) for n in TINY), ("tiny_aft_local", {"channels": 3}),
-                                          ("tiny_transformer", {"tie_head": True}),
-                                          ("tiny_aft_local", {"window": 4, "mixer": ("aft_local", {"outside": "-inf"})}),
-                                          ("tiny_aft_full", {"bias_dim": None})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "kw"),
+    [
+        *((n, {}) for n in TINY),
+        ("tiny_aft_local", {"channels": 3}),
+        ("tiny_transformer", {"tie_head": True}),
+        ("tiny_aft_local", {"window": 4, "mixer": ("aft_local", {"outside": "-inf"})}),
+        ("tiny_aft_full", {"bias_dim": None}),
+    ],
+)
 def test_incremental_decoding_equals_full_forward(name, kw):
     torch.manual_seed(0)
     m = create_lm(name, max_len=40, **kw).eval()
@@ -179,8 +185,28 @@ def test_train_eval_sample_cli_on_text(tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_bytes(SHAKESPEARE.read_bytes()[:3000] if SHAKESPEARE.exists() else bytes(range(256)) * 12)
     out = tmp_path / "run"
-    args = ["lm", "train", "--model", "tiny_aft_simple", "--data", str(text), "--seq-len", "32", "--steps", "30",
-            "--batch-size", "4", "--eval-every", "15", "--eval-symbols", "256", "--out", str(out), "--threads", "1"]  # fmt: skip
+    args = [
+        "lm",
+        "train",
+        "--model",
+        "tiny_aft_simple",
+        "--data",
+        str(text),
+        "--seq-len",
+        "32",
+        "--steps",
+        "30",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "15",
+        "--eval-symbols",
+        "256",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
     assert main(args) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert [r["step"] for r in metrics["history"]] == [15, 30]
@@ -188,8 +214,24 @@ def test_train_eval_sample_cli_on_text(tmp_path, capsys):
     assert main(["lm", "eval", str(out / "last.pt"), "--data", str(text), "--json", str(tmp_path / "e.json")]) == 0
     ev = json.loads((tmp_path / "e.json").read_text())
     assert ev["test_bits"] == pytest.approx(metrics["final"]["test_bits"], rel=1e-5)
-    assert main(["lm", "sample", str(out / "last.pt"), "--length", "20", "--num", "2", "--prompt", "ROMEO",
-                 "--out", str(tmp_path / "s.txt")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "lm",
+                "sample",
+                str(out / "last.pt"),
+                "--length",
+                "20",
+                "--num",
+                "2",
+                "--prompt",
+                "ROMEO",
+                "--out",
+                str(tmp_path / "s.txt"),
+            ]
+        )
+        == 0
+    )
     samples = (tmp_path / "s.txt").read_bytes()
     assert samples.startswith(b"ROMEO") and samples.count(b"ROMEO") == 2
     # resuming a finished run continues from its last step
@@ -209,13 +251,52 @@ def test_train_and_sample_images_on_cifar(tmp_path):
     from vitlab.cli import main
 
     out = tmp_path / "img"
-    assert main(["lm", "train", "--model", "tiny_aft_local", "--data", str(CIFAR), "--img-size", "4", "--steps", "4",
-                 "--batch-size", "2", "--eval-symbols", "96", "--out", str(out), "--threads", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "lm",
+                "train",
+                "--model",
+                "tiny_aft_local",
+                "--data",
+                str(CIFAR),
+                "--img-size",
+                "4",
+                "--steps",
+                "4",
+                "--batch-size",
+                "2",
+                "--eval-symbols",
+                "96",
+                "--out",
+                str(out),
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     m = json.loads((out / "metrics.json").read_text())
     assert m["kind"] == "images" and m["seq_len"] == 48 and m["final"]["test_bits"] > 0
     png = tmp_path / "grid.png"
-    assert main(["lm", "sample", str(out / "last.pt"), "--num", "3", "--out", str(png), "--prompt-rows", "2",
-                 "--data", str(CIFAR)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "lm",
+                "sample",
+                str(out / "last.pt"),
+                "--num",
+                "3",
+                "--out",
+                str(png),
+                "--prompt-rows",
+                "2",
+                "--data",
+                str(CIFAR),
+            ]
+        )
+        == 0
+    )
     img = Image.open(png)
     assert img.size[0] > 4 and img.mode == "RGB"
 
@@ -342,10 +423,23 @@ def test_bench_case_and_ratios():
         for m, s, mem in (("aft_local", 1.0, 50.0), ("transformer", 2.0, 100.0), ("transformer_flash", 4.0, 200.0))
     ]
     rows = bench.ratios(results)
-    merged = bench.summarise([{"model": "aft_local", "T": 8, "status": "ok", "mem_mb": m, "time_s": {"times": ts}}
-                              for m, ts in ((10.0, [3.0, 2.0]), (12.0, [2.5, 4.0]))])  # fmt: skip
-    assert merged == [{"model": "aft_local", "T": 8, "status": "ok", "step_s": 2.0, "median_s": 2.75, "mem_mb": 12.0,
-                       "steps_timed": 4}]  # fmt: skip
+    merged = bench.summarise(
+        [
+            {"model": "aft_local", "T": 8, "status": "ok", "mem_mb": m, "time_s": {"times": ts}}
+            for m, ts in ((10.0, [3.0, 2.0]), (12.0, [2.5, 4.0]))
+        ]
+    )
+    assert merged == [
+        {
+            "model": "aft_local",
+            "T": 8,
+            "status": "ok",
+            "step_s": 2.0,
+            "median_s": 2.75,
+            "mem_mb": 12.0,
+            "steps_timed": 4,
+        }
+    ]
     assert [(r["model"], r["mem_ratio"], r["speed_ratio"]) for r in rows][:2] == [
         ("aft_local", 0.5, 2.0),
         ("transformer", 1.0, 1.0),

@@ -186,9 +186,19 @@ def test_peg_golden():
 @pytest.mark.parametrize("file, cls_token", [("cpvt_deit_cls_model.npz", True), ("cpvt_deit_gap_model.npz", False)])
 def test_cpvt_model_golden(file, cls_token):
     g = load_golden(file)
-    model = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=3, num_heads=4,
-                              mlp_ratio=4, pos_embed="none", peg_at=(0,), class_token=cls_token,
-                              global_pool="token" if cls_token else "avg").eval()
+    model = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        num_classes=10,
+        embed_dim=32,
+        depth=3,
+        num_heads=4,
+        mlp_ratio=4,
+        pos_embed="none",
+        peg_at=(0,),
+        class_token=cls_token,
+        global_pool="token" if cls_token else "avg",
+    ).eval()
     model.load_state_dict(rename_keys(g.state(), "cpvt"))
     with torch.no_grad():
         assert_close_to_golden(model(g.input("image")), g.output("logits"))
@@ -198,9 +208,17 @@ def test_cpvt_model_golden(file, cls_token):
 def test_deepvit_model_golden():
     g = load_golden("deepvit_model.npz")
     re_attn = ("reattention", dict(transform_scale=True))
-    model = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=4, num_heads=4,
-                              mlp_ratio=3, residual_scale=0.5,
-                              mixer=["attention", "attention", re_attn, re_attn]).eval()
+    model = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        num_classes=10,
+        embed_dim=32,
+        depth=4,
+        num_heads=4,
+        mlp_ratio=3,
+        residual_scale=0.5,
+        mixer=["attention", "attention", re_attn, re_attn],
+    ).eval()
     model.load_state_dict(rename_keys(g.state(), "deepvit"))
     with torch.no_grad():
         assert_close_to_golden(model(g.input("image")), g.output("logits"))
@@ -218,9 +236,19 @@ def test_refiner_model_golden():
         ("refiner", normal),
         ("refiner", dict(share=True, official_extras=True)),
     ]
-    model = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=4, num_heads=4,
-                              mlp_ratio=3, residual_scale=0.5, ls_init=(None, 1e-5), aux_head=True,
-                              mixer=mixers).eval()
+    model = VisionTransformer(
+        img_size=32,
+        patch_size=8,
+        num_classes=10,
+        embed_dim=32,
+        depth=4,
+        num_heads=4,
+        mlp_ratio=3,
+        residual_scale=0.5,
+        ls_init=(None, 1e-5),
+        aux_head=True,
+        mixer=mixers,
+    ).eval()
     model.load_state_dict(rename_keys(g.state(), "refiner"))
     with torch.no_grad():
         assert_close_to_golden(model(g.input("image")), g.output("logits"))

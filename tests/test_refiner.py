@@ -119,8 +119,13 @@ PAPER_SETTINGS = [  # expansion, kernel, dla, reduction, residual_attention
 @pytest.mark.parametrize(("r", "k", "dla", "reduction", "residual"), PAPER_SETTINGS)
 def test_paper_form_matches_naive_loops(r, k, dla, reduction, residual):
     torch.manual_seed(r * 10 + k)
-    m = RefinerAttention(24, num_heads=2, expansion=r, kernel_size=k, dla=dla, reduction=reduction,
-                         residual_attention=residual).double().eval()
+    m = (
+        RefinerAttention(
+            24, num_heads=2, expansion=r, kernel_size=k, dla=dla, reduction=reduction, residual_attention=residual
+        )
+        .double()
+        .eval()
+    )
     x = torch.randn(2, 6, 24, dtype=torch.float64)
     prev = softmax_maps(2, 2, 6)
     out, aux = m(x, attn_prev=prev, return_aux=True)
@@ -189,8 +194,16 @@ def test_even_kernel_pads_the_extra_zero_after():
 def test_official_extras_structure_and_expansion_one_skips_expand():
     dla = DistributedLocalAttention(4, expansion=3, official_extras=True)
     kinds = [type(mod).__name__ for mod in (*dla.expand, *dla.local, *dla.reduce)]
-    assert kinds == ["HeadMix", "BatchNorm2d", "ReLU6", "SameDepthwiseConv2d", "BatchNorm2d", "ReLU6",
-                     "HeadMix", "BatchNorm2d"]
+    assert kinds == [
+        "HeadMix",
+        "BatchNorm2d",
+        "ReLU6",
+        "SameDepthwiseConv2d",
+        "BatchNorm2d",
+        "ReLU6",
+        "HeadMix",
+        "BatchNorm2d",
+    ]
     assert DistributedLocalAttention(4, expansion=1, official_extras=True).expand is None
     m = RefinerAttention(32, 4)
     assert m.adapt_bn is None and all(not isinstance(mod, torch.nn.BatchNorm2d) for mod in m.modules())
@@ -249,8 +262,17 @@ def test_every_ablation_builds_runs_and_trains(r, dla, reduction):
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_official_extras_and_kernel_sizes_train(r, share, k):
     torch.manual_seed(k)
-    m = RefinerAttention(24, num_heads=2, expansion=r, kernel_size=k, official_extras=True, share=share,
-                         residual_attention=True, attn_drop=0.1, proj_drop=0.1)
+    m = RefinerAttention(
+        24,
+        num_heads=2,
+        expansion=r,
+        kernel_size=k,
+        official_extras=True,
+        share=share,
+        residual_attention=True,
+        attn_drop=0.1,
+        proj_drop=0.1,
+    )
     check_runs_and_trains(m, 24, 2)
 
 

@@ -18,8 +18,16 @@ MINI_SPLIT = ((3, 1, 1), (3, 2, 1), (3, 2, 1))
 
 
 def tiny(**kw) -> T2TViT:
-    cfg = dict(img_size=16, embed_dim=32, depth=2, num_heads=2, mlp_ratio=2.0, token_dim=8, soft_split=MINI_SPLIT,
-               num_classes=5)
+    cfg = dict(
+        img_size=16,
+        embed_dim=32,
+        depth=2,
+        num_heads=2,
+        mlp_ratio=2.0,
+        token_dim=8,
+        soft_split=MINI_SPLIT,
+        num_classes=5,
+    )
     return T2TViT(**{**cfg, **kw})
 
 
@@ -29,7 +37,9 @@ def randomize(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             std = 1.0 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.3
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std + (1.0 if name.endswith("norm1.weight") else 0))
+            p.copy_(
+                torch.randn(p.shape, generator=g, dtype=p.dtype) * std + (1.0 if name.endswith("norm1.weight") else 0)
+            )
     return model
 
 
@@ -107,8 +117,9 @@ def naive_t2t_vit(model: T2TViT, img: torch.Tensor, num_heads: int) -> torch.Ten
     x = x + naive_sinusoid(x.shape[1], x.shape[2])
     for i in range(len(model.blocks)):
         pre = f"blocks.{i}."
-        x = x + naive_multihead_ea(layer_norm(x, p[pre + "norm1.weight"], p[pre + "norm1.bias"]), p,
-                                   pre + "mixer.", num_heads)
+        x = x + naive_multihead_ea(
+            layer_norm(x, p[pre + "norm1.weight"], p[pre + "norm1.bias"]), p, pre + "mixer.", num_heads
+        )
         x = x + mlp(layer_norm(x, p[pre + "norm2.weight"], p[pre + "norm2.bias"]), p, pre + "mlp.")
     x = layer_norm(x, p["norm.weight"], p["norm.bias"])
     return x[:, 0] @ p["head.weight"].T + p["head.bias"]
@@ -118,9 +129,15 @@ def naive_t2t_vit(model: T2TViT, img: torch.Tensor, num_heads: int) -> torch.Ten
 def test_golden_eamlp_token_attention():
     g = load_golden("ea_token_eamlp.npz")
     m = TokenExternalAttention(32, 16).eval()
-    keys = {"q_linear.weight": "q_linear.weight", "q_linear.bias": "q_linear.bias", "linear_1.weight": "mk.weight",
-            "linear_2.weight": "mv.weight", "linear_2.bias": "mv.bias", "proj.weight": "proj.weight",
-            "proj.bias": "proj.bias"}
+    keys = {
+        "q_linear.weight": "q_linear.weight",
+        "q_linear.bias": "q_linear.bias",
+        "linear_1.weight": "mk.weight",
+        "linear_2.weight": "mv.weight",
+        "linear_2.bias": "mv.bias",
+        "proj.weight": "proj.weight",
+        "proj.bias": "proj.bias",
+    }
     m.load_state_dict({keys[k]: v for k, v in g.state().items()})
     out, aux = m(g.input("x"), return_aux=True)
     assert_close_to_golden(out, g.output("x"))
@@ -165,8 +182,9 @@ def test_sinusoid_table():
     model = tiny()
     assert "pos_embed" not in dict(model.named_parameters()) and "pos_embed" not in model.state_dict()
     torch.testing.assert_close(model.pos_embed[0].double(), naive_sinusoid(1 + 4 * 4, 32), rtol=0, atol=1e-6)
-    torch.testing.assert_close(model.position_table(1 + 12 * 10)[0].double(), naive_sinusoid(121, 32),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        model.position_table(1 + 12 * 10)[0].double(), naive_sinusoid(121, 32), rtol=0, atol=1e-6
+    )
 
 
 # ------------------------------------------------------------------------------------ registry rows

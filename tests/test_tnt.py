@@ -21,11 +21,22 @@ def convert_reference_state_dict(state, source="huawei"):
     """The official (Huawei) or timm TNT names -> ours, through the library's checkpoint key maps."""
     return rename_keys(state, f"tnt_{source}")
 
+
 # the golden references' small configuration: d=32, c=8, 4/2 heads, 32 px, patch 8, stride 4 -> m=4 words
-SMALL = dict(img_size=32, patch_size=8, num_classes=10, outer_dim=32, inner_dim=8, depth=2, outer_heads=4,
-             inner_heads=2)
-TINY = dict(img_size=16, patch_size=4, num_classes=5, outer_dim=16, inner_dim=4, depth=3, outer_heads=2,
-            inner_heads=2, inner_stride=2)
+SMALL = dict(
+    img_size=32, patch_size=8, num_classes=10, outer_dim=32, inner_dim=8, depth=2, outer_heads=4, inner_heads=2
+)
+TINY = dict(
+    img_size=16,
+    patch_size=4,
+    num_classes=5,
+    outer_dim=16,
+    inner_dim=4,
+    depth=3,
+    outer_heads=2,
+    inner_heads=2,
+    inner_stride=2,
+)
 
 
 # ------------------------------------------------------------------------------------------ naive reference
@@ -63,8 +74,9 @@ def naive_transformer(x, p, prefix, heads):
 def naive_words_to_sentence(y, p, prefix, batch):
     """LN(FC(LN(Vec(Y^i)))): Vec concatenates the m words of a patch, word-major."""
     n = y.shape[0] // batch
-    vec = torch.stack([torch.cat([y[b * n + i, j] for j in range(y.shape[1])]) for b in range(batch)
-                       for i in range(n)]).view(batch, n, -1)
+    vec = torch.stack(
+        [torch.cat([y[b * n + i, j] for j in range(y.shape[1])]) for b in range(batch) for i in range(n)]
+    ).view(batch, n, -1)
     z = naive_ln(vec, p, prefix + "norm1.") @ p[prefix + "fc.weight"].T
     if prefix + "fc.bias" in p:
         z = z + p[prefix + "fc.bias"]
@@ -83,8 +95,10 @@ def naive_tnt_block(inner, outer, p, prefix, outer_heads, inner_heads, has_inner
     outer = outer + naive_msa(naive_ln(outer, p, pre + "norm1."), p, pre + "mixer.", outer_heads)
     t = naive_mlp(naive_ln(outer, p, pre + "norm2."), p, pre + "mlp.")
     s = naive_ln(t.mean(1, keepdim=True), p, pre + "mlp.se.norm.")  # mean over ALL tokens (class included)
-    g = torch.tanh(torch.relu(s @ p[pre + "mlp.se.fc1.weight"].T + p[pre + "mlp.se.fc1.bias"])
-                   @ p[pre + "mlp.se.fc2.weight"].T + p[pre + "mlp.se.fc2.bias"])
+    g = torch.tanh(
+        torch.relu(s @ p[pre + "mlp.se.fc1.weight"].T + p[pre + "mlp.se.fc1.bias"]) @ p[pre + "mlp.se.fc2.weight"].T
+        + p[pre + "mlp.se.fc2.bias"]
+    )
     return inner, outer + t + t * g
 
 
@@ -109,8 +123,9 @@ def naive_tnt(model: TNT, x, patch, stride, outer_heads, inner_heads):
     outer = torch.cat([p["cls_token"].expand(b, -1, -1), naive_words_to_sentence(inner, p, "proj.", b)], 1)
     outer = outer + p["pos_embed"]
     for i, blk in enumerate(model.blocks):
-        inner, outer = naive_tnt_block(inner, outer, p, f"blocks.{i}.", outer_heads, inner_heads, blk.has_inner,
-                                       se=hasattr(blk.outer.mlp, "se"))
+        inner, outer = naive_tnt_block(
+            inner, outer, p, f"blocks.{i}.", outer_heads, inner_heads, blk.has_inner, se=hasattr(blk.outer.mlp, "se")
+        )
     feats = naive_ln(outer, p, "norm.")
     pooled = feats[:, 1:].mean(1) if model.global_pool == "avg" else feats[:, 0]
     return pooled @ p["head.weight"].T + p["head.bias"], feats
@@ -249,9 +264,18 @@ def test_block_params_formula(d, c, m):
     """Params_TNT = 12cc + mcd + 12dd: the weight matrices; biases and norms on top, counted term by term."""
     blk = TNTBlock(d, c, max(1, d // 64), 2, num_words=m)
     norms_biases = (
-        2 * c + c + 2 * c + 4 * c + c  # inner: LN1, proj bias, LN2, fc1/fc2 biases
-        + 2 * m * c + 2 * d  # fusion: LN(mc), LN(d); its Linear has no bias
-        + 2 * d + d + 2 * d + 4 * d + d  # outer: same as inner
+        2 * c
+        + c
+        + 2 * c
+        + 4 * c
+        + c  # inner: LN1, proj bias, LN2, fc1/fc2 biases
+        + 2 * m * c
+        + 2 * d  # fusion: LN(mc), LN(d); its Linear has no bias
+        + 2 * d
+        + d
+        + 2 * d
+        + 4 * d
+        + d  # outer: same as inner
     )
     assert count(blk) == 12 * c * c + m * c * d + 12 * d * d + norms_biases
     plain = TNTBlock(d, c, max(1, d // 64), 2, num_words=m, has_inner=False)
@@ -290,8 +314,15 @@ def test_registered_params(name, d, c, blocks, se):
     assert not any(k.endswith("outer_tokens") for k in model.state_dict())  # SPEC Decision 4
 
 
-@pytest.mark.parametrize("name, spec", [("tnt_ti_patch16_224", 6.08), ("tnt_s_patch16_224", 23.77),
-                                        ("tnt_b_patch16_224", 65.43), ("tnt_s_se_patch16_224", 24.7)])
+@pytest.mark.parametrize(
+    "name, spec",
+    [
+        ("tnt_ti_patch16_224", 6.08),
+        ("tnt_s_patch16_224", 23.77),
+        ("tnt_b_patch16_224", 65.43),
+        ("tnt_s_se_patch16_224", 24.7),
+    ],
+)
 def test_params_targets(name, spec):
     """SPEC table (6.08 / 23.77 / 65.43M) and paper Table 12 (TNT-S + SE 24.7M), within 1%."""
     with torch.device("meta"):
@@ -301,9 +332,14 @@ def test_params_targets(name, spec):
 @pytest.mark.parametrize(
     "name, spec, tol",
     [
-        ("tnt_ti_patch16_224", 1.40, 0.014), ("tnt_s_patch16_224", 5.22, 0.052), ("tnt_b_patch16_224", 14.05, 0.14),
+        ("tnt_ti_patch16_224", 1.40, 0.014),
+        ("tnt_s_patch16_224", 5.22, 0.052),
+        ("tnt_b_patch16_224", 14.05, 0.14),
         # Table 5 gives the partial models' FLOPs to 0.1G
-        ("tnt_s_1", 4.8, 0.05), ("tnt_s_2", 4.7, 0.05), ("tnt_s_3", 4.7, 0.05), ("tnt_s_4", 4.6, 0.05),
+        ("tnt_s_1", 4.8, 0.05),
+        ("tnt_s_2", 4.7, 0.05),
+        ("tnt_s_3", 4.7, 0.05),
+        ("tnt_s_4", 4.6, 0.05),
     ],
 )
 def test_macs_targets(name, spec, tol):

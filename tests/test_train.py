@@ -35,8 +35,9 @@ def mnist_model(name: str = "deit_mini", **kw) -> torch.nn.Module:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "vitlab.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "vitlab.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
@@ -153,8 +154,13 @@ def test_hard_distillation_loss_is_the_deit_equation():
 
 
 def _ckpt_of(model: torch.nn.Module, name: str = "deit_mini") -> dict:
-    return {"model_name": name, "model_kwargs": dict(img_size=28, in_chans=1, num_classes=10, patch_size=7),
-            "model": model.state_dict(), "epoch": 1, "step": 3}  # fmt: skip
+    return {
+        "model_name": name,
+        "model_kwargs": dict(img_size=28, in_chans=1, num_classes=10, patch_size=7),
+        "model": model.state_dict(),
+        "epoch": 1,
+        "step": 3,
+    }
 
 
 def test_checkpoint_atomic_roundtrip_and_model_record(tmp_path):
@@ -170,8 +176,11 @@ def test_checkpoint_atomic_roundtrip_and_model_record(tmp_path):
     with pytest.raises(ValueError, match="holds a 'deit_mini' model, not 'cpvt_mini'"):
         check_model_name(ckpt, "cpvt_mini")
     with pytest.raises(ValueError, match=r"does not fit the model: missing: .*pegs"):
-        load_state_checked(vitlab.create_model("cpvt_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7),
-                           ckpt["model"], "ckpt")  # fmt: skip
+        load_state_checked(
+            vitlab.create_model("cpvt_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7),
+            ckpt["model"],
+            "ckpt",
+        )
 
 
 class _Evil:
@@ -273,15 +282,34 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
 
     # a distilled student, initialised from the teacher, trained under bf16 autocast
     student = tmp_path / "student"
-    assert cli_main(["train", *TINY_RUN, "--epochs", "1", "--dist-token", "--teacher", str(teacher / "last.pt"),
-                     "--init-from", str(teacher / "last.pt"), "--amp", "bf16", "--out", str(student)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "train",
+                *TINY_RUN,
+                "--epochs",
+                "1",
+                "--dist-token",
+                "--teacher",
+                str(teacher / "last.pt"),
+                "--init-from",
+                str(teacher / "last.pt"),
+                "--amp",
+                "bf16",
+                "--out",
+                str(student),
+            ]
+        )
+        == 0
+    )
     assert "head_dist.weight" in load_checkpoint(student)["model"]
     printed = capsys.readouterr().out
     assert "initialised" in printed and "autocast torch.bfloat16" in printed
 
     # --init-from a DeiT checkpoint into AFT-conv: the AFT paper's transfer (patch embedding, norms, MLPs, V)
-    aft = vitlab.create_model("aft_conv_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1,
-                              embed_dim=32)  # fmt: skip
+    aft = vitlab.create_model(
+        "aft_conv_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1, embed_dim=32
+    )
     assert "initialised" in init_weights_from(aft, str(teacher / "last.pt"))
     for k in ("patch_embed.proj.weight", "blocks.0.mlp.fc1.weight", "norm.weight"):
         assert torch.equal(aft.state_dict()[k], ckpt["model"][k]), k
@@ -294,8 +322,9 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
 
     assert "unknown model 'deit_minii'" in error("train", "--model", "deit_minii", "--out", str(tmp_path / "x"))
     assert "already holds a run" in error("train", *TINY_RUN, "--epochs", "2", "--out", str(teacher))
-    assert "trained with batch_size=32" in error("train", *TINY_RUN, "--epochs", "3", "--out", str(teacher),
-                                                 "--resume", "--batch-size", "16")  # fmt: skip
+    assert "trained with batch_size=32" in error(
+        "train", *TINY_RUN, "--epochs", "3", "--out", str(teacher), "--resume", "--batch-size", "16"
+    )
     assert "holds a 'deit_mini' model, not 'cpvt_mini'" in error(
         "train", *TINY_RUN, "--epochs", "3", "--out", str(teacher), "--resume", "--model", "cpvt_mini"
     )
@@ -307,8 +336,9 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
     assert "not found" in error("eval", str(tmp_path / "nope.pt"))
     (tmp_path / "bad.pt").write_bytes((teacher / "last.pt").read_bytes()[:1000])
     assert "truncated or corrupt" in error("eval", str(tmp_path / "bad.pt"))
-    assert "does not exist" in error("train", *TINY_RUN, "--data", f"cifar10:{tmp_path / 'nodata'}",
-                                     "--out", str(tmp_path / "y"))  # fmt: skip
+    assert "does not exist" in error(
+        "train", *TINY_RUN, "--data", f"cifar10:{tmp_path / 'nodata'}", "--out", str(tmp_path / "y")
+    )
     assert "distillation token" in error("train", *TINY_RUN, "--teacher", str(teacher), "--out", str(tmp_path / "z"))
     assert "exceeds the 128 training images" in error(
         "train", *TINY_RUN, "--batch-size", "256", "--out", str(tmp_path / "w")
@@ -323,8 +353,10 @@ def test_a_batch_too_big_for_memory_is_one_clear_line(tmp_path, monkeypatch, cap
         model = real(*args, **kw)
 
         def forward(x):
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
-                               "you tried to allocate 123456789012 bytes")  # fmt: skip
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 123456789012 bytes"
+            )
 
         model.forward = forward
         return model
@@ -348,10 +380,24 @@ def test_two_ddp_processes_match_one_process_at_the_same_global_batch(tmp_path):
     args = [*TINY_RUN, "--epochs", "2", "--drop-path", "0", "--crop-padding", "0", "--train-limit", "128"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     ddp = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vitlab.cli",
-         "train", *args, "--out", str(tmp_path / "ddp")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "vitlab.cli",
+            "train",
+            *args,
+            "--out",
+            str(tmp_path / "ddp"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     single = run_cli("train", *args, "--out", str(tmp_path / "one"))
     try:
         log, _ = ddp.communicate(timeout=300)
@@ -377,8 +423,15 @@ def test_eval_at_another_size_resamples_aft_position_biases(tmp_path):
 
     kw = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1, embed_dim=32)
     model = vitlab.create_model("aft_full_mini", **kw)
-    save_checkpoint({"model_name": "aft_full_mini", "model_kwargs": kw, "model": model.state_dict(),
-                     "config": {"data": "mnist", "holdout": 200}}, tmp_path / "aft.pt")  # fmt: skip
+    save_checkpoint(
+        {
+            "model_name": "aft_full_mini",
+            "model_kwargs": kw,
+            "model": model.state_dict(),
+            "config": {"data": "mnist", "holdout": 200},
+        },
+        tmp_path / "aft.pt",
+    )
     rows = evaluate_checkpoint(tmp_path / "aft.pt", [28, 42], threads=1)
     assert [(r["img_size"], r["n"]) for r in rows] == [(28, 200), (42, 200)]
     with torch.no_grad():  # at the training size the checkpoint's own model is what was evaluated

@@ -107,8 +107,16 @@ def export_onnx(
     model = model.eval()
     kw: dict[str, Any] = {"opset_version": opset} if opset else {}
     with _quiet(), torch.no_grad():
-        torch.onnx.export(model, (example,), str(path), dynamo=True, input_names=["images"], output_names=["logits"],
-                          dynamic_shapes=(axes,), **kw)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=True,
+            input_names=["images"],
+            output_names=["logits"],
+            dynamic_shapes=(axes,),
+            **kw,
+        )
     return path
 
 
@@ -184,8 +192,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registered model name (see `vitlab models`)")
     p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
     p.add_argument("--out", required=True, help="file to write (.onnx or .pt)")
-    p.add_argument("--weights", default=None, help="weights to load first (vitlab safetensors, or any checkpoint `vitlab convert` reads)")
-    p.add_argument("--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)")
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="weights to load first (vitlab safetensors, or any checkpoint `vitlab convert` reads)",
+    )
+    p.add_argument(
+        "--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)"
+    )
     p.add_argument("--img-size", type=int, default=None, help="example input size (default: the model's)")
     p.add_argument("--batch", type=int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)")
     p.add_argument("--static-size", action="store_true", help="ONNX: fixed height and width even where they could vary")
@@ -211,7 +225,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.format == "onnx":
         export_onnx(model, x, out, dynamic_size=False if args.static_size else None)
-        result: dict[str, Any] = {"out": str(out), "dynamic_size": not args.static_size and supports_dynamic_size(model)}
+        result: dict[str, Any] = {
+            "out": str(out),
+            "dynamic_size": not args.static_size and supports_dynamic_size(model),
+        }
         if args.check:
             sess = onnx_session(out)
             with torch.no_grad():

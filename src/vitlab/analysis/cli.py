@@ -139,8 +139,11 @@ def _external_blocks(model: nn.Module) -> set[int]:
     from ..mixers import ExternalAttention, MultiHeadExternalAttention
 
     blocks = getattr(model, "blocks", [])
-    return {i for i, b in enumerate(blocks) if any(isinstance(m, ExternalAttention | MultiHeadExternalAttention)
-                                                   for m in b.modules())}  # fmt: skip
+    return {
+        i
+        for i, b in enumerate(blocks)
+        if any(isinstance(m, ExternalAttention | MultiHeadExternalAttention) for m in b.modules())
+    }
 
 
 def self_attention_maps(out: dict, ctx: Context) -> list[tuple[int, Tensor]]:
@@ -221,8 +224,10 @@ class QueryAttention(Analysis):
 
     def update(self, out, n):
         layout = out["layout"]
-        per_block = [metrics.query_attention(a, self.query, layout.grid, layout.num_prefix)
-                     for _, a in self_attention_maps(out, self.ctx)]  # fmt: skip
+        per_block = [
+            metrics.query_attention(a, self.query, layout.grid, layout.num_prefix)
+            for _, a in self_attention_maps(out, self.ctx)
+        ]
         self.maps.append([m.float().cpu() for m in per_block])
 
     def result(self):
@@ -252,10 +257,14 @@ class QueryAttention(Analysis):
             (gh, gw), (h, w) = self.grid, img.shape[-2:]
             marker = ((self.patch % gw + 0.5) * w / gw - 0.5, (self.patch // gw + 0.5) * h / gh - 0.5)
         plots.map_grid(
-            maps, path, row_labels=[_block_label(b) for b in self.blocks],
-            col_labels=[f"head {h}" for h in range(maps.shape[1])], image=img.numpy(), marker=marker,
+            maps,
+            path,
+            row_labels=[_block_label(b) for b in self.blocks],
+            col_labels=[f"head {h}" for h in range(maps.shape[1])],
+            image=img.numpy(),
+            marker=marker,
             title=f"attention of the query {result['query']} (image 0)",
-        )  # fmt: skip
+        )
 
     def summary(self, result):
         return f"query {result['query']}, {len(self.blocks)} blocks"
@@ -299,10 +308,14 @@ class Collapse(Analysis):
         from . import plots
 
         plots.matrices(
-            [np.array(result["similarity"])], path, titles=["cross-layer attention similarity"],
-            ticks=[str(b) for b in self.blocks], annotate=True, axis="block",
+            [np.array(result["similarity"])],
+            path,
+            titles=["cross-layer attention similarity"],
+            ticks=[str(b) for b in self.blocks],
+            annotate=True,
+            axis="block",
             title=f"{result['similar_blocks']} similar blocks (adjacent similarity > {result['threshold']})",
-        )  # fmt: skip
+        )
 
     def summary(self, result):
         adj = result["adjacent_similarity"]
@@ -350,10 +363,12 @@ class HeadSimilarity(Analysis):
         from . import plots
 
         plots.matrices(
-            [np.array(s) for s in result["similarity"]], path,
+            [np.array(s) for s in result["similarity"]],
+            path,
             titles=[f"block {b}: mean {m:.2f}" for b, m in zip(self.blocks, result["mean_between_heads"])],
-            title="similarity between heads", axis="head",
-        )  # fmt: skip
+            title="similarity between heads",
+            axis="head",
+        )
 
     def summary(self, result):
         m = result["mean_between_heads"]
@@ -386,9 +401,14 @@ class FeatureEvolution(Analysis):
         from . import plots
 
         plots.curve(
-            result["blocks"], result["similarity"], path, xlabel="block k", ylabel="cos(features k-1, k)",
-            title="feature evolution", ylim=(min(0.0, *result["similarity"]), 1.02),
-        )  # fmt: skip
+            result["blocks"],
+            result["similarity"],
+            path,
+            xlabel="block k",
+            ylabel="cos(features k-1, k)",
+            title="feature evolution",
+            ylim=(min(0.0, *result["similarity"]), 1.02),
+        )
 
     def summary(self, result):
         s = result["similarity"]
@@ -424,10 +444,13 @@ class AFTBias(Analysis):
         kernels = pad_stack([torch.tensor(np.array(k, dtype=np.float32)) for k in result["kernels"]])
         kernels = kernels[:, : self.ctx.max_heads]
         plots.map_grid(
-            kernels, path, row_labels=[n.replace(".mixer", "") for n in result["layers"]],
-            col_labels=[f"head {h}" for h in range(kernels.shape[1])], diverging=True,
+            kernels,
+            path,
+            row_labels=[n.replace(".mixer", "") for n in result["layers"]],
+            col_labels=[f"head {h}" for h in range(kernels.shape[1])],
+            diverging=True,
             title="AFT-conv relative position weights exp(w) - 1",
-        )  # fmt: skip
+        )
 
     def summary(self, result):
         k = [np.array(x) for x in result["kernels"]]
@@ -454,10 +477,12 @@ class AFTKeys(Analysis):
 
     def update(self, out, n):
         layout = out["layout"]
-        self.maps.append([
-            metrics.token_maps(k[..., : self.ctx.max_heads], layout.grid, layout.num_prefix).float().cpu()
-            for _, k in self._keys(out)
-        ])  # fmt: skip
+        self.maps.append(
+            [
+                metrics.token_maps(k[..., : self.ctx.max_heads], layout.grid, layout.num_prefix).float().cpu()
+                for _, k in self._keys(out)
+            ]
+        )
 
     def result(self):
         per_block = [torch.cat([b[j] for b in self.maps]) for j in range(len(self.blocks))]
@@ -475,10 +500,13 @@ class AFTKeys(Analysis):
 
         maps = pad_stack([torch.tensor(np.array(b, dtype=np.float32)) for b in result["maps"][0]])
         plots.map_grid(
-            maps, path, row_labels=[_block_label(b) for b in self.blocks],
-            col_labels=[f"key {c}" for c in range(maps.shape[1])], image=self.ctx.images[0].numpy(),
+            maps,
+            path,
+            row_labels=[_block_label(b) for b in self.blocks],
+            col_labels=[f"key {c}" for c in range(maps.shape[1])],
+            image=self.ctx.images[0].numpy(),
             title="AFT keys as feature maps (image 0)",
-        )  # fmt: skip
+        )
 
     def summary(self, result):
         return f"{len(self.blocks)} AFT layers, {result['channels_shown']} key channels shown"
@@ -511,10 +539,14 @@ class ExternalMaps(Analysis):
 
     def update(self, out, n):
         layout = out["layout"]
-        self.maps.append([
-            metrics.slot_maps(a[:, : self.ctx.max_heads], self.ctx.slots, layout.grid, layout.num_prefix).float().cpu()
-            for _, a in self._maps(out)
-        ])  # fmt: skip
+        self.maps.append(
+            [
+                metrics.slot_maps(a[:, : self.ctx.max_heads], self.ctx.slots, layout.grid, layout.num_prefix)
+                .float()
+                .cpu()
+                for _, a in self._maps(out)
+            ]
+        )
 
     def result(self):
         per_block = [torch.cat([b[j] for b in self.maps]) for j in range(len(self.blocks))]
@@ -532,10 +564,13 @@ class ExternalMaps(Analysis):
         # the last EA block as the paper; (slots, heads, gh, gw), at most PLOT_ROWS slots drawn
         last = np.array(result["maps"][0][-1], dtype=np.float32)[:PLOT_ROWS]
         plots.map_grid(
-            last, path, row_labels=[f"slot {s}" for s in self.ctx.slots[:PLOT_ROWS]],
-            col_labels=[f"head {h}" for h in range(last.shape[1])], image=self.ctx.images[0].numpy(),
+            last,
+            path,
+            row_labels=[f"slot {s}" for s in self.ctx.slots[:PLOT_ROWS]],
+            col_labels=[f"head {h}" for h in range(last.shape[1])],
+            image=self.ctx.images[0].numpy(),
             title=f"external attention to memory slots, block {self.blocks[-1]} (image 0)",
-        )  # fmt: skip
+        )
 
     def summary(self, result):
         return f"{len(self.blocks)} external-attention blocks, slots {self.ctx.slots}"
@@ -572,8 +607,11 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
     """
     from ..models import create_model
 
-    overrides = {k: v for k, v in (("img_size", args.img_size), ("in_chans", args.in_chans),
-                                   ("num_classes", args.num_classes)) if v is not None}  # fmt: skip
+    overrides = {
+        k: v
+        for k, v in (("img_size", args.img_size), ("in_chans", args.in_chans), ("num_classes", args.num_classes))
+        if v is not None
+    }
     torch.manual_seed(args.seed)
     if not args.checkpoint:
         return create_model(args.model, **overrides).eval().to(args.device), f"random init (seed {args.seed})"
@@ -739,9 +777,17 @@ def run(args: argparse.Namespace) -> int:
     images, x, data = load_images(args, model)
     print(f"{args.model} [{weights}] on {data}; analyses: {', '.join(what)}")
     report = analyze(
-        model, images, x, what, args.out, query=args.query, threshold=args.threshold, slots=slots,
-        max_heads=args.max_heads, batch_size=args.batch_size,
-    )  # fmt: skip
+        model,
+        images,
+        x,
+        what,
+        args.out,
+        query=args.query,
+        threshold=args.threshold,
+        slots=slots,
+        max_heads=args.max_heads,
+        batch_size=args.batch_size,
+    )
     diff = report["explicit_path_max_abs_logit_diff"]
     print(f"explicit path vs model(x): max |logit difference| = {diff:.2e}; summary: {Path(args.out) / 'summary.json'}")
     return 0

@@ -109,8 +109,14 @@ def map_grid(
         ax.text(-pad, pad + i * (ch + pad) + ch / 2, label, ha="right", va="center", fontsize=8)
     if image is not None and marker is not None:
         ih, iw = np.asarray(image).shape[-2:]
-        ax.plot(pad + (marker[0] + 0.5) * cw / iw - 0.5, pad + (marker[1] + 0.5) * ch / ih - 0.5,
-                marker="x", color="red", markersize=8, mew=2)  # fmt: skip
+        ax.plot(
+            pad + (marker[0] + 0.5) * cw / iw - 0.5,
+            pad + (marker[1] + 0.5) * ch / ih - 0.5,
+            marker="x",
+            color="red",
+            markersize=8,
+            mew=2,
+        )
     if title:
         fig.suptitle(title, fontsize=10, y=1 - 0.12 / fh, va="top")
     return _save(fig, path)

@@ -119,7 +119,9 @@ def csv_list(kind: type, choices: Iterable[str] | None = None) -> Callable[[str]
         if choices is not None:
             bad = [x for x in items if x not in choices]
             if bad:
-                raise argparse.ArgumentTypeError(f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}")
+                raise argparse.ArgumentTypeError(
+                    f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}"
+                )
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         return items

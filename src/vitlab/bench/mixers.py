@@ -514,7 +514,10 @@ def table(results: list[dict[str, Any]], main_batch: int) -> str:
     """One block per (mode, dtype, dim): a row per mixer, a column per T; cells 'time / peak - baseline'."""
     abbrev = {"skipped": "skipped", "not_implemented": "n/i", "error": "ERROR"}
     lines = []
-    groups = sorted({(r["mode"], r["dtype"], r["dim"]) for r in results}, key=lambda g: (MODES.index(g[0]), list(DTYPES).index(g[1]), g[2]))
+    groups = sorted(
+        {(r["mode"], r["dtype"], r["dim"]) for r in results},
+        key=lambda g: (MODES.index(g[0]), list(DTYPES).index(g[1]), g[2]),
+    )
     for mode, dtype, dim in groups:
         rs = [r for r in results if (r["mode"], r["dtype"], r["dim"]) == (mode, dtype, dim)]
         tokens = sorted({r["T"] for r in rs})
@@ -621,7 +624,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
     sel.add_argument("--mixers", type=csv_list(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
-    sel.add_argument("--tokens", type=csv_list(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})")
+    sel.add_argument(
+        "--tokens", type=csv_list(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})"
+    )
     sel.add_argument("--dim", type=int, help=f"token width (default {TARGET_DIM})")
     sel.add_argument("--batch", type=int, help=f"batch size (default {TARGET_BATCH})")
     sel.add_argument("--dtypes", type=csv_list(str, DTYPES), help="fp32,bf16 (default both)")

@@ -93,8 +93,16 @@ def _profile_once(fn: Callable[[], Any], top: int) -> dict[str, Any]:
         groups[g]["flops"] += flops
         groups[g]["flops_ms"] += ms if flops else 0.0
         groups[g]["calls"] += e.count
-        ops.append({"op": e.key, "group": g, "calls": e.count, "ms": ms, "flops": flops,
-                    "shapes": [s for s in shapes if s][:3]})  # fmt: skip
+        ops.append(
+            {
+                "op": e.key,
+                "group": g,
+                "calls": e.count,
+                "ms": ms,
+                "flops": flops,
+                "shapes": [s for s in shapes if s][:3],
+            }
+        )
     total = sum(v["ms"] for v in groups.values())
     for v in groups.values():
         v["share"] = v["ms"] / total if total else 0.0
@@ -127,9 +135,14 @@ def profile_text(name: str, prof: dict[str, Any]) -> str:
         lines.append(f"{g:<12} {v['ms']:9.1f} {v['share']:7.1%} {v['calls']:6d} {rate:>8}")
     if prof.get("gemm_util") is not None:
         lines.append("")
-        lines.append(f"matrix products run at {prof['gemm_util']:.0%} of the GEMM yardstick"
-                     + (f"; if only they and the attention kernels took time, utilisation would be "
-                        f"{prof['ceiling_util']:.0%}" if prof.get("ceiling_util") else ""))  # fmt: skip
+        lines.append(
+            f"matrix products run at {prof['gemm_util']:.0%} of the GEMM yardstick"
+            + (
+                f"; if only they and the attention kernels took time, utilisation would be {prof['ceiling_util']:.0%}"
+                if prof.get("ceiling_util")
+                else ""
+            )
+        )
     lines += ["", f"{'operator':<44} {'group':<11} {'calls':>5} {'ms':>8} {'share':>6} {'GFLOP/s':>8}  shapes"]
     for o in prof["top"]:
         rate = f"{o['gflops_per_s']:.0f}" if o["gflops_per_s"] else "-"

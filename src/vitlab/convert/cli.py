@@ -12,17 +12,30 @@ from .keymaps import SOURCES
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint of the official code or timm (.pth/.pth.tar/.bin/.safetensors)")
     p.add_argument("--model", required=True, help="registered vitlab model to load it into (see `vitlab models`)")
-    p.add_argument("--source", default="auto", choices=["auto", *SOURCES],
-                   help="which implementation wrote the checkpoint (default: detected from its key names)")
-    p.add_argument("--out", default=None,
-                   help="safetensors file to write (default: the checkpoint's name with .safetensors)")
-    p.add_argument("--num-classes", type=int, default=None,
-                   help="classifier size (default: taken from the checkpoint's head)")
-    p.add_argument("--img-size", type=int, default=None,
-                   help="build the model for this input size (a learned position table is resampled)")
+    p.add_argument(
+        "--source",
+        default="auto",
+        choices=["auto", *SOURCES],
+        help="which implementation wrote the checkpoint (default: detected from its key names)",
+    )
+    p.add_argument(
+        "--out", default=None, help="safetensors file to write (default: the checkpoint's name with .safetensors)"
+    )
+    p.add_argument(
+        "--num-classes", type=int, default=None, help="classifier size (default: taken from the checkpoint's head)"
+    )
+    p.add_argument(
+        "--img-size",
+        type=int,
+        default=None,
+        help="build the model for this input size (a learned position table is resampled)",
+    )
     p.add_argument("--nested-key", default=None, help="checkpoint entry holding the weights (default: detected)")
-    p.add_argument("--no-strict", action="store_true",
-                   help="write whatever fits even if tensors are missing, unexpected or of another shape")
+    p.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="write whatever fits even if tensors are missing, unexpected or of another shape",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -58,15 +71,32 @@ def run(args: argparse.Namespace) -> int:
     report.origin = str(src)
     out = Path(args.out) if args.out else default_out(src)
     if args.json:
-        print(json.dumps({**report.to_dict(), "model": args.model, "num_classes": num_classes,
-                          "out": str(out) if report.ok or args.no_strict else None}, indent=1))
+        print(
+            json.dumps(
+                {
+                    **report.to_dict(),
+                    "model": args.model,
+                    "num_classes": num_classes,
+                    "out": str(out) if report.ok or args.no_strict else None,
+                },
+                indent=1,
+            )
+        )
     else:
         print("\n".join(report.lines()))
     if not report.ok and not args.no_strict:
-        raise ValueError(f"{src} does not fit {args.model}: {report.problems()} (see the report above); "
-                         f"nothing written; --no-strict writes the partial conversion")
-    meta = {"format": "pt", "writer": "vitlab convert", "model": args.model, "source": source,
-            "checkpoint": src.name, "num_classes": str(num_classes)}
+        raise ValueError(
+            f"{src} does not fit {args.model}: {report.problems()} (see the report above); "
+            f"nothing written; --no-strict writes the partial conversion"
+        )
+    meta = {
+        "format": "pt",
+        "writer": "vitlab convert",
+        "model": args.model,
+        "source": source,
+        "checkpoint": src.name,
+        "num_classes": str(num_classes),
+    }
     if args.img_size:
         meta["img_size"] = str(args.img_size)
     save_weights(model, out, metadata=meta)

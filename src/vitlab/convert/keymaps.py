@@ -50,8 +50,10 @@ def _stem(convs: int) -> list[Rule]:
     (conv, BN, ReLU per stage, so stage i sits at 3i, 3i + 1)."""
     rules: list[Rule] = []
     for i in range(convs):
-        rules += [(rf"^patch_embed\.conv{i + 1}\.", f"patch_embed.stem.{3 * i}."),
-                  (rf"^patch_embed\.bn{i + 1}\.", f"patch_embed.stem.{3 * i + 1}.")]
+        rules += [
+            (rf"^patch_embed\.conv{i + 1}\.", f"patch_embed.stem.{3 * i}."),
+            (rf"^patch_embed\.bn{i + 1}\.", f"patch_embed.stem.{3 * i + 1}."),
+        ]
     return rules
 
 
@@ -80,23 +82,45 @@ KEY_RULES: dict[str, list[Rule]] = {
     "tnt_huawei": [
         (r"^patch_embed\.proj\.", "pixel_embed.proj."),
         (r"^outer_pos$", "pos_embed"),
-        *_prefixed(_TNT_OPT_BLOCK, (
-            ("inner_norm1.", "inner.norm1."), ("inner_attn.", "inner.mixer."), ("inner_norm2.", "inner.norm2."),
-            ("inner_mlp.", "inner.mlp."), ("outer_norm1.", "outer.norm1."), ("outer_attn.", "outer.mixer."),
-            ("outer_norm2.", "outer.norm2."), ("outer_mlp.", "outer.mlp."), ("proj_norm1.", "proj.norm1."),
-            ("proj_norm2.", "proj.norm2."), ("proj.", "proj.fc."), ("se_layer.fc.0.", "outer.mlp.se.norm."),
-            ("se_layer.fc.1.", "outer.mlp.se.fc1."), ("se_layer.fc.3.", "outer.mlp.se.fc2."),
-        )),
+        *_prefixed(
+            _TNT_OPT_BLOCK,
+            (
+                ("inner_norm1.", "inner.norm1."),
+                ("inner_attn.", "inner.mixer."),
+                ("inner_norm2.", "inner.norm2."),
+                ("inner_mlp.", "inner.mlp."),
+                ("outer_norm1.", "outer.norm1."),
+                ("outer_attn.", "outer.mixer."),
+                ("outer_norm2.", "outer.norm2."),
+                ("outer_mlp.", "outer.mlp."),
+                ("proj_norm1.", "proj.norm1."),
+                ("proj_norm2.", "proj.norm2."),
+                ("proj.", "proj.fc."),
+                ("se_layer.fc.0.", "outer.mlp.se.norm."),
+                ("se_layer.fc.1.", "outer.mlp.se.fc1."),
+                ("se_layer.fc.3.", "outer.mlp.se.fc2."),
+            ),
+        ),
     ],
     "tnt_timm": [
         (r"^pixel_pos$", "inner_pos"),
         (r"^patch_pos$", "pos_embed"),
-        *_prefixed(_TNT_OPT_BLOCK, (
-            ("norm_in.", "inner.norm1."), ("attn_in.", "inner.mixer."), ("norm_mlp_in.", "inner.norm2."),
-            ("mlp_in.", "inner.mlp."), ("norm_out.", "outer.norm1."), ("attn_out.", "outer.mixer."),
-            ("norm_mlp.", "outer.norm2."), ("mlp.", "outer.mlp."), ("norm1_proj.", "proj.norm1."),
-            ("norm2_proj.", "proj.norm2."), ("proj.", "proj.fc."),
-        )),
+        *_prefixed(
+            _TNT_OPT_BLOCK,
+            (
+                ("norm_in.", "inner.norm1."),
+                ("attn_in.", "inner.mixer."),
+                ("norm_mlp_in.", "inner.norm2."),
+                ("mlp_in.", "inner.mlp."),
+                ("norm_out.", "outer.norm1."),
+                ("attn_out.", "outer.mixer."),
+                ("norm_mlp.", "outer.norm2."),
+                ("mlp.", "outer.mlp."),
+                ("norm1_proj.", "proj.norm1."),
+                ("norm2_proj.", "proj.norm2."),
+                ("proj.", "proj.fc."),
+            ),
+        ),
     ],
     "eamlp": [
         (r"^tokens_to_token\.attention1\.", "tokens_to_token.layers.0."),
@@ -185,11 +209,13 @@ def _eamlp_token_memories(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], 
         second = f"{prefix}linear_2.weight" in state
         names = {"linear_1": "mk", "linear_2": "mv"} if second else {"linear_0": "mk", "linear_1": "mv"}
         for key in [k for k in state if k.startswith(prefix)]:
-            head, _, leaf = key[len(prefix):].partition(".")
+            head, _, leaf = key[len(prefix) :].partition(".")
             if head in names:
                 out[f"{prefix}{names[head]}.{leaf}"] = out.pop(key)
-        notes.append(f"{prefix}: memories {' / '.join(names)} -> mk / mv "
-                     f"({'token_transformer' if second else 'token_performer'} spelling)")
+        notes.append(
+            f"{prefix}: memories {' / '.join(names)} -> mk / mv "
+            f"({'token_transformer' if second else 'token_performer'} spelling)"
+        )
     return out, notes
 
 
@@ -214,9 +240,7 @@ def rename_key(key: str, source: str) -> str:
     return key
 
 
-def convert_state(
-    state: dict[str, Tensor], source: str
-) -> tuple[dict[str, Tensor], dict[str, str], list[str]]:
+def convert_state(state: dict[str, Tensor], source: str) -> tuple[dict[str, Tensor], dict[str, str], list[str]]:
     """Reference state_dict -> vitlab names. Returns ``(converted, dropped {key: reason}, notes)``.
 
     Raises ValueError when two reference keys land on one vitlab key (a map that would silently lose a tensor).

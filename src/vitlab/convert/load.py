@@ -181,13 +181,22 @@ class LoadReport:
 
     def problems(self) -> str:
         """One line: the counts of what did not fit."""
-        parts = [f"{len(v)} {name}" for name, v in (("missing", self.missing), ("unexpected", self.unexpected),
-                                                    ("shape mismatches", self.mismatched)) if v]
+        parts = [
+            f"{len(v)} {name}"
+            for name, v in (
+                ("missing", self.missing),
+                ("unexpected", self.unexpected),
+                ("shape mismatches", self.mismatched),
+            )
+            if v
+        ]
         return ", ".join(parts) or "none"
 
     def lines(self) -> list[str]:
-        out = [f"source: {self.source} ({SOURCES.get(self.source, '')}) from {self.origin}",
-               f"matched: {len(self.matched)} tensors"]
+        out = [
+            f"source: {self.source} ({SOURCES.get(self.source, '')}) from {self.origin}",
+            f"matched: {len(self.matched)} tensors",
+        ]
         if self.resampled:
             out.append("resampled:")
             out += [f"  {k}: {old} -> {new} ({how})" for k, old, new, how in self.resampled]
@@ -199,8 +208,10 @@ class LoadReport:
         if self.notes:
             out.append("transformed:")
             out += [f"  {n}" for n in self.notes]
-        for name, keys in (("missing (in the model, not in the checkpoint)", self.missing),
-                           ("unexpected (in the checkpoint, not in the model)", self.unexpected)):
+        for name, keys in (
+            ("missing (in the model, not in the checkpoint)", self.missing),
+            ("unexpected (in the checkpoint, not in the model)", self.unexpected),
+        ):
             if keys:
                 out.append(f"{name}: {len(keys)}")
                 out += [f"  {k}" for k in compact_keys(keys)]
@@ -215,11 +226,19 @@ class LoadReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "source": self.source, "origin": self.origin, "ok": self.ok, "matched": len(self.matched),
-            "missing": self.missing, "unexpected": self.unexpected,
+            "source": self.source,
+            "origin": self.origin,
+            "ok": self.ok,
+            "matched": len(self.matched),
+            "missing": self.missing,
+            "unexpected": self.unexpected,
             "mismatched": [{"key": k, "checkpoint": list(a), "model": list(b)} for k, a, b in self.mismatched],
-            "resampled": [{"key": k, "checkpoint": list(a), "model": list(b), "how": h} for k, a, b, h in self.resampled],
-            "dropped": self.dropped, "excluded": self.excluded, "notes": self.notes,
+            "resampled": [
+                {"key": k, "checkpoint": list(a), "model": list(b), "how": h} for k, a, b, h in self.resampled
+            ],
+            "dropped": self.dropped,
+            "excluded": self.excluded,
+            "notes": self.notes,
         }
 
     def to_json(self) -> str:
@@ -302,13 +321,17 @@ def load_reference(
     if source == "refiner" and getattr(model, "aux_head", None) is None:
         for key in [k for k in converted if k.startswith("aux_head.")]:
             converted.pop(key)
-            report.dropped[key] = "token-labelling aux head; the model has none (build it with aux_head=True to keep it)"
+            report.dropped[key] = (
+                "token-labelling aux head; the model has none (build it with aux_head=True to keep it)"
+            )
     if source == "cpvt":
         converted = _fit_pegs(converted, model)
     fits = match_state(model, converted, report)
     if strict and not report.ok:
-        raise ValueError(f"checkpoint {origin} does not fit {type(model).__name__} (source {source}): "
-                         f"{report.problems()}\n" + "\n".join(report.lines()))
+        raise ValueError(
+            f"checkpoint {origin} does not fit {type(model).__name__} (source {source}): "
+            f"{report.problems()}\n" + "\n".join(report.lines())
+        )
     with torch.no_grad():
         model.load_state_dict(fits, strict=False)  # copy_ casts dtypes (e.g. a float num_batches_tracked)
     return report

@@ -79,9 +79,7 @@ def transfer_deit_to_aftconv(
     return _transfer(model, converted, report, DEIT_TO_AFT_EXCLUDE)
 
 
-def _transfer(
-    model: nn.Module, converted: dict[str, Tensor], report: LoadReport, exclude: Iterable[str]
-) -> LoadReport:
+def _transfer(model: nn.Module, converted: dict[str, Tensor], report: LoadReport, exclude: Iterable[str]) -> LoadReport:
     aft = _aft_blocks(model)
     target = model.state_dict()
     value_rows: dict[str, Tensor] = {}
@@ -101,8 +99,10 @@ def _transfer(
             rows = target[dst_key].clone()
             rows[-width:] = src[2 * width :]  # DeiT's v rows -> AFT's V rows; Q and K rows keep their init
             value_rows[dst_key] = rows
-        report.notes.append(f"{prefix}.qkv: value rows copied from the attention qkv; query and key rows "
-                            f"(AFT's Q, K) keep their initialisation")
+        report.notes.append(
+            f"{prefix}.qkv: value rows copied from the attention qkv; query and key rows "
+            f"(AFT's Q, K) keep their initialisation"
+        )
     fits = match_state(model, converted, report, exclude)
     fits.update(value_rows)
     report.matched += list(value_rows)

@@ -160,9 +160,14 @@ class RandAugment:
     """
 
     def __init__(
-        self, num_ops: int = 2, magnitude: float = 9, magnitude_std: float = 0.5, prob: float = 0.5,
-        ops: list[str] | None = None, fill: float = 0.5,
-    ) -> None:  # fmt: skip
+        self,
+        num_ops: int = 2,
+        magnitude: float = 9,
+        magnitude_std: float = 0.5,
+        prob: float = 0.5,
+        ops: list[str] | None = None,
+        fill: float = 0.5,
+    ) -> None:
         unknown = set(ops or []) - set(ALL_OPS)
         if unknown or not 0 <= magnitude <= 10:
             raise ValueError(

@@ -74,9 +74,16 @@ class ImageDataset:
 
     def subset(self, idx: Tensor, name: str | None = None) -> ImageDataset:
         return ImageDataset(
-            self.images[idx], self.labels[idx], self.num_classes, self.mean, self.std, self.class_names,
-            name or self.name, self.source, dict(self.extra),
-        )  # fmt: skip
+            self.images[idx],
+            self.labels[idx],
+            self.num_classes,
+            self.mean,
+            self.std,
+            self.class_names,
+            name or self.name,
+            self.source,
+            dict(self.extra),
+        )
 
     def __repr__(self) -> str:
         c, h, w = self.images.shape[1:]
@@ -175,9 +182,16 @@ def cifar10(root: str | Path, split: str = "train") -> ImageDataset:
     classes = read_cifar_meta(folder / "batches.meta") or CIFAR10_CLASSES
     found = ", ".join(f.name for f in files)
     return ImageDataset(
-        images, labels, 10, CIFAR10_MEAN, CIFAR10_STD, classes, f"cifar10-{split}",
-        f"{folder}: {found}", {"files": [str(f) for f in files]},
-    )  # fmt: skip
+        images,
+        labels,
+        10,
+        CIFAR10_MEAN,
+        CIFAR10_STD,
+        classes,
+        f"cifar10-{split}",
+        f"{folder}: {found}",
+        {"files": [str(f) for f in files]},
+    )
 
 
 def _idx_file(folder: Path, stem: str) -> Path:
@@ -215,9 +229,15 @@ def mnist_idx(root: str | Path, split: str = "test", num_classes: int = 10) -> I
         raise ValueError(f"MNIST labels in {folder} reach {int(lab.max())}, beyond num_classes={num_classes}")
     names = DIGITS if num_classes == 10 else None
     return ImageDataset(
-        torch.from_numpy(np.concatenate(images)), lab, num_classes, MNIST_MEAN, MNIST_STD, names,
-        f"mnist-{split}", f"{folder}: {', '.join(files)}",
-    )  # fmt: skip
+        torch.from_numpy(np.concatenate(images)),
+        lab,
+        num_classes,
+        MNIST_MEAN,
+        MNIST_STD,
+        names,
+        f"mnist-{split}",
+        f"{folder}: {', '.join(files)}",
+    )
 
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -279,8 +299,15 @@ def image_folder(root: str | Path, img_size: int, channels: int = 3) -> ImageDat
     labels = torch.tensor([c for _, c in items], dtype=torch.long)
     mean, std = _folder_stats(channels)
     return ImageDataset(
-        images, labels, len(classes), mean, std, classes, root.name, f"{root}: {len(items)} files",
-    )  # fmt: skip
+        images,
+        labels,
+        len(classes),
+        mean,
+        std,
+        classes,
+        root.name,
+        f"{root}: {len(items)} files",
+    )
 
 
 class LazyImageFolder(torch.utils.data.Dataset):

@@ -48,9 +48,14 @@ class MixupCutmix:
     are > 0), else Mixup; ``lam ~ Beta(alpha, alpha)``. Returns ``(mixed images, soft targets)``."""
 
     def __init__(
-        self, mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0, prob: float = 1.0,
-        switch_prob: float = 0.5, label_smoothing: float = 0.1, num_classes: int = 1000,
-    ) -> None:  # fmt: skip
+        self,
+        mixup_alpha: float = 0.8,
+        cutmix_alpha: float = 1.0,
+        prob: float = 1.0,
+        switch_prob: float = 0.5,
+        label_smoothing: float = 0.1,
+        num_classes: int = 1000,
+    ) -> None:
         if mixup_alpha < 0 or cutmix_alpha < 0 or num_classes < 1:
             raise ValueError(f"need alphas >= 0 and num_classes >= 1, got {mixup_alpha}, {cutmix_alpha}, {num_classes}")
         self.mixup_alpha, self.cutmix_alpha, self.prob = mixup_alpha, cutmix_alpha, prob

@@ -61,9 +61,15 @@ def resize(x: Tensor, size: Size, interpolation: str = "bilinear", antialias: bo
 
 
 def sample_boxes(
-    n: int, height: int, width: int, scale: Sequence[float], ratio: Sequence[float],
-    g: torch.Generator | None, attempts: int = 10, strict: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    n: int,
+    height: int,
+    width: int,
+    scale: Sequence[float],
+    ratio: Sequence[float],
+    g: torch.Generator | None,
+    attempts: int = 10,
+    strict: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Boxes of area ``U(scale) * H * W`` and aspect ``w / h`` log-uniform in ``ratio``, as in
     torchvision's RandomResizedCrop / timm's RandomErasing: ``attempts`` tries per sample at once, first
     one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks).
@@ -119,9 +125,12 @@ class RandomResizedCrop:
     """Crop a random box (area fraction in ``scale``, aspect in ``ratio``) and resample it to ``size``."""
 
     def __init__(
-        self, size: Size, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3),
+        self,
+        size: Size,
+        scale: Sequence[float] = (0.08, 1.0),
+        ratio: Sequence[float] = (3 / 4, 4 / 3),
         interpolation: str = "bilinear",
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
             raise ValueError(f"RandomResizedCrop: need 0 < scale <= 1 and 0 < ratio ascending, got {scale}, {ratio}")
         self.size, self.scale, self.ratio = _pair(size), tuple(scale), tuple(ratio)
@@ -204,9 +213,13 @@ class RandomErasing:
     """
 
     def __init__(
-        self, p: float = 0.25, scale: Sequence[float] = (0.02, 1 / 3), ratio: Sequence[float] = (0.3, 3.3),
-        mode: str = "pixel", value: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        p: float = 0.25,
+        scale: Sequence[float] = (0.02, 1 / 3),
+        ratio: Sequence[float] = (0.3, 3.3),
+        mode: str = "pixel",
+        value: float = 0.0,
+    ) -> None:
         if mode not in ("pixel", "const"):
             raise ValueError(f"RandomErasing: mode must be 'pixel' or 'const', got {mode!r}")
         self.p, self.scale, self.ratio, self.mode, self.value = p, tuple(scale), tuple(ratio), mode, value

@@ -56,9 +56,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(
-                f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}"
-            )
+            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
         grid = self.grid_size(x.shape[-2:])
         if len(self.stem):
             x = self._stem(x)

@@ -93,13 +93,21 @@ def _step(lm, seqs, create_optimizer):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 3072], help="sequence lengths T")
-    p.add_argument("--models", nargs="+", choices=list(MODELS),
-                   default=["aft_local", "aft_local_rc", "aft_simple", "transformer"],
-                   help="aft_local_rc: AFT-local with its core recomputed in the backward pass")  # fmt: skip
-    p.add_argument("--flash", action="store_true", help="also the Transformer without attention dropout (SDPA's "
-                   "flash kernel: no T x T maps stored)")  # fmt: skip
-    p.add_argument("--layers", type=int, default=4, help="blocks L (paper 24; fewer keeps the run short, ratios "
-                   "stay side by side)")  # fmt: skip
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=["aft_local", "aft_local_rc", "aft_simple", "transformer"],
+        help="aft_local_rc: AFT-local with its core recomputed in the backward pass",
+    )
+    p.add_argument(
+        "--flash",
+        action="store_true",
+        help="also the Transformer without attention dropout (SDPA's flash kernel: no T x T maps stored)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=4, help="blocks L (paper 24; fewer keeps the run short, ratios stay side by side)"
+    )
     p.add_argument("--dim", type=int, default=256, help="width d (paper 256)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
@@ -124,8 +132,13 @@ def run_cases(args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
             spec = CaseSpec(CASE_TARGET, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
             log(f"[{i}/{len(cases)}] {m:<20} T={t:<5} L={args.layers} d={args.dim} B={args.batch} : ", end="")
             t0 = time.perf_counter()
-            r = {**params, "round": k, "loadavg_1m": os.getloadavg()[0], **runner.run(spec),
-                 "wall_s": time.perf_counter() - t0}  # fmt: skip
+            r = {
+                **params,
+                "round": k,
+                "loadavg_1m": os.getloadavg()[0],
+                **runner.run(spec),
+                "wall_s": time.perf_counter() - t0,
+            }
             if r["status"] == "ok":
                 r["mem_mb"] = (r["mem"]["peak"] - (r["info"]["rss_before_model"] or r["mem"]["import"])) / MB
                 log(f"{r['time_s']['median']:.2f} s/step (best {r['time_s']['min']:.2f}), {r['mem_mb']:.0f} MB")
@@ -145,8 +158,17 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (model, t), rs in groups.items():
         times = [x for r in rs for x in r["time_s"]["times"]]
-        out.append({"model": model, "T": t, "status": "ok", "step_s": min(times), "median_s": statistics.median(times),
-                    "mem_mb": max(r["mem_mb"] for r in rs), "steps_timed": len(times)})  # fmt: skip
+        out.append(
+            {
+                "model": model,
+                "T": t,
+                "status": "ok",
+                "step_s": min(times),
+                "median_s": statistics.median(times),
+                "mem_mb": max(r["mem_mb"] for r in rs),
+                "steps_timed": len(times),
+            }
+        )
     return out
 
 
@@ -158,9 +180,17 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = base.get(r["T"])
         if r["status"] != "ok" or b is None:
             continue
-        rows.append({"model": r["model"], "T": r["T"], "step_s": r["step_s"], "median_s": r.get("median_s"),
-                     "mem_mb": r["mem_mb"],
-                     "mem_ratio": r["mem_mb"] / b["mem_mb"], "speed_ratio": b["step_s"] / r["step_s"]})  # fmt: skip
+        rows.append(
+            {
+                "model": r["model"],
+                "T": r["T"],
+                "step_s": r["step_s"],
+                "median_s": r.get("median_s"),
+                "mem_mb": r["mem_mb"],
+                "mem_ratio": r["mem_mb"] / b["mem_mb"],
+                "speed_ratio": b["step_s"] / r["step_s"],
+            }
+        )
     return rows
 
 
@@ -170,9 +200,12 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for r in rows:
         if r["model"].startswith("aft_local") and r["T"] == TARGET_T:
             out[r["model"]] = {
-                "mem_ratio": r["mem_ratio"], "mem_target": TARGET_MEM, "mem_met": r["mem_ratio"] <= TARGET_MEM,
-                "speed_ratio": r["speed_ratio"], "speed_met": r["speed_ratio"] > TARGET_SPEED,
-            }  # fmt: skip
+                "mem_ratio": r["mem_ratio"],
+                "mem_target": TARGET_MEM,
+                "mem_met": r["mem_ratio"] <= TARGET_MEM,
+                "speed_ratio": r["speed_ratio"],
+                "speed_met": r["speed_ratio"] > TARGET_SPEED,
+            }
     return out
 
 
@@ -181,31 +214,40 @@ def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]
         return [f"Targets not checked: no AFT-local and Transformer pair at T = {TARGET_T}."]
     lines = []
     for model, v in verdict.items():
-        lines.append(f"Target at T={TARGET_T}, {model}: memory {v['mem_ratio']:.2f}x the Transformer's (<= {TARGET_MEM}x: "
-                     f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
-                     f"{'met' if v['speed_met'] else 'NOT met'}).")  # fmt: skip
+        lines.append(
+            f"Target at T={TARGET_T}, {model}: memory {v['mem_ratio']:.2f}x the Transformer's (<= {TARGET_MEM}x: "
+            f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
+            f"{'met' if v['speed_met'] else 'NOT met'})."
+        )
     flash = next((r for r in rows if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
     if flash:
         for model in verdict:
             mine = next(r for r in rows if r["model"] == model and r["T"] == TARGET_T)
-            lines.append(f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
-                         f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x.")  # fmt: skip
+            lines.append(
+                f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
+                f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x."
+            )
     p = PAPER["aft_local"]
     lines.append(f"Paper (8 x V100, batch 32): {p['mem']:.2f}x memory, {p['speed']:.2f}x speed.")
     return lines
 
 
 def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
-    lines = [f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T; "
-             "step = fastest timed step, median in brackets)", "",
-             "| model | T | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T; "
+        "step = fastest timed step, median in brackets)",
+        "",
+        "| model | T | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p = PAPER.get(r["model"])
         paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p and r["T"] == TARGET_T else ""
         med = f" ({r['median_s']:.2f})" if r.get("median_s") else ""
-        lines.append(f"| {r['model']} | {r['T']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
-                     f"{r['speed_ratio']:.2f}x | {paper} |")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['T']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
+            f"{r['speed_ratio']:.2f}x | {paper} |"
+        )
     return "\n".join(lines)
 
 
@@ -228,10 +270,15 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "settings": {k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")},
+        "settings": {
+            k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")
+        },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
-        "seconds": time.time() - start, "results": results, "ratios": rows, "targets": verdict,
-    }  # fmt: skip
+        "seconds": time.time() - start,
+        "results": results,
+        "ratios": rows,
+        "targets": verdict,
+    }
     (out / "lm_bench.json").write_text(json.dumps(report, indent=2))
     (out / "lm_bench.md").write_text(md + "\n")
     print(f"\nwrote {out / 'lm_bench.json'} and {out / 'lm_bench.md'}")

@@ -28,18 +28,23 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, help="a text/byte file, or a CIFAR-10 batches folder (cifar10:<folder>)")
     p.add_argument("--out", default=None, help="output folder: last.pt, metrics.json (default runs/lm/<model>)")
     p.add_argument("--seq-len", type=int, default=None, help="text window length (default: the config's max_len)")
-    for name, kind, text in (("batch_size", int, "batch size"), ("steps", int, "optimisation steps"),
-                             ("lr", float, "peak learning rate (paper 3e-3)"), ("min_lr", float, "final learning rate"),
-                             ("warmup_steps", int, "linear warmup steps"),
-                             ("weight_decay", float, "AdamW decay of the linear weights (paper 0.1, enwik8 0.5)"),
-                             ("clip_grad", float, "gradient-norm clip (0: off)"),
-                             ("eval_every", int, "evaluate and checkpoint every N steps"),
-                             ("eval_symbols", int, "symbols scored per split and evaluation (0: whole split)"),
-                             ("eval_batch_size", int, "evaluation batch size"), ("log_every", int, "progress line every N steps"),
-                             ("holdout", float, "text: held-out tail, fraction or bytes"),
-                             ("img_size", int, "images: average-pool to this side first (quick runs)"),
-                             ("seed", int, "seed of the weights and the data order"),
-                             ("threads", int, "torch threads (0: torch's default)")):  # fmt: skip
+    for name, kind, text in (
+        ("batch_size", int, "batch size"),
+        ("steps", int, "optimisation steps"),
+        ("lr", float, "peak learning rate (paper 3e-3)"),
+        ("min_lr", float, "final learning rate"),
+        ("warmup_steps", int, "linear warmup steps"),
+        ("weight_decay", float, "AdamW decay of the linear weights (paper 0.1, enwik8 0.5)"),
+        ("clip_grad", float, "gradient-norm clip (0: off)"),
+        ("eval_every", int, "evaluate and checkpoint every N steps"),
+        ("eval_symbols", int, "symbols scored per split and evaluation (0: whole split)"),
+        ("eval_batch_size", int, "evaluation batch size"),
+        ("log_every", int, "progress line every N steps"),
+        ("holdout", float, "text: held-out tail, fraction or bytes"),
+        ("img_size", int, "images: average-pool to this side first (quick runs)"),
+        ("seed", int, "seed of the weights and the data order"),
+        ("threads", int, "torch threads (0: torch's default)"),
+    ):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--no-augment", dest="augment", action="store_false", help="images: no flip/shift augmentation")
@@ -68,13 +73,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--num", type=int, default=4, help="number of samples")
     s.add_argument("--length", type=int, default=None, help="symbols to generate (default: text 200, images all)")
     s.add_argument("--prompt", default=None, help="text models: start every sample with this text")
-    s.add_argument("--prompt-rows", type=int, default=0, help="image models: complete held-out images from their top rows")
+    s.add_argument(
+        "--prompt-rows", type=int, default=0, help="image models: complete held-out images from their top rows"
+    )
     s.add_argument("--data", default=None, help="image prompts come from this data (default: the training data)")
     s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     s.add_argument("--top-k", type=int, default=None)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default=None, help="write to this file (.txt, or .png for images; default: print text, "
-                   "images to samples.png next to the checkpoint)")  # fmt: skip
+    s.add_argument(
+        "--out",
+        default=None,
+        help="write to this file (.txt, or .png for images; default: print text, "
+        "images to samples.png next to the checkpoint)",
+    )
     s.add_argument("--threads", type=int, default=0)
 
     from .bench import add_arguments as bench_args
@@ -100,8 +111,9 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = {k: getattr(args, k) for k in [*MODEL_FLAGS, "tie_head"] if getattr(args, k) is not None}
     fields = set(LMTrainConfig.__dataclass_fields__) - {"overrides", "out"}
-    cfg = LMTrainConfig(**{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}",
-                        overrides=overrides)  # fmt: skip
+    cfg = LMTrainConfig(
+        **{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}", overrides=overrides
+    )
     result = train(cfg, log=lambda s: print(s, flush=True))
     print(f"wrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'last.pt'}")
     return 0 if result["final"] else 1
@@ -120,8 +132,12 @@ def _eval(args: argparse.Namespace) -> int:
     model, ckpt = load_lm(args.checkpoint)
     data = _data_for(ckpt, args.data)
     unit = "bits/dim" if data.kind == "images" else "bits/char"
-    res = {"checkpoint": ckpt["path"], "data": str(args.data or ckpt["config"]["data"]), "step": ckpt["step"],
-           "unit": unit}  # fmt: skip
+    res = {
+        "checkpoint": ckpt["path"],
+        "data": str(args.data or ckpt["config"]["data"]),
+        "step": ckpt["step"],
+        "unit": unit,
+    }
     for split in args.split:
         res[f"{split}_bits"] = evaluate(model, data, split, args.batch_size, args.eval_symbols or None)
         print(f"{split}: {res[f'{split}_bits']:.4f} {unit}")

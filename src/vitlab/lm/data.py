@@ -108,8 +108,9 @@ class ImageSequences:
 
     kind = "images"
 
-    def __init__(self, train: Tensor, test: Tensor, img_size: int | None = None, augment: bool = True,
-                 source: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, train: Tensor, test: Tensor, img_size: int | None = None, augment: bool = True, source: str = ""
+    ) -> None:
         self.parts = {"train": self._resize(train, img_size), "test": self._resize(test, img_size)}
         self.size = tuple(self.parts["train"].shape[-2:])
         self.channels = self.parts["train"].shape[1]
@@ -161,8 +162,13 @@ class ImageSequences:
             yield images_to_sequences(chunk)
 
 
-def open_data(spec: str | Path, seq_len: int | None = None, holdout: float = 0.05, img_size: int | None = None,
-              augment: bool = True) -> ByteData | ImageSequences:  # fmt: skip
+def open_data(
+    spec: str | Path,
+    seq_len: int | None = None,
+    holdout: float = 0.05,
+    img_size: int | None = None,
+    augment: bool = True,
+) -> ByteData | ImageSequences:
     """A folder with CIFAR-10 batches (or ``cifar10:<folder>``) -> images; any file -> bytes (T = ``seq_len``)."""
     spec = str(spec)
     if spec.startswith("cifar10:"):

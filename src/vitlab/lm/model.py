@@ -92,8 +92,14 @@ class CausalLM(nn.Module):
         channels: int = 1,
     ) -> None:
         super().__init__()
-        for name, val in (("vocab_size", vocab_size), ("max_len", max_len), ("dim", dim), ("depth", depth),
-                          ("heads", heads), ("channels", channels)):  # fmt: skip
+        for name, val in (
+            ("vocab_size", vocab_size),
+            ("max_len", max_len),
+            ("dim", dim),
+            ("depth", depth),
+            ("heads", heads),
+            ("channels", channels),
+        ):
             if int(val) != val or val < 1:
                 raise ValueError(f"CausalLM: {name} must be a positive integer, got {val!r}")
         attn_dropout = dropout if attn_dropout is None else attn_dropout
@@ -104,10 +110,18 @@ class CausalLM(nn.Module):
             raise ValueError("CausalLM: tie_head needs channels=1 (one embedding shared by all positions)")
         kind, opts = parse_mixer(mixer)
         self.config = {
-            "vocab_size": vocab_size, "max_len": max_len, "dim": dim, "depth": depth, "mixer": [kind, opts],
-            "heads": heads, "ffn_mult": ffn_mult, "dropout": dropout, "attn_dropout": attn_dropout,
-            "tie_head": tie_head, "channels": channels,
-        }  # fmt: skip
+            "vocab_size": vocab_size,
+            "max_len": max_len,
+            "dim": dim,
+            "depth": depth,
+            "mixer": [kind, opts],
+            "heads": heads,
+            "ffn_mult": ffn_mult,
+            "dropout": dropout,
+            "attn_dropout": attn_dropout,
+            "tie_head": tie_head,
+            "channels": channels,
+        }
         self.vocab_size, self.max_len, self.dim, self.channels = vocab_size, max_len, dim, channels
         self.bos = channels * vocab_size  # the last embedding row
         self.mixer_kind = kind

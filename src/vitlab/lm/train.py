@@ -82,19 +82,34 @@ def evaluate(model: CausalLM, data: Data, split: str, batch_size: int = 16, max_
     return total / count / LN2
 
 
-def _save(path: Path, model: CausalLM, opt, sched, step: int, cfg: LMTrainConfig, data: Data, metrics: dict,
-          gen: torch.Generator) -> None:  # fmt: skip
+def _save(
+    path: Path,
+    model: CausalLM,
+    opt,
+    sched,
+    step: int,
+    cfg: LMTrainConfig,
+    data: Data,
+    metrics: dict,
+    gen: torch.Generator,
+) -> None:
     from ..train.checkpoint import save_checkpoint
 
     save_checkpoint(
         {
-            "model_name": cfg.model, "model_kwargs": model.config, "model": model.state_dict(),
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-            "config": dataclasses.asdict(cfg), "data": data_info(data), "metrics": metrics,
+            "model_name": cfg.model,
+            "model_kwargs": model.config,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "step": step,
+            "config": dataclasses.asdict(cfg),
+            "data": data_info(data),
+            "metrics": metrics,
             "rng": {"data": gen.get_state(), "torch": torch.get_rng_state()},
         },
         path,
-    )  # fmt: skip
+    )
 
 
 def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
@@ -114,7 +129,9 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
     from ..train.optim import WarmupCosine, create_optimizer
 
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
-        raise ValueError(f"need steps, batch_size and eval_every >= 1, got {cfg.steps}, {cfg.batch_size}, {cfg.eval_every}")
+        raise ValueError(
+            f"need steps, batch_size and eval_every >= 1, got {cfg.steps}, {cfg.batch_size}, {cfg.eval_every}"
+        )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out) if cfg.out else None
@@ -151,12 +168,17 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
     log(f"{cfg.model}: {params / 1e6:.2f}M parameters, {data}, {cfg.steps} steps of batch {cfg.batch_size}")
 
     def record(step: int, train_bits: float | None) -> dict[str, Any]:
-        row = {"step": step, "train_loss_bits": train_bits,
-               "train_bits": evaluate(model, data, "train", cfg.eval_batch_size, cfg.eval_symbols),
-               "test_bits": evaluate(model, data, "test", cfg.eval_batch_size, cfg.eval_symbols)}  # fmt: skip
+        row = {
+            "step": step,
+            "train_loss_bits": train_bits,
+            "train_bits": evaluate(model, data, "train", cfg.eval_batch_size, cfg.eval_symbols),
+            "test_bits": evaluate(model, data, "test", cfg.eval_batch_size, cfg.eval_symbols),
+        }
         history.append(row)
-        log(f"step {step}: bits/{'dim' if data.kind == 'images' else 'char'} train {row['train_bits']:.4f} "
-            f"held-out {row['test_bits']:.4f}")  # fmt: skip
+        log(
+            f"step {step}: bits/{'dim' if data.kind == 'images' else 'char'} train {row['train_bits']:.4f} "
+            f"held-out {row['test_bits']:.4f}"
+        )
         return row
 
     model.train()
@@ -177,16 +199,26 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
         running.append(loss.item() / LN2)
         if step % cfg.log_every == 0 or step == cfg.steps:
             rate = seen / (time.perf_counter() - t0)
-            log(f"step {step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  lr {sched.current_lr:.2e}  "
-                f"{rate:.2f} steps/s")  # fmt: skip
+            log(
+                f"step {step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  lr {sched.current_lr:.2e}  "
+                f"{rate:.2f} steps/s"
+            )
             running = []
         if step % cfg.eval_every == 0 or step == cfg.steps:
             record(step, loss.item() / LN2)
             if out is not None:
                 _save(out / "last.pt", model, opt, sched, step, cfg, data, {"history": history}, gen)
     final = history[-1] if history else record(step, None)
-    result = {"model": cfg.model, "data": str(cfg.data), **data_info(data), "params": params, "steps": step,
-              "history": history, "final": final, "out": str(out) if out else None}  # fmt: skip
+    result = {
+        "model": cfg.model,
+        "data": str(cfg.data),
+        **data_info(data),
+        "params": params,
+        "steps": step,
+        "history": history,
+        "final": final,
+        "out": str(out) if out else None,
+    }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(result, indent=2))

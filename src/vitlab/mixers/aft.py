@@ -109,8 +109,16 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     return torch.sigmoid(q) * y.squeeze(-1)
 
 
-def aft_local_banded(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
-                     bias_rows: BiasRows, causal: bool = False) -> Tensor:  # fmt: skip
+def aft_local_banded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_band: Tensor,
+    window: int,
+    outside_zero: bool,
+    bias_rows: BiasRows,
+    causal: bool = False,
+) -> Tensor:
     """AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf) for
     ``|t - t'| >= window`` (``causal``: and t' <= t only).
 
@@ -124,8 +132,9 @@ def aft_local_banded(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: in
     return torch.sigmoid(q) * y.squeeze(-1)
 
 
-def aft_local_causal(q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool,
-                     bias_rows: BiasRows) -> Tensor:  # fmt: skip
+def aft_local_causal(
+    q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool, bias_rows: BiasRows
+) -> Tensor:
     """Causal AFT-local core: :func:`aft_local_banded` with ``causal=True`` (``w_band`` (nb, b, 2b))."""
     return aft_local_banded(q, k, v, w_band, window, outside_zero, bias_rows, causal=True)
 
@@ -408,8 +417,10 @@ class AFTLocal(AFTFull):
             self.u = self.v = self.w = None
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", window={self.window}, outside={self.outside!r}" + (
-            ", recompute=True" if self.recompute else ""
+        return (
+            super().extra_repr()
+            + f", window={self.window}, outside={self.outside!r}"
+            + (", recompute=True" if self.recompute else "")
         )
 
     def _fit(self, n: int, layout: TokenLayout) -> Callable[[Tensor, int], Tensor]:
@@ -450,9 +461,7 @@ class AFTSimple(TokenMixer):
     ``causal=True`` restricts the sum to t' <= t. ``return_aux=True`` gives ``aux["keys"]`` (B, N, hidden).
     """
 
-    def __init__(
-        self, dim: int, hidden_dim: int | None = None, causal: bool = False, qkv_bias: bool = True
-    ) -> None:
+    def __init__(self, dim: int, hidden_dim: int | None = None, causal: bool = False, qkv_bias: bool = True) -> None:
         super().__init__(dim)
         self.hidden_dim = hidden = hidden_dim or dim
         self.causal = causal
@@ -497,7 +506,9 @@ class AFTConv(TokenMixer):
             raise ValueError(f"AFTConv: outside must be 'zero' (global connectivity) or '-inf', got {outside!r}")
         self.outside = outside
         if kernel_size <= 0 or kernel_size % 2 == 0:
-            raise ValueError(f"AFTConv: kernel_size must be a positive odd number (zero padding k//2), got {kernel_size}")
+            raise ValueError(
+                f"AFTConv: kernel_size must be a positive odd number (zero padding k//2), got {kernel_size}"
+            )
         self.num_heads = num_heads
         self.kernel_size = kernel_size
         # fused [Q (dim) | K (num_heads) | V (dim)]
@@ -519,9 +530,10 @@ class AFTConv(TokenMixer):
         w = self.w.float()
         mean = w.mean((1, 2), keepdim=True)
         var = w.var((1, 2), unbiased=False, keepdim=True)
-        return self.gamma.float()[:, None, None] * (w - mean) * torch.rsqrt(var + self.eps) + self.beta.float()[
-            :, None, None
-        ]
+        return (
+            self.gamma.float()[:, None, None] * (w - mean) * torch.rsqrt(var + self.eps)
+            + self.beta.float()[:, None, None]
+        )
 
     def effective_kernel(self) -> Tensor:
         """``exp(w) - 1`` per head (h, s, s): the relative weight the paper plots (Fig. 1)."""
@@ -532,7 +544,14 @@ class AFTConv(TokenMixer):
             raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], -1)
         with _no_autocast(x):
-            y = aft_conv(q.float(), k.float(), v.float(), self.position_bias(), layout.grid, layout.num_prefix,
-                         self.outside == "zero")
+            y = aft_conv(
+                q.float(),
+                k.float(),
+                v.float(),
+                self.position_bias(),
+                layout.grid,
+                layout.num_prefix,
+                self.outside == "zero",
+            )
         out = self.proj(y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})

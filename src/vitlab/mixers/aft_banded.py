@@ -68,9 +68,13 @@ def _band_masks(
 
 
 def local_bias_band(
-    n: int, block: int, u: Tensor | None = None, v: Tensor | None = None, w: Tensor | None = None,
+    n: int,
+    block: int,
+    u: Tensor | None = None,
+    v: Tensor | None = None,
+    w: Tensor | None = None,
     causal: bool = True,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """The raw bias ``w[t, t']`` on the band of :func:`band_positions` (nb, b, 2b or 3b), from the factors
     ``u, v`` (``w = u vᵀ``, paper Eq. 7) or the table ``w``, in their dtype (padding entries arbitrary)."""
     nb = -(-n // block)

@@ -89,8 +89,7 @@ class TokenMixer(nn.Module):
             gh, gw = layout.grid
             if gh * gw != n - layout.num_prefix:
                 raise ValueError(
-                    f"{name}: grid {gh}x{gw} needs N = {layout.num_prefix} prefix + {gh * gw} patch tokens, "
-                    f"got N = {n}"
+                    f"{name}: grid {gh}x{gw} needs N = {layout.num_prefix} prefix + {gh * gw} patch tokens, got N = {n}"
                 )
         elif self.needs_grid:
             raise ValueError(

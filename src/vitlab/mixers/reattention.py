@@ -63,8 +63,9 @@ class ReAttention(Attention):
         eval BatchNorm and the scale folded into ``W', b'`` (the same function; three passes over the maps fewer,
         and the result is in the standard (B, H, N, N) layout that ``attn @ v`` reads without a copy)."""
         b, h, n, _ = attn.shape
-        w, bias = fold_bn(self.reatten_matrix.weight[:, :, 0, 0].float(), self.reatten_matrix.bias.float(),
-                          self.var_norm)
+        w, bias = fold_bn(
+            self.reatten_matrix.weight[:, :, 0, 0].float(), self.reatten_matrix.bias.float(), self.var_norm
+        )
         w, bias = (w * self.reatten_scale).to(attn.dtype), (bias * self.reatten_scale).to(attn.dtype)
         out = torch.matmul(w, attn.reshape(b, h, n * n))  # (H, H) @ (B, H, N²): a GEMM over the head axis
         return out.add_(bias.view(h, 1)).view(b, h, n, n)

@@ -192,8 +192,9 @@ class DistributedLocalAttention(nn.Module):
             c = x.shape[-1]
             x = x.reshape(b, n, n, c).permute(0, 3, 1, 2)  # channels-last (b, C, N, N)
             pad = self.local[0].same_pad
-            x = F.conv2d(x if pad is None else F.pad(x, pad), local[0], local[1],
-                         padding=self.local[0].padding, groups=c)
+            x = F.conv2d(
+                x if pad is None else F.pad(x, pad), local[0], local[1], padding=self.local[0].padding, groups=c
+            )
             x = _bias_act(x, None, local[2]).permute(0, 2, 3, 1).reshape(b, n * n, c)
         dest = out.view(b, self.out_heads, n * n)
         if reduce is not None:
@@ -274,8 +275,9 @@ class RefinerAttention(Attention):
         )
         self.value_heads = self.refiner.out_heads if refine else num_heads
         if self.value_heads != num_heads:
-            check_divisible(f"RefinerAttention (reduction=False: V is split into {expansion}x heads)", dim,
-                            self.value_heads)
+            check_divisible(
+                f"RefinerAttention (reduction=False: V is split into {expansion}x heads)", dim, self.value_heads
+            )
         use_bn = official_extras if adapt_bn is None else adapt_bn
         self.adapt_bn = nn.BatchNorm2d(self.value_heads) if refine and use_bn else None
 

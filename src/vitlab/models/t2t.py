@@ -247,7 +247,9 @@ class T2TViT(Classifier):
         self.global_pool = global_pool
         self.num_prefix = 1
 
-        self.tokens_to_token = TokensToToken(in_chans, embed_dim, token_dim, soft_split, token_mixer, token_drop, norm_eps)
+        self.tokens_to_token = TokensToToken(
+            in_chans, embed_dim, token_dim, soft_split, token_mixer, token_drop, norm_eps
+        )
         self.grid = self.tokens_to_token.grid_size(img_size)
         num_tokens = 1 + self.grid[0] * self.grid[1]
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -259,8 +261,9 @@ class T2TViT(Classifier):
         defaults = dict(
             num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate, max_len=num_tokens
         )
-        self.blocks = build_blocks(embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio,
-                                   drop=drop_rate, norm_eps=norm_eps)
+        self.blocks = build_blocks(
+            embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio, drop=drop_rate, norm_eps=norm_eps
+        )
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head = self.new_head(num_classes)
         self.init_weights()

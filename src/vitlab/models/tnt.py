@@ -281,9 +281,20 @@ class TNT(Classifier):
         dpr = drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.ModuleList(
             TNTBlock(
-                outer_dim, inner_dim, outer_heads, inner_heads, num_words, mlp_ratio=mlp_ratio,
-                inner_mlp_ratio=inner_mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
-                drop_path=dpr[i], se=se, has_inner=i in tnt_blocks, norm_eps=norm_eps,
+                outer_dim,
+                inner_dim,
+                outer_heads,
+                inner_heads,
+                num_words,
+                mlp_ratio=mlp_ratio,
+                inner_mlp_ratio=inner_mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop=drop_rate,
+                attn_drop=attn_drop_rate,
+                drop_path=dpr[i],
+                se=se,
+                has_inner=i in tnt_blocks,
+                norm_eps=norm_eps,
             )
             for i in range(depth)
         )

@@ -94,8 +94,18 @@ class VisionTransformer(Classifier):
         self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel) for i in peg_at})
 
         defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
-        self.blocks = build_blocks(embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio,
-                                   drop=drop_rate, norm_eps=norm_eps, ls_init=ls_init, residual_scale=residual_scale)
+        self.blocks = build_blocks(
+            embed_dim,
+            depth,
+            mixer,
+            defaults,
+            drop_path_rate,
+            mlp_ratio=mlp_ratio,
+            drop=drop_rate,
+            norm_eps=norm_eps,
+            ls_init=ls_init,
+            residual_scale=residual_scale,
+        )
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head = self.new_head(num_classes)
         self.head_dist = self.new_head(num_classes) if dist_token else None

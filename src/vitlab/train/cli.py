@@ -56,10 +56,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default = f.default if f.name != "out" else None
         show = "" if default is None else f" (default {default})"
         p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=HELP[f.name] + show, **extra)
-    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
-                   help="model constructor override, repeatable, e.g. --model-arg patch_size=7")  # fmt: skip
-    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
-                   help="continue a run: OUT/last.pt, or the given checkpoint")  # fmt: skip
+    p.add_argument(
+        "--model-arg",
+        dest="model_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model constructor override, repeatable, e.g. --model-arg patch_size=7",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CKPT",
+        help="continue a run: OUT/last.pt, or the given checkpoint",
+    )
     p.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 

@@ -54,8 +54,9 @@ COST = {"tnt": 3.0, "eamlp": 3.0, "aft_conv": 2.5, "refiner": 1.5, "deepvit": 1.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help="comma-separated registered models (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help="comma-separated registered models (default: %(default)s)"
+    )
     p.add_argument("--data", default="mnist", help="dataset spec as for `vitlab train` (default: the embedded MNIST)")
     p.add_argument("--epochs", type=int, default=RECIPE["epochs"], help="epochs per variant (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=RECIPE["batch_size"], help="batch size (default %(default)s)")
@@ -65,13 +66,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-limit", type=int, default=None, help="train on a random N of the training images")
     p.add_argument("--out", default="runs/compare", help="output folder (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads to use in all (default %(default)s)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="variants trained at once, each with threads/jobs threads (default: = --threads)")  # fmt: skip
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="variants trained at once, each with threads/jobs threads (default: = --threads)",
+    )
     p.add_argument("--no-adapt", action="store_true", help="keep the mini configs as registered on 28-px data")
-    p.add_argument("--resume", action="store_true",
-                   help="reuse finished variants in --out and resume unfinished ones from their last epoch")  # fmt: skip
-    p.add_argument("--isolation", choices=("forkserver", "subprocess"), default="forkserver",
-                   help="how each variant gets its fresh process (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse finished variants in --out and resume unfinished ones from their last epoch",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("forkserver", "subprocess"),
+        default="forkserver",
+        help="how each variant gets its fresh process (default %(default)s)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
@@ -330,17 +342,28 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         model_args = {} if args.no_adapt else adapt_to_size(name, img)
         cfg = TrainConfig(
-            model=name, model_args=model_args, data=args.data, out=str(out / name), seed=args.seed,
-            threads=per_job, progress=False, force=True, resume=None, tag=f"[{name}] ",
-            train_limit=args.train_limit, **{**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size,
-                                             "lr": args.lr, "ema": args.ema},
-        )  # fmt: skip
+            model=name,
+            model_args=model_args,
+            data=args.data,
+            out=str(out / name),
+            seed=args.seed,
+            threads=per_job,
+            progress=False,
+            force=True,
+            resume=None,
+            tag=f"[{name}] ",
+            train_limit=args.train_limit,
+            **{**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "ema": args.ema},
+        )
         kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
         sizes[name] = size_of(name, kwargs, input_size)  # also checks the overrides build
         configs[name] = cfg
     del train_ds, val_ds
-    print(f"compare: {len(names)} variants x {args.epochs} epochs on {args.data} ({n_train} train images), "
-          f"{jobs} at a time x {per_job} thread(s); output in {out}", flush=True)  # fmt: skip
+    print(
+        f"compare: {len(names)} variants x {args.epochs} epochs on {args.data} ({n_train} train images), "
+        f"{jobs} at a time x {per_job} thread(s); output in {out}",
+        flush=True,
+    )
 
     results: dict[str, dict[str, Any]] = {}
     local = threading.local()
@@ -390,8 +413,15 @@ def run(args: argparse.Namespace) -> int:
             for name in names:
                 if results[name]["status"] != "ok":
                     continue
-                spec = CaseSpec("vitlab.train.compare:inference_case", {"checkpoint": str(out / name / "last.pt")},
-                                warmup=2, repeats=20, max_time=2.0, threads=per_job, passes=("time",))  # fmt: skip
+                spec = CaseSpec(
+                    "vitlab.train.compare:inference_case",
+                    {"checkpoint": str(out / name / "last.pt")},
+                    warmup=2,
+                    repeats=20,
+                    max_time=2.0,
+                    threads=per_job,
+                    passes=("time",),
+                )
                 res = r.run(spec)
                 if res["status"] == "ok":
                     infer[name] = res["info"]["batch"] / res["time_s"]["median"]
@@ -410,11 +440,17 @@ def run(args: argparse.Namespace) -> int:
             final = logs[name][-1] if logs[name] else s["final"]
             mem = res["mem"].get("timed", res["mem"])
             row.update(
-                top1=final.get("val_top1"), top5=final.get("val_top5"), ema_top1=final.get("ema_top1"),
-                train_img_s=s["train_img_s"], infer_img_s=infer.get(name), peak_mib=mem["peak"] / MB,
-                train_mem_mib=mem["delta"] / MB, train_s=s["train_time_s"], wall_s=res["time_s"]["median"],
+                top1=final.get("val_top1"),
+                top5=final.get("val_top5"),
+                ema_top1=final.get("ema_top1"),
+                train_img_s=s["train_img_s"],
+                infer_img_s=infer.get(name),
+                peak_mib=mem["peak"] / MB,
+                train_mem_mib=mem["delta"] / MB,
+                train_s=s["train_time_s"],
+                wall_s=res["time_s"]["median"],
                 model_args=json.dumps(configs[name].model_args),
-            )  # fmt: skip
+            )
             if "cuda_peak_mib" in s:
                 row["cuda_peak_mib"] = s["cuda_peak_mib"]
         else:
@@ -423,11 +459,20 @@ def run(args: argparse.Namespace) -> int:
 
     wall = time.perf_counter() - t_start
     meta = {
-        "data": args.data, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-        "train_images": n_train, "heldout_images": len(load_data(probe, "test")), "jobs": jobs,
-        "threads_per_job": per_job, "threads": args.threads, "recipe": {**RECIPE, "epochs": args.epochs},
-        "wall_s": wall, "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-    }  # fmt: skip
+        "data": args.data,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "train_images": n_train,
+        "heldout_images": len(load_data(probe, "test")),
+        "jobs": jobs,
+        "threads_per_job": per_job,
+        "threads": args.threads,
+        "recipe": {**RECIPE, "epochs": args.epochs},
+        "wall_s": wall,
+        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }
     write_tables(out, rows, meta)
     written = [out / "table.csv", out / "table.json", out / "table.md"]
     if not args.no_plots:

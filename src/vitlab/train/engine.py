@@ -216,9 +216,11 @@ def load_data(cfg: TrainConfig, split: str):
 
 def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
     kw = dict(
-        img_size=cfg.img_size or int(train_ds.img_size[0]), in_chans=int(train_ds.in_chans),
-        num_classes=int(train_ds.num_classes), **cfg.model_args,
-    )  # fmt: skip
+        img_size=cfg.img_size or int(train_ds.img_size[0]),
+        in_chans=int(train_ds.in_chans),
+        num_classes=int(train_ds.num_classes),
+        **cfg.model_args,
+    )
     if cfg.drop_path > 0:
         kw["drop_path_rate"] = cfg.drop_path
     if cfg.dist_token:
@@ -242,10 +244,24 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, rank: int) -> None:
         )
     changed = [
         f"{k} {old[k]!r} -> {getattr(cfg, k)!r}"
-        for k in ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing",
-                  "mixup", "cutmix", "ema", "amp", "threads", "teacher")
+        for k in (
+            "epochs",
+            "lr",
+            "min_lr",
+            "warmup_epochs",
+            "weight_decay",
+            "clip_grad",
+            "drop_path",
+            "smoothing",
+            "mixup",
+            "cutmix",
+            "ema",
+            "amp",
+            "threads",
+            "teacher",
+        )
         if k in old and old[k] != getattr(cfg, k)
-    ]  # fmt: skip
+    ]
     if changed and rank == 0:
         print(
             f"note: resuming with changed options ({', '.join(changed)}): not the run that was started", file=sys.stderr
@@ -306,15 +322,32 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     hflip = (
         cfg.hflip if cfg.hflip is not None else (0.0 if train_ds.num_classes == 10 and train_ds.in_chans == 1 else 0.5)
     )
-    train_tf = make_transform(True, img_size, train_ds.mean, train_ds.std, crop_padding=cfg.crop_padding or None,
-                              hflip=hflip, auto_augment=cfg.auto_augment)  # fmt: skip
+    train_tf = make_transform(
+        True,
+        img_size,
+        train_ds.mean,
+        train_ds.std,
+        crop_padding=cfg.crop_padding or None,
+        hflip=hflip,
+        auto_augment=cfg.auto_augment,
+    )
     eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
     mix = None
     if cfg.mixup > 0 or cfg.cutmix > 0:
         mix = MixupCutmix(cfg.mixup, cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=train_ds.num_classes)
     per_rank = cfg.batch_size // world
-    loader = BatchLoader(train_ds, per_rank, shuffle=True, drop_last=True, transform=train_tf, seed=cfg.seed,
-                         rank=rank, world_size=world, mix=mix, device=device)  # fmt: skip
+    loader = BatchLoader(
+        train_ds,
+        per_rank,
+        shuffle=True,
+        drop_last=True,
+        transform=train_tf,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        mix=mix,
+        device=device,
+    )
     val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=device)
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
@@ -342,8 +375,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         criterion.check_student(model, train_ds.in_chans)
         model.distilled_training = True
     optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
-    sched = WarmupCosine(optimizer, cfg.lr, cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch),
-                         cfg.min_lr)  # fmt: skip
+    sched = WarmupCosine(
+        optimizer, cfg.lr, cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr
+    )
     ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     start_epoch, step, rows = 0, 0, []
@@ -378,9 +412,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if master:
         out.mkdir(parents=True, exist_ok=True)
     n_params = sum(p.numel() for p in raw.parameters())
-    say(f"{cfg.tag}{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(train_ds)} train / {len(val_ds)} held-out "
+    say(
+        f"{cfg.tag}{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(train_ds)} train / {len(val_ds)} held-out "
         f"images at {img_size}px, {cfg.epochs} epochs x {steps_per_epoch} steps of {cfg.batch_size}"
-        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {dtype}' if dtype else ''}")  # fmt: skip
+        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {dtype}' if dtype else ''}"
+    )
 
     # ---- loop
     from tqdm import tqdm
@@ -393,8 +429,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen = 0
         t0 = time.perf_counter()
-        bar = tqdm(loader, total=steps_per_epoch, desc=f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                   disable=not show_bar, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            loader,
+            total=steps_per_epoch,
+            desc=f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}",
+            leave=False,
+            disable=not show_bar,
+            dynamic_ncols=True,
+        )
         for i, (x, y) in enumerate(bar):
             try:
                 with autocast(device, dtype):
@@ -444,9 +486,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             )
 
         # ---- evaluate, log, checkpoint (rank 0 writes; every rank contributes its RNG state)
-        row: dict[str, Any] = {"epoch": epoch + 1, "step": step, "lr": optimizer.param_groups[0]["lr"],
-                               "train_loss": train_loss, "train_acc": (100 * stats[1] / stats[2]).item(),
-                               "train_img_s": stats[2].item() / train_time, "train_time_s": train_time}  # fmt: skip
+        row: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            "train_loss": train_loss,
+            "train_acc": (100 * stats[1] / stats[2]).item(),
+            "train_img_s": stats[2].item() / train_time,
+            "train_time_s": train_time,
+        }
         if master:
             ev = evaluate(raw, val_loader, device, dtype)
             row.update(val_loss=ev["loss"], val_top1=ev["top1"], val_top5=ev["top5"], eval_img_s=ev["img_s"])
@@ -462,28 +510,44 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             rows.append(row)
             save_checkpoint(
                 {
-                    "model_name": cfg.model, "model_kwargs": kwargs, "model": raw.state_dict(),
-                    "optimizer": optimizer.state_dict(), "scheduler": sched.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else None, "scaler": scaler.state_dict(),
-                    "epoch": epoch + 1, "step": step, "rng": rngs, "world_size": world,
-                    "config": asdict(cfg), "metrics": row,
+                    "model_name": cfg.model,
+                    "model_kwargs": kwargs,
+                    "model": raw.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "ema": ema.state_dict() if ema is not None else None,
+                    "scaler": scaler.state_dict(),
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "rng": rngs,
+                    "world_size": world,
+                    "config": asdict(cfg),
+                    "metrics": row,
                 },
                 out / "last.pt",
-            )  # fmt: skip
+            )
             write_log(out, rows)
             ema_txt = f"  ema {row['ema_top1']:.2f}%" if ema is not None else ""
-            say(f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}  loss {train_loss:.4f}  train {row['train_acc']:.1f}%  "
+            say(
+                f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}  loss {train_loss:.4f}  train {row['train_acc']:.1f}%  "
                 f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}  lr {row['lr']:.2e}  "
-                f"{row['train_img_s']:.0f} img/s  {train_time:.1f} s")  # fmt: skip
+                f"{row['train_img_s']:.0f} img/s  {train_time:.1f} s"
+            )
 
     summary: dict[str, Any] = {}
     if master:
         train_s = sum(r["train_time_s"] for r in rows)
         summary = {
-            "model": cfg.model, "params": n_params, "epochs": cfg.epochs, "world_size": world,
-            "final": rows[-1] if rows else {}, "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
-            "train_time_s": train_s, "wall_s": time.perf_counter() - t_start, "checkpoint": str(out / "last.pt"),
-        }  # fmt: skip
+            "model": cfg.model,
+            "params": n_params,
+            "epochs": cfg.epochs,
+            "world_size": world,
+            "final": rows[-1] if rows else {},
+            "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
+            "train_time_s": train_s,
+            "wall_s": time.perf_counter() - t_start,
+            "checkpoint": str(out / "last.pt"),
+        }
         if device.type == "cuda":  # the host RSS says little about a GPU run
             summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")

@@ -18,8 +18,14 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint written by `vitlab train` (or its output folder)")
-    p.add_argument("--img-size", type=int, nargs="+", default=None, metavar="N",
-                   help="evaluate at these input sizes (default: the training size)")  # fmt: skip
+    p.add_argument(
+        "--img-size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="evaluate at these input sizes (default: the training size)",
+    )
     p.add_argument("--data", default=None, help="dataset spec (default: the one the checkpoint was trained on)")
     p.add_argument("--model", default=None, help="check that the checkpoint holds this model")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
@@ -38,9 +44,16 @@ def supports_dynamic_size(model_name: str) -> bool:
 
 
 def evaluate_checkpoint(
-    path: str | Path, img_sizes: list[int] | None = None, data: str | None = None, model_name: str | None = None,
-    ema: bool = False, batch_size: int = 256, device: str = "auto", amp: str = "none", threads: int = 2,
-) -> list[dict[str, Any]]:  # fmt: skip
+    path: str | Path,
+    img_sizes: list[int] | None = None,
+    data: str | None = None,
+    model_name: str | None = None,
+    ema: bool = False,
+    batch_size: int = 256,
+    device: str = "auto",
+    amp: str = "none",
+    threads: int = 2,
+) -> list[dict[str, Any]]:
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
@@ -83,8 +96,9 @@ def evaluate_checkpoint(
     dtype = amp_dtype(amp, dev)
     rows = []
     for size in sizes:
-        loader = BatchLoader(ds, batch_size, shuffle=False, transform=make_transform(False, size, ds.mean, ds.std),
-                             device=dev)  # fmt: skip
+        loader = BatchLoader(
+            ds, batch_size, shuffle=False, transform=make_transform(False, size, ds.mean, ds.std), device=dev
+        )
         try:
             res = evaluate(model, loader, dev, dtype)
         except ValueError as e:
@@ -95,18 +109,36 @@ def evaluate_checkpoint(
                     f"a batch of {batch_size} images at {size}px does not fit in memory; use a smaller --batch-size"
                 ) from None
             raise
-        rows.append({"model": ckpt["model_name"], "img_size": size, "trained_at": train_size,
-                     "weights": "ema" if ema else "model", **res})  # fmt: skip
+        rows.append(
+            {
+                "model": ckpt["model_name"],
+                "img_size": size,
+                "trained_at": train_size,
+                "weights": "ema" if ema else "model",
+                **res,
+            }
+        )
     return rows
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = evaluate_checkpoint(args.checkpoint, args.img_size, args.data, args.model, args.ema, args.batch_size,
-                               args.device, args.amp, args.threads)  # fmt: skip
+    rows = evaluate_checkpoint(
+        args.checkpoint,
+        args.img_size,
+        args.data,
+        args.model,
+        args.ema,
+        args.batch_size,
+        args.device,
+        args.amp,
+        args.threads,
+    )
     print(f"{'model':20s} {'size':>5s} {'top-1 %':>8s} {'top-5 %':>8s} {'loss':>7s} {'img/s':>8s}  (trained at)")
     for r in rows:
-        print(f"{r['model']:20s} {r['img_size']:5d} {r['top1']:8.2f} {r['top5']:8.2f} {r['loss']:7.4f} "
-              f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images)")  # fmt: skip
+        print(
+            f"{r['model']:20s} {r['img_size']:5d} {r['top1']:8.2f} {r['top5']:8.2f} {r['loss']:7.4f} "
+            f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -40,9 +40,14 @@ class WarmupCosine:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, lr: float, total_steps: int, warmup_steps: int = 0,
-        min_lr: float = 0.0, warmup_lr: float = 0.0,
-    ) -> None:  # fmt: skip
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        min_lr: float = 0.0,
+        warmup_lr: float = 0.0,
+    ) -> None:
         if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
             raise ValueError(
                 f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}"
