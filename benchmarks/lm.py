@@ -6,7 +6,7 @@ Example: ``python benchmarks/lm.py --layers 24`` (the paper's L) or ``python ben
 
 import sys
 
-from vitlab.lm.bench import main
+from vitlab.cli import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("lm", ["bench", *sys.argv[1:]]))

@@ -6,7 +6,7 @@ Example: ``python benchmarks/mixers.py --targets-only`` or ``python benchmarks/m
 
 import sys
 
-from vitlab.bench.mixers import main
+from vitlab.cli import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("bench-mixers"))

@@ -7,7 +7,7 @@ Example: ``python benchmarks/models.py --targets`` or
 
 import sys
 
-from vitlab.bench.models import main
+from vitlab.cli import run_tool
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool("bench"))

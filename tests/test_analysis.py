@@ -181,6 +181,12 @@ def images_and_input(n: int = 2, size: int = 32, chans: int = 3, seed: int = 0):
     return images, (images - 0.5) / 0.5
 
 
+def sum_rtol(terms: int) -> float:
+    """Worst-case relative rounding of a float32 mean of ``terms`` products (each summand rounds once, in
+    whatever order the BLAS of this machine and thread count reduces them)."""
+    return terms * torch.finfo(torch.float32).eps
+
+
 def run(model, what, tmp_path, **kw) -> dict:
     images, x = images_and_input()
     report = analyze(model.eval(), images, x, what, tmp_path, log=lambda s: None, **kw)
@@ -203,9 +209,9 @@ def test_uniform_attention_model(tmp_path):
     maps = np.array(res["attention"]["maps"])  # (images, blocks, heads, 8, 8)
     assert maps.shape == (2, 3, 2, 8, 8)
     np.testing.assert_allclose(maps, 1 / n, rtol=1e-5)
-    np.testing.assert_allclose(res["collapse"]["similarity"], np.ones((3, 3)), rtol=1e-5)
+    np.testing.assert_allclose(res["collapse"]["similarity"], np.ones((3, 3)), rtol=sum_rtol(2 * 2 * n * n))
     assert res["collapse"]["similar_blocks"] == 2 and res["collapse"]["similar_block_indices"] == [1, 2]
-    np.testing.assert_allclose(res["heads"]["similarity"], np.ones((3, 2, 2)), rtol=1e-5)
+    np.testing.assert_allclose(res["heads"]["similarity"], np.ones((3, 2, 2)), rtol=sum_rtol(2 * n * n))
 
 
 @torch.no_grad()
@@ -222,9 +228,10 @@ def test_identical_blocks_give_similarity_one(tmp_path):
             lin.weight.zero_()
             lin.bias.zero_()
     res = run(model, ["collapse", "evolution", "heads"], tmp_path, threshold=0.99)
-    np.testing.assert_allclose(res["collapse"]["similarity"], np.ones((4, 4)), rtol=1e-5)
+    n = 1 + 8 * 8
+    np.testing.assert_allclose(res["collapse"]["similarity"], np.ones((4, 4)), rtol=sum_rtol(2 * 2 * n * n))
     assert res["collapse"]["similar_blocks"] == 3
-    np.testing.assert_allclose(res["evolution"]["similarity"], np.ones(3), rtol=1e-6)
+    np.testing.assert_allclose(res["evolution"]["similarity"], np.ones(3), rtol=sum_rtol(2 * (n - 1) * 64))
     assert res["evolution"]["blocks"] == [1, 2, 3]
     # the maps are far from uniform: the two heads differ
     assert max(res["heads"]["mean_between_heads"]) < 0.95
@@ -446,7 +453,7 @@ def test_cli_bad_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_cli_training_checkpoint_rebuilds_its_model(tmp_path, capsys):
-    ckpt_mod = pytest.importorskip("vitlab.train.checkpoint")
+    ckpt_mod = pytest.importorskip("vitlab.checkpoint")
     torch.manual_seed(0)
     kwargs = dict(num_classes=10, in_chans=1, img_size=28)
     model = vitlab.create_model("aft_conv_mini", **kwargs)

@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from vitlab.bench import measure
 from vitlab.bench import mixers as bench
-from vitlab.bench.measure import MB, CaseSpec, Timing, run_case, time_callable
+from vitlab.cli import main as cli_main
+from vitlab.measure import process as measure
+from vitlab.measure.process import MB, CaseSpec, Timing, run_case, time_callable
 from vitlab.mixers import AFTFull, TokenMixer
 
 # --------------------------------------------------------------------------- measuring helpers
@@ -44,7 +45,7 @@ def runner():
 
 
 def _alloc(mb: float, **kw) -> CaseSpec:
-    return CaseSpec("vitlab.bench.measure:allocation_case", {"mb": mb}, repeats=1, **kw)
+    return CaseSpec("vitlab.measure.process:allocation_case", {"mb": mb}, repeats=1, **kw)
 
 
 @pytest.mark.parametrize("isolation", ["forkserver", "subprocess"])
@@ -67,7 +68,7 @@ def test_both_passes_merge(runner):
 
 
 def test_run_case_reports_failures_instead_of_raising(runner):
-    missing = runner.run(CaseSpec("vitlab.bench.measure:no_such_case"))
+    missing = runner.run(CaseSpec("vitlab.measure.process:no_such_case"))
     died = runner.run(CaseSpec("os:_exit", {"status": 3}))
     after = runner.run(_alloc(1, passes=("memory",)))
     assert missing["status"] == "error" and "no_such_case" in missing["reason"] and missing["pass"] == "memory"
@@ -265,6 +266,6 @@ def bench_root() -> str:
 
 def test_bad_options_are_rejected(capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--mixers", "nope"])
-    assert bench.main(["--quick", "--heads", "3"]) == 2  # 3 does not divide dim 32
+        cli_main(["bench-mixers", "--mixers", "nope"])
+    assert cli_main(["bench-mixers", "--quick", "--heads", "3"]) == 2  # 3 does not divide dim 32
     assert "--heads must divide" in capsys.readouterr().err

@@ -19,7 +19,9 @@ from torch.utils.flop_counter import sdpa_backward_flop_count
 
 import vitlab
 from vitlab.bench import models as bench
-from vitlab.bench.flops import (
+from vitlab.layers import Block
+from vitlab.layers.patch_embed import PatchEmbed
+from vitlab.measure.flops import (
     RELU6,
     SIGMOID,
     SOFTMAX,
@@ -28,9 +30,7 @@ from vitlab.bench.flops import (
     flop_counter,
     mixer_extra_flops,
 )
-from vitlab.bench.gemm import measure_gemm
-from vitlab.layers import Block
-from vitlab.layers.patch_embed import PatchEmbed
+from vitlab.measure.gemm import measure_gemm
 from vitlab.mixers import (
     AFTFull,
     AFTLocal,
@@ -338,7 +338,7 @@ def test_cli_run_writes_table_json_csv_png(tmp_path, monkeypatch):
 
 
 def test_profile_groups_and_counts_flops():
-    from vitlab.bench.profile import group_of, op_flops, profile_call, with_yardstick
+    from vitlab.measure.profile import group_of, op_flops, profile_call, with_yardstick
 
     assert op_flops("aten::addmm", [[64], [32, 16], [16, 64]]) == 2 * 32 * 16 * 64
     assert op_flops("aten::bmm", [[4, 8, 16], [4, 16, 5]]) == 2 * 4 * 8 * 16 * 5

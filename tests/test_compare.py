@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.bench.flops import count_macs
 from vitlab.cli import main as cli_main
+from vitlab.measure.flops import count_macs
 from vitlab.train.compare import adapt_to_size, method_of, render_markdown, render_text
 
 

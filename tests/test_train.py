@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
+from vitlab.checkpoint import check_model_name, load_state_checked, model_from_checkpoint
 from vitlab.cli import main as cli_main
 from vitlab.train import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
-from vitlab.train.checkpoint import check_model_name, load_state_checked, model_from_checkpoint
 from vitlab.train.distill import HardDistillationLoss
 from vitlab.train.engine import init_weights_from
 

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def describe(name: str, macs: bool = True, img_size: int | None = None) -> dict:
     import torch
 
-    from .bench.flops import count_macs
+    from .measure.flops import count_macs
     from .models import create_model, get_config
 
     cfg = get_config(name)

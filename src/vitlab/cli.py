@@ -36,10 +36,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class UserError(Exception):
-    """An error caused by the user's input: printed as one line, no traceback."""
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so ``vitlab --help`` stays fast
     and one tool's import cost or failure never affects another."""
@@ -70,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
         return 0
-    except (UserError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         if args.debug:
             raise
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
@@ -78,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_tool(command: str, argv: list[str] | None = None) -> int:
-    """``vitlab COMMAND ARGV...``: the entry of the ``benchmarks/`` scripts and ``python -m vitlab.<tool>`` (one
-    parser, one error format, the same runtime settings as the command)."""
+    """``vitlab COMMAND ARGV...``: the entry of the ``benchmarks/`` scripts (one parser, one error format, the
+    same runtime settings as the command)."""
     return main([command, *(sys.argv[1:] if argv is None else argv)])
 
 

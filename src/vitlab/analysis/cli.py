@@ -587,7 +587,7 @@ def _training_checkpoint(path: Path) -> dict[str, Any] | None:
     if path.suffix == ".safetensors":
         return None
     try:
-        from ..train.checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
     except ImportError:  # training code not installed: every file is read as plain weights
         return None
     try:
@@ -599,7 +599,7 @@ def _training_checkpoint(path: Path) -> dict[str, Any] | None:
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
     """The model of ``args.model`` with random weights (``args.seed``) or those of ``args.checkpoint``.
 
-    A ``vitlab train`` checkpoint rebuilds its own configuration (:func:`vitlab.train.checkpoint.
+    A ``vitlab train`` checkpoint rebuilds its own configuration (:func:`vitlab.checkpoint.
     model_from_checkpoint`); any other file is read safely (``weights_only`` / safetensors) and mapped
     from vitlab's or an official implementation's names (:func:`vitlab.convert.load.load_reference`), the
     number of classes taken from its ``head.weight`` unless ``--num-classes`` is given.
@@ -621,7 +621,7 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, str]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found")
     if (ckpt := _training_checkpoint(path)) is not None:
-        from ..train.checkpoint import check_model_name, model_from_checkpoint
+        from ..checkpoint import check_model_name, model_from_checkpoint
 
         check_model_name(ckpt, args.model)
         model = model_from_checkpoint(ckpt, ema=args.ema, **overrides)

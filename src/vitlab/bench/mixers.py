@@ -2,7 +2,7 @@
 
 A case is ``(mixer, T, dtype, mode)`` with ``mode`` = ``forward`` (no grad, eval)
 or ``train`` (forward + backward, train mode, grads of input and parameters).
-Each case is measured in fresh processes (:mod:`vitlab.bench.measure`) that
+Each case is measured in fresh processes (:mod:`vitlab.measure.process`) that
 build the mixer and its input: a memory pass records the resident memory after
 setup (the baseline) and the peak resident memory of one call under a tight
 allocator -- the memory a case needs is ``peak - baseline`` -- and a time pass
@@ -29,7 +29,6 @@ import inspect
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vitlab.bench.measure import (
+from vitlab.measure.process import (
     GB,
     MB,
     PRELOAD,
@@ -765,14 +764,3 @@ def run(args: argparse.Namespace) -> int:
     plot(results, png_path, args.batch, title)
     print(f"wrote {json_path}, {png_path}, {txt_path} ({elapsed:.0f} s)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``vitlab bench-mixers`` (``python benchmarks/mixers.py``, ``python -m vitlab.bench.mixers``)."""
-    from ..cli import run_tool
-
-    return run_tool("bench-mixers", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

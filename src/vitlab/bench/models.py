@@ -7,10 +7,10 @@ A case is ``(model, batch, image size, dtype, mode, compiled)``:
 * ``mode="train"``: train mode, forward + cross-entropy + backward + AdamW step
   per call; bf16 is mixed precision (CPU autocast, fp32 master weights).
 
-Each case runs in fresh processes (:mod:`vitlab.bench.measure`): one measures the
+Each case runs in fresh processes (:mod:`vitlab.measure.process`): one measures the
 peak resident memory of one call (peak - baseline after setup, allocator made
 tight), another times the calls. In the timing process the machine's GEMM rate
-(:mod:`vitlab.bench.gemm`, same threads, same dtype) is measured right before the
+(:mod:`vitlab.measure.gemm`, same threads, same dtype) is measured right before the
 model is timed, and again right after every timed call (a short probe: one round
 per shape), so every call is paired with the yardstick of its own moment:
 
@@ -24,7 +24,7 @@ calls alone (the probes are timed apart). On a machine shared with other jobs
 the pairing cancels slow changes of the load, not fast ones: the load is
 reported with every case; compare figures taken at the same load.
 
-MACs are counted on the meta device (:mod:`vitlab.bench.flops`: matmuls and
+MACs are counted on the meta device (:mod:`vitlab.measure.flops`: matmuls and
 convolutions, the papers' convention); FLOPs = 2 x MACs + the mixers' elementwise
 work, reported apart.
 
@@ -53,12 +53,11 @@ import argparse
 import csv
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from .measure import (
+from ..measure.process import (
     MB,
     PRELOAD,
     CaseRunner,
@@ -119,12 +118,12 @@ def prepare_case(
     every call is followed by a GEMM probe: ``info["calls"]`` lists ``[model seconds, probe FLOP/s]`` per
     call (the first is the setup's warm call). ``info["compile_s"]`` is the first call's time when ``compile``.
     ``profile``: one more call under the profiler after the warm call, grouped into ``info["profile"]``
-    (:func:`vitlab.bench.profile.profile_call`).
+    (:func:`vitlab.measure.profile.profile_call`).
     """
     import torch
     import torch.nn.functional as F
 
-    from .gemm import measure_gemm
+    from ..measure.gemm import measure_gemm
 
     torch.manual_seed(seed)
     warm_process()
@@ -175,7 +174,7 @@ def prepare_case(
     timed_step()  # warm call: lazy initialisation, optimizer state, compilation
     info["first_call_s"] = calls[0][0]
     if profile:
-        from .profile import profile_call
+        from ..measure.profile import profile_call
 
         for _ in range(2):  # the allocator's heap reaches its steady state (no first-touch page faults)
             step()
@@ -194,7 +193,7 @@ def model_facts(name: str, img_size: int | None, batch: int) -> dict[str, Any]:
     """Parameters, token count and the MAC/FLOP counts of one forward pass at ``batch`` (meta device)."""
     import torch
 
-    from .flops import count_flops
+    from ..measure.flops import count_flops
 
     with torch.device("meta"):
         net = build(name, img_size)
@@ -294,7 +293,7 @@ def derive(r: dict[str, Any]) -> None:
     """Throughput, latency, achieved FLOP/s and utilisation of an ok result (in place)."""
     if r["status"] != "ok":
         return
-    from .measure import Timing
+    from ..measure.process import Timing
 
     calls = r["info"].get("calls") or []
     timed = calls[1:] if len(calls) > 1 else calls  # the first is the setup's warm call
@@ -681,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
         "definitions": {
             "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
             "model_flops": "2 x macs",
-            "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.bench.flops)",
+            "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
             "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
             "probed right after that call in the same process",
             "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
@@ -704,7 +703,7 @@ def run(args: argparse.Namespace) -> int:
 
 def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     """``profile_<case>.txt`` for every profiled case; prints each one's summary by kind of work."""
-    from .profile import profile_text, with_yardstick
+    from ..measure.profile import profile_text, with_yardstick
 
     paths = {}
     for r in results:
@@ -723,14 +722,3 @@ def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
         paths[f"profile {name}"].write_text(text + "\n")
         print("\n" + "\n".join(text.splitlines()[:10]))
     return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``vitlab bench`` (``python benchmarks/models.py``, ``python -m vitlab.bench.models``)."""
-    from ..cli import run_tool
-
-    return run_tool("bench", argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ weights included (``nn.Transformer``/GPT-2 convention), for which SDPA on CPU ta
 the T x T maps, as the paper's 2021 baseline did. ``--flash`` adds ``transformer_flash`` (no attention
 dropout: SDPA's flash kernel, which stores no map; its MLP and norms store what AFT's do, so no mixer can
 use much less memory than it). One case = one training step (forward, cross-entropy, backward,
-AdamW step, dropout 0.1) in a **fresh process** (:mod:`vitlab.bench.measure`): its time (the fastest of the
+AdamW step, dropout 0.1) in a **fresh process** (:mod:`vitlab.measure.process`): its time (the fastest of the
 timed steps over ``--rounds`` interleaved runs: other processes only add time) and its memory = peak resident memory - resident memory before the model was built, measured
 after a warm-up step of a tiny model (so: weights, gradients, optimizer state and activations; the paper's
 GB/GPU counts the same things).
@@ -25,12 +25,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ..bench.measure import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
+from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
 
 CASE_TARGET = "vitlab.lm.bench:prepare_case"
 # benchmark model -> (named config, extra mixer options)
@@ -55,7 +54,7 @@ def prepare_case(
     """Build the model, its AdamW optimizer and a batch of sub-pixel sequences; return one training step."""
     import torch
 
-    from ..train.optim import create_optimizer
+    from ..optim import create_optimizer
     from .model import create_lm, lm_config
 
     name, extra = MODELS[model]
@@ -283,10 +282,3 @@ def run(args: argparse.Namespace) -> int:
     (out / "lm_bench.md").write_text(md + "\n")
     print(f"\nwrote {out / 'lm_bench.json'} and {out / 'lm_bench.md'}")
     return 0 if all(r["status"] == "ok" for r in results) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``vitlab lm bench`` (``python benchmarks/lm.py``)."""
-    from ..cli import run_tool
-
-    return run_tool("lm", ["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 # CausalLM options settable from the command line (None: the named config's value)
@@ -222,9 +221,3 @@ def _list(args: argparse.Namespace) -> int:
         mixer = cfg["mixer"] if isinstance(cfg["mixer"], str) else f"{cfg['mixer'][0]} {cfg['mixer'][1]}"
         print(f"{name:26s} L={cfg.get('depth')} d={cfg.get('dim')} T={cfg['max_len']} {mixer}  -- {note}")
     return 0
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["lm", *sys.argv[1:]]))

@@ -93,7 +93,7 @@ def _save(
     metrics: dict,
     gen: torch.Generator,
 ) -> None:
-    from ..train.checkpoint import save_checkpoint
+    from ..checkpoint import save_checkpoint
 
     save_checkpoint(
         {
@@ -114,7 +114,7 @@ def _save(
 
 def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
     """A trained model and its checkpoint (read with ``weights_only=True``)."""
-    from ..train.checkpoint import load_checkpoint, load_state_checked
+    from ..checkpoint import load_checkpoint, load_state_checked
 
     ckpt = load_checkpoint(path)
     if "data" not in ckpt or not isinstance(ckpt.get("model_kwargs"), dict) or "vocab_size" not in ckpt["model_kwargs"]:
@@ -126,7 +126,7 @@ def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
 
 def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.data``; returns ``{"history": [...], "final": {...}, "out": ...}``."""
-    from ..train.optim import WarmupCosine, create_optimizer
+    from ..optim import WarmupCosine, create_optimizer
 
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
         raise ValueError(
@@ -139,7 +139,7 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
     if cfg.resume:
         if out is None or not (out / "last.pt").is_file():
             raise FileNotFoundError(f"--resume: no checkpoint {out / 'last.pt' if out else '(no --out)'} to continue")
-        from ..train.checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         resume = load_checkpoint(out / "last.pt")
     base = lm_config(cfg.model)

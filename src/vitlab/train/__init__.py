@@ -1,9 +1,9 @@
 """Training, evaluation and comparison of the models: ``vitlab train | eval | compare``."""
 
-from .checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from ..optim import WarmupCosine, create_optimizer, param_groups
 from .ema import ModelEma
 from .engine import TrainConfig, evaluate, train
-from .optim import WarmupCosine, create_optimizer, param_groups
 
 __all__ = [
     "ModelEma",

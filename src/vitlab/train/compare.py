@@ -1,6 +1,6 @@
 """``vitlab compare``: train a set of variants on the same data and budget, evaluate them, one table.
 
-Each variant trains in a fresh process (``vitlab.bench.measure``: forked from a server that has only
+Each variant trains in a fresh process (``vitlab.measure.process``: forked from a server that has only
 imported torch), so its peak resident memory is its own. ``--jobs`` variants train at once, each with
 ``--threads // --jobs`` torch threads: these small models use one core far better than two, so by default the
 two cores train two variants side by side. Inference throughput is timed afterwards, one variant at a time
@@ -134,7 +134,7 @@ def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int])
     """(parameters, MACs) of the variant, counted on the meta device."""
     import torch
 
-    from ..bench.flops import count_macs
+    from ..measure.flops import count_macs
     from ..models import create_model
 
     with torch.device("meta"):
@@ -160,8 +160,8 @@ class _Tee:
 
 
 def train_case(config: dict[str, Any]):
-    """Case for ``vitlab.bench.measure``: the timed call trains the variant (its summary goes into ``info``)."""
-    from ..bench.measure import Prepared
+    """Case for ``vitlab.measure.process``: the timed call trains the variant (its summary goes into ``info``)."""
+    from ..measure.process import Prepared
     from .engine import TrainConfig, train
 
     cfg = TrainConfig.from_dict(config)
@@ -182,11 +182,11 @@ def train_case(config: dict[str, Any]):
 
 
 def inference_case(checkpoint: str, batch: int = 256):
-    """Case for ``vitlab.bench.measure``: one eval-mode forward of a batch of held-out-sized inputs."""
+    """Case for ``vitlab.measure.process``: one eval-mode forward of a batch of held-out-sized inputs."""
     import torch
 
-    from ..bench.measure import Prepared
-    from .checkpoint import load_checkpoint, model_from_checkpoint
+    from ..checkpoint import load_checkpoint, model_from_checkpoint
+    from ..measure.process import Prepared
 
     model = model_from_checkpoint(load_checkpoint(checkpoint)).eval()
     c, h, w = model.meta["input_size"]
@@ -303,7 +303,7 @@ def _reusable(result_file: Path, config: dict[str, Any]) -> dict[str, Any] | Non
 
 def _resumable(ckpt_file: Path, config: dict[str, Any]) -> bool:
     """An unfinished run of the same variant that ``resume="auto"`` can continue."""
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     if not ckpt_file.exists():
         return False
@@ -315,7 +315,7 @@ def _resumable(ckpt_file: Path, config: dict[str, Any]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.measure import CaseRunner, CaseSpec
+    from ..measure.process import CaseRunner, CaseSpec
     from .engine import TrainConfig, load_data
 
     t_start = time.perf_counter()

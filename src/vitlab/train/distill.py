@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint import load_checkpoint, model_from_checkpoint
 from ..data import resize, soft_target_cross_entropy
-from .checkpoint import load_checkpoint, model_from_checkpoint
 
 
 def load_teacher(path: str | Path, device: torch.device | str = "cpu", ema: bool = False) -> nn.Module:

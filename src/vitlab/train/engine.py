@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint import check_model_name, load_checkpoint, load_state_checked, save_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
-from .checkpoint import check_model_name, load_checkpoint, load_state_checked, save_checkpoint
+from ..optim import WarmupCosine, create_optimizer
 from .ema import ModelEma
-from .optim import WarmupCosine, create_optimizer
 
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
 

@@ -57,8 +57,8 @@ def evaluate_checkpoint(
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
+    from ..checkpoint import check_model_name, load_checkpoint, model_from_checkpoint
     from ..data import BatchLoader, load_dataset, make_transform
-    from .checkpoint import check_model_name, load_checkpoint, model_from_checkpoint
     from .engine import amp_dtype, evaluate, is_oom
 
     if threads > 0:

@@ -89,8 +89,8 @@ def measure_gemm(
 
 
 def gemm_case(dtype: str = "fp32", rounds: int = 5, round_time: float = 0.05):
-    """A :mod:`vitlab.bench.measure` case: measures the GEMM rate in a fresh process (the rate is in ``info``)."""
-    from .measure import Prepared
+    """A :mod:`vitlab.measure.process` case: measures the GEMM rate in a fresh process (the rate is in ``info``)."""
+    from .process import Prepared
 
     rate = measure_gemm(dtype, rounds=rounds, round_time=round_time)
     return Prepared(lambda: None, {"gemm": rate.as_dict()})

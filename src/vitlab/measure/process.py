@@ -17,7 +17,7 @@
   - *time*: the allocator of the ``vitlab`` command (``CaseSpec.allocator``, default
     :func:`vitlab.runtime.keep_freed_memory`), warmup + timed repeats, median and IQR.
 
-``python -m vitlab.bench.measure --self-check`` allocates a known amount in a
+``python -m vitlab.measure.process --self-check`` allocates a known amount in a
 fresh process and prints what was measured.
 """
 
@@ -366,7 +366,7 @@ class CaseRunner:
             return {"status": "error", "reason": f"case process exited with code {code} and no result"}
 
     def _run_subprocess(self, spec_path: str, out_path: str) -> int | str:
-        cmd = [sys.executable, "-m", "vitlab.bench.measure", "--worker", spec_path, out_path]
+        cmd = [sys.executable, "-m", "vitlab.measure.process", "--worker", spec_path, out_path]
         try:
             return subprocess.run(cmd, timeout=self.timeout).returncode
         except subprocess.TimeoutExpired:
@@ -374,7 +374,7 @@ class CaseRunner:
 
     def _run_forked(self, spec_path: str, out_path: str) -> int | str:
         if self._server is None or self._server.poll() is not None:
-            cmd = [sys.executable, "-m", "vitlab.bench.measure", "--serve", ",".join(self.preload)]
+            cmd = [sys.executable, "-m", "vitlab.measure.process", "--serve", ",".join(self.preload)]
             self._server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         server = self._server
         try:
@@ -462,8 +462,9 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     if not isinstance(prepared, Prepared):
         prepared = Prepared(prepared)
     _release(prepared)
-    baseline = current_rss_bytes() or 0  # 0 without /proc: the peak is all we know
     reset = reset_peak_rss()
+    # after the reset: the peak counter then starts at or above this RSS, so peak >= baseline always holds
+    baseline = current_rss_bytes() or 0  # 0 without /proc: the peak is all we know
     out: dict[str, Any] = {"status": "ok", "info": prepared.info}
     try:
         if name == "memory":
@@ -522,7 +523,7 @@ def allocation_case(mb: float = 200.0) -> Prepared:
 
 def main(argv: list[str] | None = None) -> int:
     doc = __doc__.splitlines()[0]
-    parser = argparse.ArgumentParser(prog="python -m vitlab.bench.measure", description=doc)
+    parser = argparse.ArgumentParser(prog="python -m vitlab.measure.process", description=doc)
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", metavar="MODULES", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         return _serve([m for m in args.serve.split(",") if m])
     if args.self_check is not None:
-        spec = CaseSpec("vitlab.bench.measure:allocation_case", {"mb": args.self_check}, repeats=1)
+        spec = CaseSpec("vitlab.measure.process:allocation_case", {"mb": args.self_check}, repeats=1)
         res = run_case(spec, isolation=args.isolation)
         if res["status"] != "ok":
             print(f"self-check failed: {res.get('reason')}")
@@ -559,6 +560,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # run as the package module, not as __main__, so the classes a case raises or returns
     # (CaseSkipped, Prepared) are the ones this code checks against
-    from vitlab.bench.measure import main as _main
+    from vitlab.measure.process import main as _main
 
     sys.exit(_main())

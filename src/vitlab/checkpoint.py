@@ -130,7 +130,7 @@ def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
 def model_from_checkpoint(ckpt: dict[str, Any], ema: bool = False, **overrides: Any) -> nn.Module:
     """Rebuild the checkpoint's model (its name and constructor overrides, plus ``overrides``) with its
     weights (the EMA weights with ``ema=True``)."""
-    from ..models import create_model
+    from .models import create_model
 
     model = create_model(ckpt["model_name"], **{**ckpt.get("model_kwargs", {}), **overrides})
     if ema:
