@@ -12,9 +12,7 @@ resuming ``optimizer``, ``scheduler``, ``ema``, ``scaler``, ``epoch`` (completed
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -23,39 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from .io import atomic_open
+
 FORMAT = "vitlab-checkpoint"
 VERSION = 1
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a temp file in the same folder, fsync, ``os.replace``.
-
-    A reader (or a run killed mid-write) sees the old complete file or the new complete file, never half.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a checkpoint is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-    return path
+    """Write ``state`` to ``path`` atomically (:func:`vitlab.io.atomic_open`): a reader, or a run killed
+    mid-write, sees the old complete file or the new complete file, never half."""
+    with atomic_open(path, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+    return Path(path)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

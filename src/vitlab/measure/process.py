@@ -265,7 +265,9 @@ class Prepared:
 class CaseSpec:
     """A case to run in a fresh process (everything must be JSON-serialisable)."""
 
-    target: str  # "package.module:function"
+    #: the case's setup: a module-level function, or its import path "package.module:function" (the fresh
+    #: process imports it by that path, so a function must be importable from its module)
+    target: Callable[..., Any] | str
     params: dict[str, Any] = field(default_factory=dict)
     warmup: int = 1
     repeats: int = 5
@@ -352,7 +354,7 @@ class CaseRunner:
         with tempfile.TemporaryDirectory(prefix="vitlab-case-") as tmp:
             spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
             with open(spec_path, "w") as f:
-                json.dump(asdict(spec), f)
+                json.dump({**asdict(spec), "target": target_path(spec.target)}, f)
             run = self._run_forked if self.isolation == "forkserver" else self._run_subprocess
             code = run(spec_path, out_path)
             if os.path.exists(out_path):
@@ -432,6 +434,16 @@ def _die_with_parent() -> None:
     """Linux: be killed when the parent dies, so that an interrupted benchmark leaves no case running."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: nothing to do
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def target_path(target: Callable[..., Any] | str) -> str:
+    """The import path ``"package.module:function"`` of a case's setup function."""
+    if isinstance(target, str):
+        return target
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if not module or module == "__main__" or "." in name or "<" in name:
+        raise ValueError(f"a case target must be a module-level function importable from its module, got {target!r}")
+    return f"{module}:{name}"
 
 
 def _resolve(target: str) -> Callable[..., Any]:
@@ -541,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         return _serve([m for m in args.serve.split(",") if m])
     if args.self_check is not None:
-        spec = CaseSpec("vitlab.measure.process:allocation_case", {"mb": args.self_check}, repeats=1)
+        spec = CaseSpec(allocation_case, {"mb": args.self_check}, repeats=1)
         res = run_case(spec, isolation=args.isolation)
         if res["status"] != "ok":
             print(f"self-check failed: {res.get('reason')}")

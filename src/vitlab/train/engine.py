@@ -18,7 +18,6 @@ GPU); ``batch_size`` is the global batch, split evenly over the ranks.
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import check_model_name, load_checkpoint, load_state_checked, save_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
+from ..io import write_csv_atomic, write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
 from .ema import ModelEma
 
@@ -152,22 +152,10 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in msg or "out of memory" in msg.lower()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
     """The per-epoch log as JSON and CSV (rewritten each epoch, atomically)."""
-    write_text_atomic(out / "log.json", json.dumps(rows, indent=1) + "\n")
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    tmp = out / ".log.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out / "log.csv")
+    write_json_atomic(out / "log.json", rows)
+    write_csv_atomic(out / "log.csv", rows)
 
 
 def class_targets(y: Tensor) -> Tensor:
@@ -550,7 +538,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         }
         if device.type == "cuda":  # the host RSS says little about a GPU run
             summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-        write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+        write_json_atomic(out / "summary.json", summary)
     if world > 1:
         dist.barrier()
     return summary
