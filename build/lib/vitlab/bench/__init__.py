@@ -1,0 +1,1 @@
+"""Benchmarks of mixers and models."""

@@ -1,0 +1,766 @@
+"""Token-mixer benchmark: time and peak memory of every mixer as the token count T grows.
+
+A case is ``(mixer, T, dtype, mode)`` with ``mode`` = ``forward`` (no grad, eval)
+or ``train`` (forward + backward, train mode, grads of input and parameters).
+Each case is measured in fresh processes (:mod:`vitlab.measure.process`) that
+build the mixer and its input: a memory pass records the resident memory after
+setup (the baseline) and the peak resident memory of one call under a tight
+allocator -- the memory a case needs is ``peak - baseline`` -- and a time pass
+reports the median and IQR of repeated calls after a warmup.
+
+Besides every registered mixer (``vitlab.mixers.MIXERS``) two reference forms
+are measured:
+
+* ``aft_full_naive``: AFT-full computed directly from the paper's Eq. 2,
+  materialising ``exp(K_t' + w[t, t'])`` as a (B, T, T, d) tensor, with the
+  parameters of an :class:`~vitlab.mixers.AFTFull` (same output);
+* ``attention_explicit``: ``softmax(Q Kᵀ / sqrt(d_h)) V`` with the map
+  materialised (the ``attention`` mixer with ``fused=False``).
+
+Cases whose memory, estimated from their shapes, exceeds the budget are
+skipped and say how much they would need. The "targets" section checks the
+project's performance claims on the measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vitlab.measure.process import (
+    GB,
+    MB,
+    PRELOAD,
+    CaseRunner,
+    CaseSkipped,
+    CaseSpec,
+    Prepared,
+    csv_list,
+    fmt_mem,
+    fmt_time,
+    machine_info,
+    warm_process,
+)
+from vitlab.mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
+
+REFERENCES = ("aft_full_naive", "attention_explicit")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ("forward", "train")
+CASE_TARGET = "vitlab.bench.mixers:prepare_case"
+
+# the issue's setting for the targets
+TARGET_DIM, TARGET_BATCH = 256, 8
+AFT_TARGET_T = 1024
+LINEAR_TOKENS = (64, 256, 1024, 4096)
+LINEAR_FIT_MIN_T = 256  # below this, fixed per-call buffers dominate the few MB a case needs
+ATTN_TOKENS = (197, 1024)  # the target also uses any larger T the sweep ran
+
+DEFAULT_TOKENS = (64, 256, 1024)
+# the default run's sweep, on top of the targets' cases: (dtypes, modes, tokens); a few minutes here
+DEFAULT_SWEEPS = ((("fp32",), MODES, DEFAULT_TOKENS), (("bf16",), ("forward",), (256, 1024)))
+QUICK = {"mixers": ["attention", "attention_explicit", "aft_simple"], "tokens": [16, 64], "dim": 32, "batch": 2}
+
+
+# --------------------------------------------------------------------------- reference forms
+
+
+def aft_full_direct(q: Tensor, k: Tensor, v: Tensor, w: Tensor) -> Tensor:
+    """Paper Eq. 2 as written: ``sigmoid(Q_t) ⊙ Σ_t' e^{K_t'+w_tt'} ⊙ V_t' / Σ_t' e^{K_t'+w_tt'}``.
+
+    ``q, k, v`` (B, T, d), ``w`` (T, T). Materialises ``exp(K[None] + w[:, :, None])`` as (B, T, T, d):
+    O(T² d) memory, the cost the factorised form avoids. No max-subtraction (the direct form).
+    """
+    e = torch.exp(k[:, None] + w[None, :, :, None])  # (B, T, T', d)
+    return torch.sigmoid(q) * (e * v[:, None]).sum(2) / e.sum(2)
+
+
+class AFTFullNaive(TokenMixer):
+    """AFT-full with the parameters of ``aft`` but the direct (B, T, T, d) computation (benchmark reference)."""
+
+    def __init__(self, aft: AFTFull) -> None:
+        super().__init__(aft.dim)
+        self.aft = aft
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        q, k, v = self.aft.qkv(x).chunk(3, -1)
+        w = self.aft.position_bias(x.shape[1], layout)
+        if w is None:
+            raise ValueError("AFTFullNaive needs an AFTFull with a position bias")
+        return self.aft.proj(aft_full_direct(q, k, v, w.to(q.dtype))), {}
+
+
+def is_implemented(kind: str) -> bool:
+    """False while a mixer family is still a placeholder (its ``mix`` is the base class's)."""
+    cls = {"aft_full_naive": AFTFull, "attention_explicit": Attention}.get(kind) or MIXERS[kind]
+    return cls.mix is not TokenMixer.mix
+
+
+def mixer_kwargs(kind: str, dim: int, tokens: int, heads: int, window: int, kernel: int) -> dict[str, Any]:
+    """Constructor options of ``kind`` for the benchmark: heads of width dim/heads, AFT tables for T tokens."""
+    base = {"aft_full_naive": "aft_full", "attention_explicit": "attention"}.get(kind, kind)
+    wanted: dict[str, Any] = {
+        "attention": {"num_heads": heads},
+        "refiner": {"num_heads": heads},
+        "reattention": {"num_heads": heads},
+        "external": {},  # single head: paper Algorithm 1
+        "external_mh": {"num_heads": heads},
+        "aft_full": {"max_len": tokens},
+        "aft_local": {"max_len": tokens, "window": window},
+        "aft_simple": {},
+        "aft_conv": {"num_heads": heads, "kernel_size": kernel},
+    }.get(base, {"num_heads": heads, "max_len": tokens})  # a kind added later: the usual options
+    accepted = inspect.signature(MIXERS[base].__init__).parameters
+    kw = {k: v for k, v in wanted.items() if k in accepted}
+    if kind == "attention_explicit":
+        kw["fused"] = False
+    return kw
+
+
+def layout_for(tokens: int) -> TokenLayout:
+    """A square patch grid when T = g² (or 1 + g²: a class token then g×g patches), else a plain sequence."""
+    for prefix in (0, 1):
+        g = math.isqrt(tokens - prefix)
+        if g * g == tokens - prefix and g > 0:
+            return TokenLayout(grid=(g, g), num_prefix=prefix)
+    return TokenLayout.sequence()
+
+
+def build_mixer(kind: str, dim: int, tokens: int, heads: int, window: int, kernel: int) -> TokenMixer:
+    kw = mixer_kwargs(kind, dim, tokens, heads, window, kernel)
+    if kind == "aft_full_naive":
+        return AFTFullNaive(AFTFull(dim, **kw))
+    if kind == "attention_explicit":
+        return Attention(dim, **kw)
+    return MIXERS[kind](dim, **kw)
+
+
+# --------------------------------------------------------------------------- one case (runs in the child process)
+
+
+def prepare_case(
+    mixer: str,
+    T: int,
+    dtype: str,
+    mode: str,
+    batch: int,
+    dim: int,
+    heads: int,
+    window: int,
+    kernel: int,
+    seed: int = 0,
+) -> Prepared:
+    """Build the mixer and its input; return the call to measure (forward, or forward + backward)."""
+    torch.manual_seed(seed)
+    warm_process()
+    layout = layout_for(T)
+    module = build_mixer(mixer, dim, T, heads, window, kernel)
+    if module.needs_grid and layout.grid is None:
+        raise CaseSkipped(f"needs a grid: T = {T} is neither g² nor 1 + g²")
+    dt = DTYPES[dtype]
+    module.to(dt).train(mode == "train")
+    x = torch.randn(batch, T, dim, dtype=dt)
+    info = {
+        "params": sum(p.numel() for p in module.parameters()),
+        "kwargs": mixer_kwargs(mixer, dim, T, heads, window, kernel),
+        "layout": {"grid": layout.grid, "num_prefix": layout.num_prefix},
+    }
+    if mode == "forward":
+
+        def fn() -> None:
+            with torch.no_grad():
+                module(x, layout)
+
+        return Prepared(fn, info)
+    x.requires_grad_(True)
+    grad = torch.randn_like(x)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def reset() -> None:
+        for t in (x, *params):
+            t.grad = None
+
+    def fn() -> None:
+        reset()  # every step allocates its gradients, as a training step does
+        module(x, layout).backward(grad)
+
+    return Prepared(fn, info, reset)
+
+
+# --------------------------------------------------------------------------- memory estimate (before running)
+
+
+def estimate_bytes(c: dict[str, Any]) -> int:
+    """A generous estimate of a case's working memory from its shapes (to skip what cannot fit).
+
+    Counts activations of width d (``act``), attention maps (B, H, T, T) in fp32 (``maps``: the softmax of
+    half-precision logits is fp32) and, for the direct AFT form, the (B, T, T, d) tensors.
+    """
+    b, t, d, h = c["batch"], c["T"], c["dim"], c["heads"]
+    s = DTYPES[c["dtype"]].itemsize
+    train = c["mode"] == "train"
+    act = b * t * d * max(s, 4)  # AFT cores compute in fp32 whatever the input dtype
+    maps = b * h * t * t * 4
+    n_maps = {
+        "attention": 0,
+        "external": 0,
+        "external_mh": 0,
+        "aft_simple": 0,
+        "aft_conv": 0,
+        "aft_full": 0,
+        "aft_local": 0,
+        "attention_explicit": 3,
+        "reattention": 5,
+        "refiner": 15,  # expansion 3: several (B, 3H, T, T) maps
+        "aft_full_naive": 0,
+    }.get(c["mixer"], 3)
+    total = (40 if train else 16) * act + n_maps * maps * (2 if train else 1)
+    if c["mixer"] in ("aft_full", "aft_local", "aft_full_naive"):
+        total += 8 * t * t * 4  # w = u vᵀ, exp(w), masks
+    if c["mixer"] == "aft_full_naive":
+        total += (5 if train else 2) * b * t * t * d * s
+    return int(total)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    cases: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    _index: dict[tuple, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, role: str, **c: Any) -> dict[str, Any]:
+        key = case_key(c)
+        if key in self._index:
+            case = self._index[key]
+        else:
+            case = self._index[key] = {**c, "roles": []}
+            self.cases.append(case)
+        if role not in case["roles"]:
+            case["roles"].append(role)
+        return case
+
+
+def case_key(c: dict[str, Any]) -> tuple:
+    return (c["mixer"], c["T"], c["dtype"], c["mode"], c["batch"], c["dim"])
+
+
+def default_heads(dim: int) -> int:
+    """Heads of width 64 where the width allows, else one head."""
+    return max(1, dim // 64) if dim % 64 == 0 else 1
+
+
+def plan_cases(args: argparse.Namespace, budget: int) -> Plan:
+    """The targets' cases first (pairs that are compared run back to back), then the sweep."""
+    plan = Plan()
+    common = {"window": args.window, "kernel": args.kernel}
+    if args.targets:
+        plan_targets(plan, budget, common)
+    heads = args.heads or default_heads(args.dim)
+    for dtypes, modes, tokens in args.sweeps:
+        for mode in modes:
+            for dtype in dtypes:
+                for mixer in args.mixers:
+                    for t in tokens:
+                        plan.add(
+                            "sweep",
+                            mixer=mixer,
+                            T=t,
+                            dtype=dtype,
+                            mode=mode,
+                            batch=args.batch,
+                            dim=args.dim,
+                            heads=heads,
+                            **common,
+                        )
+    return plan
+
+
+def plan_targets(plan: Plan, budget: int, common: dict[str, Any]) -> None:
+    """The cases the three targets need, at the issue's setting (d = 256, batch 8, fp32)."""
+    tgt = {"dtype": "fp32", "dim": TARGET_DIM, "heads": default_heads(TARGET_DIM), **common}
+    plan.add("target:aft_full", mixer="aft_full", T=AFT_TARGET_T, mode="forward", batch=TARGET_BATCH, **tgt)
+    for b in naive_batches(budget, tgt):
+        plan.add("target:aft_full", mixer="aft_full_naive", T=AFT_TARGET_T, mode="forward", batch=b, **tgt)
+    for mixer in ("aft_simple", "aft_conv"):
+        for mode in MODES:
+            for t in LINEAR_TOKENS:
+                plan.add("target:linear", mixer=mixer, T=t, mode=mode, batch=TARGET_BATCH, **tgt)
+    for t in ATTN_TOKENS:  # each pair back to back: the machine's load changes over minutes
+        for mixer in ("attention", "attention_explicit"):
+            plan.add("target:attention", mixer=mixer, T=t, mode="forward", batch=TARGET_BATCH, **tgt)
+
+
+def naive_batches(budget: int, tgt: dict[str, Any]) -> list[int]:
+    """Batches at which the direct AFT form runs for the target: the target batch if it fits the budget,
+    else the largest fitting power of two and its half (to extrapolate linearly in the batch)."""
+    fits = [
+        b
+        for b in (TARGET_BATCH, 4, 2, 1)
+        if b <= TARGET_BATCH
+        and estimate_bytes({"mixer": "aft_full_naive", "T": AFT_TARGET_T, "mode": "forward", "batch": b, **tgt})
+        <= budget
+    ]
+    if not fits or fits[0] == TARGET_BATCH:
+        return [TARGET_BATCH]  # runs as is, or is reported as skipped with what it needs
+    return fits[:2]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_plan(plan: Plan, args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
+    results = []
+    n = len(plan.cases)
+    width = max(len(c["mixer"]) for c in plan.cases)
+    with CaseRunner(args.isolation, args.timeout, (*PRELOAD, __name__)) as runner:
+        for i, c in enumerate(plan.cases, 1):
+            est = estimate_bytes(c)
+            r: dict[str, Any] = {**c, "est_bytes": est, "loadavg_1m": os.getloadavg()[0]}
+            label = f"[{i:>{len(str(n))}}/{n}] {c['mixer']:<{width}} T={c['T']:<5} {c['dtype']} {c['mode']:<7} B={c['batch']}"
+            print(label, end=" : ", flush=True)
+            if not is_implemented(c["mixer"]):
+                r.update(status="not_implemented", reason="not implemented yet (placeholder)")
+            elif est > budget:
+                r.update(status="skipped", reason=f"needs ~{est / GB:.1f} GB > budget {budget / GB:.1f} GB")
+            else:
+                params = {k: c[k] for k in ("mixer", "T", "dtype", "mode", "batch", "dim", "heads", "window", "kernel")}
+                spec = CaseSpec(
+                    CASE_TARGET,
+                    params,
+                    warmup=args.warmup,
+                    repeats=args.repeats,
+                    max_time=args.max_time,
+                    threads=args.threads,
+                )
+                t0 = time.perf_counter()
+                r.update(runner.run(spec))
+                r["wall_s"] = time.perf_counter() - t0
+            print(describe(r), flush=True)
+            results.append(r)
+    return results
+
+
+def describe(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return f"{r['status'].replace('_', ' ')} ({r.get('reason', '')})"
+    t, m = r["time_s"], r["mem"]
+    return (
+        f"{fmt_time(t['median'])} (IQR {fmt_time(t['iqr'])}, n={t['n']}) | "
+        f"peak {fmt_mem(m['peak'])}, +{fmt_mem(m['delta'])} over baseline"
+    )
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def find(results: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
+    """The ok result matching ``kw`` (None if absent or not ok)."""
+    for r in results:
+        if r["status"] == "ok" and all(r.get(k) == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def extrapolate(points: list[tuple[int, float]], to: int) -> tuple[float, str]:
+    """Value at batch ``to`` from (batch, value) points: as measured, linear through two, or proportional."""
+    points = sorted(points, reverse=True)
+    (b1, y1) = points[0]
+    if b1 == to:
+        return y1, f"measured at batch {to}"
+    if len(points) > 1:
+        b2, y2 = points[1]
+        return y1 + (to - b1) * (y1 - y2) / (b1 - b2), f"measured at batch {b1} and {b2}, extrapolated linearly to {to}"
+    return y1 * to / b1, f"measured at batch {b1}, scaled x{to / b1:g}"
+
+
+def target_aft_full(results: list[dict[str, Any]]) -> dict[str, Any]:
+    name = f"AFT-full vs the direct (B, T, T, d) form, T={AFT_TARGET_T}, d={TARGET_DIM}, batch {TARGET_BATCH}, fp32 forward"
+    sel = {"T": AFT_TARGET_T, "dtype": "fp32", "mode": "forward", "dim": TARGET_DIM}
+    fast = find(results, mixer="aft_full", batch=TARGET_BATCH, **sel)
+    naive = [
+        r
+        for r in results
+        if r["mixer"] == "aft_full_naive" and r["status"] == "ok" and all(r[k] == v for k, v in sel.items())
+    ]
+    if fast is None or not naive:
+        return na(name, "aft_full or aft_full_naive did not run at this setting")
+    t_naive, how = extrapolate([(r["batch"], r["time_s"]["median"]) for r in naive], TARGET_BATCH)
+    m_naive, _ = extrapolate([(r["batch"], r["mem"]["delta"]) for r in naive], TARGET_BATCH)
+    speed, mem = t_naive / fast["time_s"]["median"], m_naive / max(fast["mem"]["delta"], 1)
+    ok = speed >= 5 and mem >= 20
+    return {
+        "name": name,
+        "status": "PASS" if ok else "FAIL",
+        "measured": {
+            "speedup": speed,
+            "memory_ratio": mem,
+            "aft_full_s": fast["time_s"]["median"],
+            "naive_s": t_naive,
+            "aft_full_delta_bytes": fast["mem"]["delta"],
+            "naive_delta_bytes": m_naive,
+            "naive_batches": sorted(r["batch"] for r in naive),
+        },
+        "need": "speedup >= 5, memory (peak - baseline) ratio >= 20",
+        "detail": f"{speed:.1f}x faster (need >= 5), {mem:.0f}x less peak memory (need >= 20); "
+        f"aft_full {fmt_time(fast['time_s']['median'])} +{fmt_mem(fast['mem']['delta'])}, "
+        f"direct form {fmt_time(t_naive)} +{fmt_mem(m_naive)} ({how})",
+    }
+
+
+def loglog_slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of log y against log x."""
+    xs, ys = [math.log(x) for x, _ in points], [math.log(max(y, 1.0)) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2) -> dict[str, Any]:
+    name = f"{mixer} memory linear in T (d={TARGET_DIM}, batch {TARGET_BATCH}, fp32)"
+    slopes, top, parts = {}, {}, []
+    for mode in MODES:
+        pts = sorted(
+            (r["T"], r["mem"]["delta"])
+            for r in results
+            if r["status"] == "ok"
+            and r["mixer"] == mixer
+            and r["mode"] == mode
+            and r["dtype"] == "fp32"
+            and r["batch"] == TARGET_BATCH
+            and r["dim"] == TARGET_DIM
+            and r["T"] >= LINEAR_FIT_MIN_T
+        )
+        if len(pts) < 2:
+            continue
+        slopes[mode] = loglog_slope(pts)
+        top[mode] = loglog_slope(pts[-2:])  # a T² term shows first between the largest sizes
+        parts.append(
+            f"{mode} slope {slopes[mode]:.2f} over T={','.join(str(t) for t, _ in pts)} "
+            f"({', '.join(fmt_mem(m) for _, m in pts)}; {top[mode]:.2f} between the last two)"
+        )
+    if not slopes:
+        return na(name, f"fewer than two {mixer} sizes with T >= {LINEAR_FIT_MIN_T} ran")
+    ok = all(s <= limit for s in slopes.values())
+    return {
+        "name": name,
+        "status": "PASS" if ok else "FAIL",
+        "measured": {"slopes": slopes, "slopes_last_two": top},
+        "need": f"log-log slope of (peak - baseline) vs T <= {limit} (1 = linear, 2 = quadratic)",
+        "detail": "; ".join(parts) + f" (need <= {limit})",
+    }
+
+
+def target_attention(results: list[dict[str, Any]]) -> dict[str, Any]:
+    name = f"attention (SDPA) vs explicit softmax(QK^T)V, d={TARGET_DIM}, batch {TARGET_BATCH}, fp32 forward"
+    ratios, parts, ok = {}, [], True
+    for t in sorted({r["T"] for r in results if r["T"] >= 1024} | set(ATTN_TOKENS)):
+        sel = {"T": t, "dtype": "fp32", "mode": "forward", "batch": TARGET_BATCH, "dim": TARGET_DIM}
+        fast, slow = find(results, mixer="attention", **sel), find(results, mixer="attention_explicit", **sel)
+        if fast is None or slow is None:
+            continue
+        ratios[t] = slow["time_s"]["median"] / fast["time_s"]["median"]
+        need = 0.95 if t < 1024 else 1.2
+        ok &= ratios[t] >= need
+        parts.append(f"T={t}: {ratios[t]:.2f}x (need >= {need})")
+    if 197 not in ratios or not any(t >= 1024 for t in ratios):
+        return na(name, "attention / attention_explicit did not run at T=197 and a T >= 1024")
+    return {
+        "name": name,
+        "status": "PASS" if ok else "FAIL",
+        "measured": {"speedup": ratios},
+        "need": "no slower at T=197 (ratio >= 0.95, timing noise), clearly faster at T >= 1024 (ratio >= 1.2)",
+        "detail": "explicit/SDPA time " + ", ".join(parts),
+    }
+
+
+def na(name: str, why: str) -> dict[str, Any]:
+    return {"name": name, "status": "N/A", "detail": why}
+
+
+def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        target_aft_full(results),
+        target_linear(results, "aft_simple"),
+        target_linear(results, "aft_conv"),
+        target_attention(results),
+    ]
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def mixer_rank(kind: str) -> float:
+    """Registry order, each reference form right after the mixer it is compared with."""
+    kinds = list(MIXERS)
+    partner = {"aft_full_naive": "aft_full", "attention_explicit": "attention"}
+    if kind in partner:
+        return kinds.index(partner[kind]) + 0.5
+    return kinds.index(kind) if kind in kinds else len(kinds)
+
+
+def table(results: list[dict[str, Any]], main_batch: int) -> str:
+    """One block per (mode, dtype, dim): a row per mixer, a column per T; cells 'time / peak - baseline'."""
+    abbrev = {"skipped": "skipped", "not_implemented": "n/i", "error": "ERROR"}
+    lines = []
+    groups = sorted(
+        {(r["mode"], r["dtype"], r["dim"]) for r in results},
+        key=lambda g: (MODES.index(g[0]), list(DTYPES).index(g[1]), g[2]),
+    )
+    for mode, dtype, dim in groups:
+        rs = [r for r in results if (r["mode"], r["dtype"], r["dim"]) == (mode, dtype, dim)]
+        tokens = sorted({r["T"] for r in rs})
+        rows: dict[str, dict[int, str]] = {}
+        for r in sorted(rs, key=lambda r: (mixer_rank(r["mixer"]), -r["batch"])):
+            row = r["mixer"] + ("" if r["batch"] == main_batch else f" (B={r['batch']})")
+            if r["status"] == "ok":
+                cell = f"{fmt_time(r['time_s']['median'])} / {fmt_mem(r['mem']['delta'])}"
+            else:
+                cell = abbrev.get(r["status"], r["status"])
+            rows.setdefault(row, {})[r["T"]] = cell
+        w0 = max(len(k) for k in rows) + 2
+        w = max(19, *(len(c) + 2 for cells in rows.values() for c in cells.values()))
+        lines.append(
+            f"{mode}, {dtype}, dim {dim}, batch {main_batch} unless said: median time / peak - baseline memory"
+        )
+        lines.append("mixer".ljust(w0) + "".join(f"T={t}".rjust(w) for t in tokens))
+        for row, cells in rows.items():
+            lines.append(row.ljust(w0) + "".join(cells.get(t, "-").rjust(w) for t in tokens))
+        lines.append("")
+    reasons = sorted(
+        {
+            f"{r['mixer']} T={r['T']} {r['dtype']} {r['mode']} B={r['batch']}: {r['status']} ({r.get('reason')})"
+            for r in results
+            if r["status"] in ("skipped", "error")
+        }
+    )
+    if reasons:
+        lines += ["not measured:", *(f"  {x}" for x in reasons), ""]
+    return "\n".join(lines)
+
+
+def targets_text(targets: list[dict[str, Any]]) -> str:
+    return "\n".join(["targets:"] + [f"  [{t['status']}] {t['name']}\n         {t['detail']}" for t in targets])
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return None
+
+
+def plot(results: list[dict[str, Any]], path: Path, main_batch: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r["status"] == "ok" and r["batch"] == main_batch]
+    modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or list(MODES)
+    mixers = sorted({r["mixer"] for r in ok}, key=mixer_rank)
+    colors = plt.get_cmap("tab20" if len(mixers) > 10 else "tab10")
+    styles = {"fp32": "-", "bf16": "--"}
+    fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
+    for j, mode in enumerate(modes):
+        for i, mixer in enumerate(mixers):
+            for dtype, style in styles.items():
+                rs = sorted(
+                    (r for r in ok if (r["mixer"], r["mode"], r["dtype"]) == (mixer, mode, dtype)), key=lambda r: r["T"]
+                )
+                if not rs:
+                    continue
+                ts = [r["T"] for r in rs]
+                kw = {
+                    "color": colors(i),
+                    "linestyle": style,
+                    "marker": "o",
+                    "markersize": 3,
+                    "label": f"{mixer} {dtype}",
+                }
+                axes[0, j].plot(ts, [r["time_s"]["median"] * 1e3 for r in rs], **kw)
+                axes[1, j].plot(ts, [max(r["mem"]["delta"], 1) / MB for r in rs], **kw)
+        axes[0, j].set_title(f"{mode}: median time")
+        axes[1, j].set_title(f"{mode}: peak - baseline memory")
+        axes[0, j].set_ylabel("ms")
+        axes[1, j].set_ylabel("MiB")
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens T")
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    for ax in axes.flat[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.82, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    kinds = [*MIXERS, *REFERENCES]
+    parser.epilog = "Without options: the cases the targets need, then every mixer over " + "; ".join(
+        f"T = {','.join(map(str, t))} in {'/'.join(d)} {' and '.join(m)}" for d, m, t in DEFAULT_SWEEPS
+    )
+    sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
+    sel.add_argument("--mixers", type=csv_list(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
+    sel.add_argument(
+        "--tokens", type=csv_list(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})"
+    )
+    sel.add_argument("--dim", type=int, help=f"token width (default {TARGET_DIM})")
+    sel.add_argument("--batch", type=int, help=f"batch size (default {TARGET_BATCH})")
+    sel.add_argument("--dtypes", type=csv_list(str, DTYPES), help="fp32,bf16 (default both)")
+    sel.add_argument("--modes", type=csv_list(str, MODES), help="forward,train (default both)")
+    sel.add_argument("--quick", action="store_true", help="a tiny run (3 mixers, T=16,64, dim 32, batch 2, 1 repeat)")
+    sel.add_argument("--targets-only", action="store_true", help="only the cases the targets need")
+    sel.add_argument("--with-targets", action="store_true", help="add the targets' cases to a chosen sweep")
+    opt = parser.add_argument_group("mixer options")
+    opt.add_argument("--heads", type=int, help="attention heads (default dim/64, head width 64)")
+    opt.add_argument("--window", type=int, default=32, help="AFT-local window s (default 32)")
+    opt.add_argument("--kernel", type=int, default=11, help="AFT-conv kernel size (default 11)")
+    how = parser.add_argument_group("measuring")
+    how.add_argument("--repeats", type=int, help="timed calls per case (default 5; 1 with --quick)")
+    how.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
+    how.add_argument(
+        "--max-time",
+        type=float,
+        default=3.0,
+        help="about this many seconds of timed calls per case: fewer repeats for slow cases, at least 1 (default 3)",
+    )
+    how.add_argument("--threads", type=int, default=2, help="torch threads in each case (default 2)")
+    how.add_argument(
+        "--mem-budget",
+        type=float,
+        default=8.0,
+        help="GB; skip cases estimated to need more (default 8: the machine is shared; capped at 60%% of the "
+        "available memory)",
+    )
+    how.add_argument(
+        "--isolation",
+        choices=("forkserver", "subprocess"),
+        default="forkserver",
+        help="fresh process per case: forked from a clean preloaded server (default) or a new interpreter",
+    )
+    how.add_argument("--timeout", type=float, default=600.0, help="seconds before a case is killed (default 600)")
+    how.add_argument(
+        "--out", type=Path, default=Path("runs/bench-mixers"), help="output folder (default runs/bench-mixers)"
+    )
+
+
+def resolve(args: argparse.Namespace) -> None:
+    """Fill defaults: the selection options decide between the default run, a custom sweep and quick."""
+    chosen = any(getattr(args, k) is not None for k in ("mixers", "tokens", "dim", "batch", "dtypes", "modes"))
+    quick = QUICK if args.quick else {}
+    defaults = {
+        "mixers": quick.get("mixers", [*MIXERS, *REFERENCES]),
+        "tokens": quick.get("tokens", list(DEFAULT_TOKENS)),
+        "dim": quick.get("dim", TARGET_DIM),
+        "batch": quick.get("batch", TARGET_BATCH),
+        "dtypes": ["fp32"] if args.quick else list(DTYPES),
+        "modes": list(MODES),
+        "repeats": 1 if args.quick else 5,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.sweeps = [] if args.targets_only else [(args.dtypes, args.modes, args.tokens)]
+    if not (chosen or args.quick or args.targets_only):
+        args.sweeps = [tuple(map(list, sweep)) for sweep in DEFAULT_SWEEPS]
+    args.targets = args.targets_only or args.with_targets or not (chosen or args.quick)
+    for name in ("dim", "batch", "repeats", "threads", "window", "kernel"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(t < 1 for t in args.tokens):
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    if args.heads is not None and (args.heads < 1 or args.dim % args.heads):
+        raise ValueError(f"--heads must divide --dim={args.dim}, got {args.heads}")
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    avail = mem_available()
+    budget = int(args.mem_budget * GB)
+    if avail is not None:
+        budget = min(budget, int(0.6 * avail))
+    plan = plan_cases(args, budget)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = {**machine_info(args.threads), "isolation": args.isolation}
+    print(
+        f"vitlab bench-mixers: {len(plan.cases)} cases, each in a fresh process ({args.isolation}); "
+        f"torch {info['torch']}, {args.threads} threads, {info['cpu']}; memory budget {budget / GB:.1f} GB"
+    )
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    results = run_plan(plan, args, budget)
+    elapsed = time.perf_counter() - t0
+    info["loadavg_start"], info["loadavg_end"] = load0, os.getloadavg()
+    targets = evaluate_targets(results) if args.targets else []
+    text = table(results, args.batch)
+    if targets:
+        text += "\n" + targets_text(targets) + "\n"
+    load = [r["loadavg_1m"] for r in results]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if max(load) > cores:
+        text += (
+            f"\nnote: the machine was busy (1-min load average {min(load):.1f} to {max(load):.1f} on {cores} cores "
+            f"during the run): timings are inflated and noisy; memory figures are not affected.\n"
+        )
+    print("\n" + text)
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "mixers",
+            "tokens",
+            "dim",
+            "batch",
+            "dtypes",
+            "modes",
+            "heads",
+            "window",
+            "kernel",
+            "repeats",
+            "warmup",
+            "max_time",
+            "threads",
+            "timeout",
+        )
+    }
+    config.update(mem_budget_bytes=budget, sweeps=args.sweeps, targets=args.targets, quick=args.quick)
+    doc = {
+        "schema": "vitlab.bench-mixers/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": elapsed,
+        "machine": info,
+        "config": config,
+        "cases": results,
+        "targets": targets,
+    }
+    json_path, png_path, txt_path = args.out / "mixers.json", args.out / "mixers.png", args.out / "mixers.txt"
+    json_path.write_text(json.dumps(doc, indent=1, default=str))
+    txt_path.write_text(text)
+    title = (
+        f"token mixers, dim {args.dim}, batch {args.batch}, torch {info['torch']}, {args.threads} threads, "
+        f"{info['cpu']}"
+    )
+    plot(results, png_path, args.batch, title)
+    print(f"wrote {json_path}, {png_path}, {txt_path} ({elapsed:.0f} s)")
+    return 0

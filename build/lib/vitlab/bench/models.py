@@ -1,0 +1,724 @@
+"""``vitlab bench``: throughput, latency, peak memory, MACs/FLOPs and utilisation of named models.
+
+A case is ``(model, batch, image size, dtype, mode, compiled)``:
+
+* ``mode="infer"``: eval mode, ``torch.inference_mode()``, one forward pass per call;
+  bf16 converts the model and the input to bfloat16;
+* ``mode="train"``: train mode, forward + cross-entropy + backward + AdamW step
+  per call; bf16 is mixed precision (CPU autocast, fp32 master weights).
+
+Each case runs in fresh processes (:mod:`vitlab.measure.process`): one measures the
+peak resident memory of one call (peak - baseline after setup, allocator made
+tight), another times the calls. In the timing process the machine's GEMM rate
+(:mod:`vitlab.measure.gemm`, same threads, same dtype) is measured right before the
+model is timed, and again right after every timed call (a short probe: one round
+per shape), so every call is paired with the yardstick of its own moment:
+
+    utilisation = model FLOPs per second / GEMM rate,  model FLOPs = 2 x MACs
+    (x 3 for a training step: the backward pass costs twice the forward)
+
+``util`` is the median over the timed calls of each call's achieved FLOP/s over
+the GEMM rate probed next to it, ``util_run`` the median call time against the
+best GEMM rate of the whole run. Throughput and latency come from the model
+calls alone (the probes are timed apart). On a machine shared with other jobs
+the pairing cancels slow changes of the load, not fast ones: the load is
+reported with every case; compare figures taken at the same load.
+
+MACs are counted on the meta device (:mod:`vitlab.measure.flops`: matmuls and
+convolutions, the papers' convention); FLOPs = 2 x MACs + the mixers' elementwise
+work, reported apart.
+
+OpenMP threads that wait at the end of a parallel region spin by default
+(libgomp's ACTIVE policy). On a machine shared with other jobs a spinning
+thread burns the time slice its partner needs, so every one of the hundreds of
+parallel operators of a forward pass can cost a scheduler quantum: a model
+with many small operators looks several times slower than its GEMMs while a
+single long GEMM does not. ``--omp-wait-policy`` (default ``passive`` unless
+``OMP_WAIT_POLICY`` is already set) fixes the policy for the case processes,
+the GEMM yardstick included, and is recorded with the results.
+
+The timed calls run under the allocator policy of every ``vitlab`` command
+(:func:`vitlab.runtime.keep_freed_memory`: freed activations are reused, not
+returned to the OS and page-faulted back); ``--allocator default`` times glibc's
+own policy for comparison. The memory pass always uses a tight allocator.
+
+``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
+2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
+EAMLP-14 >= 75 %, Refined-ViT-S >= 60 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..measure.process import (
+    MB,
+    PRELOAD,
+    CaseRunner,
+    CaseSpec,
+    Prepared,
+    csv_list,
+    fmt_mem,
+    fmt_time,
+    machine_info,
+    warm_process,
+)
+
+DTYPES = ("fp32", "bf16")
+MODES = ("infer", "train")
+CASE_TARGET = "vitlab.bench.models:prepare_case"
+
+# (model, minimum utilisation) at fp32 inference, batch 8, 224 px, 2 threads
+TARGETS: dict[str, float] = {
+    "deit_small_patch16_224": 0.85,
+    "deit_tiny_patch16_224": 0.70,
+    "tnt_s_patch16_224": 0.75,
+    "deepvit_s": 0.75,
+    "eamlp_14": 0.75,
+    "refiner_vit_s": 0.60,
+}
+TARGET_SETTING = {"batch": 8, "img_size": 224, "dtype": "fp32", "mode": "infer", "compile": False}
+TARGET_THREADS = 2
+
+
+# --------------------------------------------------------------------------- one case (runs in the child process)
+
+
+def build(name: str, img_size: int | None) -> Any:
+    """The named model at ``img_size`` (its own default when None); position tables are built for that size."""
+    from ..models import create_model, get_config
+
+    overrides: dict[str, Any] = {}
+    if img_size is not None and img_size != get_config(name).input_size[-1]:
+        overrides["img_size"] = img_size
+    return create_model(name, **overrides)
+
+
+def prepare_case(
+    model: str,
+    batch: int,
+    img_size: int | None,
+    dtype: str,
+    mode: str,
+    compile: bool = False,
+    gemm: bool = True,
+    gemm_rounds: int = 5,
+    profile: bool = False,
+    seed: int = 0,
+) -> Prepared:
+    """Build the model and its input, run one warm call; return the call to measure.
+
+    With ``gemm`` the machine's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``) and
+    every call is followed by a GEMM probe: ``info["calls"]`` lists ``[model seconds, probe FLOP/s]`` per
+    call (the first is the setup's warm call). ``info["compile_s"]`` is the first call's time when ``compile``.
+    ``profile``: one more call under the profiler after the warm call, grouped into ``info["profile"]``
+    (:func:`vitlab.measure.profile.profile_call`).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ..measure.gemm import measure_gemm
+
+    torch.manual_seed(seed)
+    warm_process()
+    info: dict[str, Any] = {"threads": torch.get_num_threads()}
+    if gemm:
+        info["gemm"] = measure_gemm(dtype, rounds=gemm_rounds).as_dict()
+    net = build(model, img_size)
+    size = tuple(net.meta["input_size"])
+    x = torch.randn(batch, *size)
+    bf16 = dtype == "bf16"
+    if mode == "infer":
+        net.eval()
+        if bf16:
+            net, x = net.to(torch.bfloat16), x.to(torch.bfloat16)
+        fwd = torch.compile(net) if compile else net
+
+        def step() -> None:
+            with torch.inference_mode():
+                fwd(x)
+
+        reset = None
+    else:
+        net.train()
+        fwd = torch.compile(net) if compile else net
+        labels = torch.randint(0, getattr(net, "num_classes", 1000) or 1, (batch,))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)  # every step allocates its gradients, as training does
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = fwd(x)
+                loss = F.cross_entropy(out if isinstance(out, torch.Tensor) else out[0], labels)
+            loss.backward()
+            opt.step()
+
+        def reset() -> None:
+            opt.zero_grad(set_to_none=True)
+
+    calls: list[list[float]] = []
+
+    def timed_step() -> None:
+        t0 = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - t0
+        probe = measure_gemm(dtype, rounds=1).flops_per_s if gemm else None
+        calls.append([elapsed, probe])
+
+    timed_step()  # warm call: lazy initialisation, optimizer state, compilation
+    info["first_call_s"] = calls[0][0]
+    if profile:
+        from ..measure.profile import profile_call
+
+        for _ in range(2):  # the allocator's heap reaches its steady state (no first-touch page faults)
+            step()
+        info["profile"] = profile_call(step)
+    if compile:
+        info["compile_s"] = calls[0][0]
+    info["loadavg"] = os.getloadavg()
+    info["calls"] = calls  # filled in as the calls run (info is written out after the timed calls)
+    return Prepared(timed_step, info, reset)
+
+
+# --------------------------------------------------------------------------- static facts (parent process)
+
+
+def model_facts(name: str, img_size: int | None, batch: int) -> dict[str, Any]:
+    """Parameters, token count and the MAC/FLOP counts of one forward pass at ``batch`` (meta device)."""
+    import torch
+
+    from ..measure.flops import count_flops
+
+    with torch.device("meta"):
+        net = build(name, img_size)
+    size = tuple(net.meta["input_size"])
+    grid = getattr(net, "grid", None)
+    tokens = getattr(net, "num_prefix", 0) + grid[0] * grid[1] if grid is not None else None
+    counts = count_flops(net.eval(), size, batch)
+    return {
+        "img_size": size[-1],
+        "input_size": list(size),
+        "tokens": tokens,
+        "params": sum(p.numel() for p in net.parameters()),
+        "count": counts.as_dict(),
+    }
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def plan_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+    seen: dict[tuple, dict[str, Any]] = {}
+
+    def add(role: str, **c: Any) -> None:
+        key = tuple(c[k] for k in ("model", "batch", "img_size", "dtype", "mode", "compile"))
+        if key not in seen:
+            seen[key] = {**c, "roles": []}
+            cases.append(seen[key])
+        if role not in seen[key]["roles"]:
+            seen[key]["roles"].append(role)
+
+    if args.targets:
+        for name in TARGETS:
+            add("target", model=name, **TARGET_SETTING)
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    for name in args.models:
+        for mode in args.modes:
+            for dtype in args.dtypes:
+                for comp in compiles:
+                    for size in args.img_size or [None]:
+                        for b in args.batch:
+                            add("sweep", model=name, batch=b, img_size=size, dtype=dtype, mode=mode, compile=comp)
+    return cases
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_plan(cases: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    facts_cache: dict[tuple, dict[str, Any]] = {}
+    width = max(len(c["model"]) for c in cases)
+    with CaseRunner(args.isolation, args.timeout, (*PRELOAD, "vitlab.models", __name__)) as runner:
+        for i, c in enumerate(cases, 1):
+            key = (c["model"], c["img_size"], c["batch"])
+            if key not in facts_cache:
+                facts_cache[key] = model_facts(*key)
+            r: dict[str, Any] = {**c, **facts_cache[key]}
+            label = (
+                f"[{i:>{len(str(len(cases)))}}/{len(cases)}] {c['model']:<{width}} {c['mode']:<5} {c['dtype']} "
+                f"B={c['batch']:<3} {r['img_size']}px{' compiled' if c['compile'] else ''}"
+            )
+            print(label, end=" : ", flush=True)
+            params = {k: c[k] for k in ("model", "batch", "img_size", "dtype", "mode", "compile")}
+            params["img_size"] = r["img_size"]
+            t0 = time.perf_counter()
+            r.update(run_case(runner, params, args))
+            r["wall_s"] = time.perf_counter() - t0
+            derive(r)
+            print(describe(r), flush=True)
+            results.append(r)
+    add_run_utilisation(results)
+    return results
+
+
+def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The memory pass (no GEMM measurement) and the time pass (GEMM rate first), each in a fresh process."""
+    common = dict(
+        warmup=args.warmup, repeats=args.repeats, max_time=args.max_time, threads=args.threads, allocator=args.allocator
+    )
+    out: dict[str, Any] = {"status": "ok"}
+    passes = [("memory", {**params, "gemm": False})] if not args.no_memory else []
+    passes.append(("time", {**params, "gemm": True, "gemm_rounds": args.gemm_rounds, "profile": args.profile}))
+    for name, p in passes:
+        res = runner.run(CaseSpec(CASE_TARGET, p, passes=(name,), **common))
+        if res["status"] != "ok":
+            return {**res, "pass": name}
+        if name == "memory":
+            out["mem"] = res["mem"]
+        else:
+            out["mem_timed"] = res["mem"].get("timed")
+            out["time_s"], out["info"] = res["time_s"], res["info"]
+    return out
+
+
+def derive(r: dict[str, Any]) -> None:
+    """Throughput, latency, achieved FLOP/s and utilisation of an ok result (in place)."""
+    if r["status"] != "ok":
+        return
+    from ..measure.process import Timing
+
+    calls = r["info"].get("calls") or []
+    timed = calls[1:] if len(calls) > 1 else calls  # the first is the setup's warm call
+    if timed:  # the model calls alone, without the GEMM probes that follow them
+        r["time_s"] = {**Timing([c[0] for c in timed], len(calls) - len(timed)).summary(), "with_probes": r["time_s"]}
+    t = r["time_s"]["median"]
+    passes = 3 if r["mode"] == "train" else 1  # backward = 2 x forward
+    model_flops = passes * r["count"]["model_flops"]
+    r["throughput"] = r["batch"] / t
+    r["throughput_best"] = r["batch"] / r["time_s"]["min"]
+    r["latency_ms"] = t * 1e3
+    r["achieved_flops_per_s"] = model_flops / t
+    gemm = r["info"].get("gemm")
+    probes = [c[1] for c in timed if c[1]]
+    r["gemm_flops_per_s"] = _median(probes) if probes else gemm["flops_per_s"] if gemm else None
+    if probes:
+        r["util_calls"] = [model_flops / c[0] / c[1] for c in timed if c[1]]
+        r["util"] = _median(r["util_calls"])
+    else:
+        r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
+    r["loadavg"] = r["info"].get("loadavg")
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+
+
+def add_run_utilisation(results: list[dict[str, Any]]) -> None:
+    """``util_run``: achieved FLOP/s over the best GEMM rate the whole run measured (per dtype)."""
+    best: dict[str, float] = {}
+    for r in results:
+        rates = [c[1] for c in (r.get("info") or {}).get("calls", []) if c[1]]
+        rates += [(r.get("info") or {}).get("gemm", {}).get("flops_per_s") or 0.0]
+        if r["status"] == "ok":
+            best[r["dtype"]] = max(best.get(r["dtype"], 0.0), *rates)
+    for r in results:
+        if r["status"] == "ok" and r["dtype"] in best:
+            r["gemm_run_flops_per_s"] = best[r["dtype"]]
+            r["util_run"] = r["achieved_flops_per_s"] / best[r["dtype"]]
+
+
+def describe(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return f"{r['status']} ({r.get('reason', '')})"
+    util = f"{100 * r['util']:.0f} %" if r.get("util") is not None else "-"
+    mem = f", +{fmt_mem(r['mem']['delta'])} peak" if r.get("mem") else ""
+    return (
+        f"{r['throughput']:.3g} img/s, {fmt_time(r['time_s']['median'])}/batch (IQR "
+        f"{fmt_time(r['time_s']['iqr'])}, n={r['time_s']['n']}){mem}, util {util} of "
+        f"{r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s GEMM, load {r['loadavg'][0]:.1f}"
+    )
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def evaluate_targets(results: list[dict[str, Any]], threads: int) -> list[dict[str, Any]]:
+    out = []
+    for name, need in TARGETS.items():
+        r = next((r for r in results if r["model"] == name and "target" in r.get("roles", [])), None)
+        row = {"model": name, "need": need, "setting": {**TARGET_SETTING, "threads": threads}}
+        if r is None or r["status"] != "ok" or r.get("util") is None:
+            row.update(status="N/A", detail=r.get("reason", "did not run") if r else "did not run")
+        else:
+            row.update(
+                status="PASS" if r["util"] >= need else "FAIL",
+                util=r["util"],
+                util_run=r.get("util_run"),
+                detail=f"{100 * r['util']:.1f} % (need >= {100 * need:.0f} %): "
+                f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s of {r['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s GEMM, "
+                f"{r['throughput']:.2f} img/s, load {r['loadavg'][0]:.1f}",
+            )
+        if threads != TARGET_THREADS:
+            row["note"] = f"targets are for {TARGET_THREADS} threads; this run used {threads}"
+        out.append(row)
+    return out
+
+
+def targets_text(targets: list[dict[str, Any]]) -> str:
+    lines = ["targets (fp32 inference, batch 8, 224 px; utilisation = 2 x MACs per second / GEMM rate):"]
+    for t in targets:
+        lines.append(f"  [{t['status']}] {t['model']:<24} {t['detail']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- reporting
+
+COLUMNS = (
+    ("model", "model", "{}"),
+    ("mode", "mode", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("compile", "comp", "{}"),
+    ("batch", "B", "{}"),
+    ("img_size", "img", "{}"),
+    ("tokens", "tokens", "{}"),
+    ("params_m", "params M", "{:.2f}"),
+    ("gmacs_per_img", "GMACs/img", "{:.3f}"),
+    ("gflops_per_img", "GFLOPs/img", "{:.3f}"),
+    ("throughput", "img/s", "{:.3g}"),
+    ("latency_ms", "ms/batch", "{:.4g}"),
+    ("iqr_ms", "IQR ms", "{:.3g}"),
+    ("peak_mb", "peak MiB", "{:.0f}"),
+    ("delta_mb", "+MiB", "{:.0f}"),
+    ("achieved_gflops", "GFLOP/s", "{:.1f}"),
+    ("gemm_gflops", "GEMM GF/s", "{:.1f}"),
+    ("util_pct", "util %", "{:.1f}"),
+    ("util_run_pct", "run util %", "{:.1f}"),
+    ("load", "load", "{:.1f}"),
+)
+
+
+def flat_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One flat row per case (the CSV and the table)."""
+    count = r.get("count", {})
+    b = r["batch"]
+    row: dict[str, Any] = {
+        "model": r["model"],
+        "mode": r["mode"],
+        "dtype": r["dtype"],
+        "compile": r["compile"],
+        "batch": b,
+        "img_size": r.get("img_size"),
+        "tokens": r.get("tokens"),
+        "params_m": r["params"] / 1e6 if "params" in r else None,
+        "gmacs_per_img": count["macs"] / b / 1e9 if count else None,
+        "gflops_per_img": count["flops"] / b / 1e9 if count else None,
+        "status": r["status"],
+    }
+    if r["status"] == "ok":
+        mem = r.get("mem") or {}
+        row.update(
+            throughput=r["throughput"],
+            latency_ms=r["latency_ms"],
+            iqr_ms=r["time_s"]["iqr"] * 1e3,
+            peak_mb=mem["peak"] / MB if mem else None,
+            delta_mb=mem["delta"] / MB if mem else None,
+            achieved_gflops=r["achieved_flops_per_s"] / 1e9,
+            gemm_gflops=r["gemm_flops_per_s"] / 1e9 if r.get("gemm_flops_per_s") else None,
+            util_pct=100 * r["util"] if r.get("util") is not None else None,
+            util_run_pct=100 * r["util_run"] if r.get("util_run") is not None else None,
+            load=r["loadavg"][0] if r.get("loadavg") else None,
+        )
+    else:
+        row["reason"] = r.get("reason")
+    return row
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [flat_row(r) for r in results]
+    cells = [[h for _, h, _ in COLUMNS]]
+    for row in rows:
+        line = []
+        for key, _, fmt in COLUMNS:
+            v = row.get(key)
+            line.append("-" if v is None else fmt.format("y" if v is True else "n" if v is False else v))
+        if row["status"] != "ok":
+            line[10] = row["status"]
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    text = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
+    ]
+    notes = [
+        f"  {r['model']} {r['mode']} {r['dtype']} B={r['batch']}: {r['status']} ({r.get('reason')})"
+        for r in results
+        if r["status"] != "ok"
+    ]
+    legend = (
+        "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
+        "util: median over calls of 2 x MACs (x3 when training) per second / the GEMM rate probed next to the call; "
+        "run util: / the best GEMM rate of the run; peak: peak RSS of one call, +MiB: peak - baseline after setup"
+    )
+    return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
+
+
+def write_csv(results: list[dict[str, Any]], path: Path) -> None:
+    rows = [flat_row(r) for r in results]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
+    """``throughput.png`` (img/s against input resolution) and ``memory.png`` (peak - baseline against tokens)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r["status"] == "ok"]
+    groups = sorted({(r["mode"], r["dtype"]) for r in ok}, key=lambda g: (MODES.index(g[0]), DTYPES.index(g[1])))
+    groups = groups or [("infer", "fp32")]
+    paths = []
+    specs = (
+        ("throughput.png", "img_size", "input resolution (px)", lambda r: r["throughput"], "images / s"),
+        (
+            "memory.png",
+            "tokens",
+            "tokens per image",
+            lambda r: max(r["mem"]["delta"], 1) / MB if r.get("mem") else None,
+            "peak - baseline (MiB)",
+        ),
+    )
+    for fname, xkey, xlabel, yfun, ylabel in specs:
+        cols = min(2, len(groups))
+        rows = -(-len(groups) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+        for ax in axes.flat[len(groups) :]:
+            ax.set_visible(False)
+        for ax, (mode, dtype) in zip(axes.flat, groups):
+            lines: dict[str, list[tuple[float, float]]] = {}
+            for r in ok:
+                if (r["mode"], r["dtype"]) != (mode, dtype) or r.get(xkey) is None or yfun(r) is None:
+                    continue
+                label = f"{r['model']} B={r['batch']}" + (" compiled" if r["compile"] else "")
+                lines.setdefault(label, []).append((r[xkey], yfun(r)))
+            for label, pts in sorted(lines.items()):
+                pts.sort()
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=label)
+            ax.set_title(f"{mode}, {dtype}")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            if lines:
+                ax.legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = out / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Example: vitlab bench deit_small_patch16_224 tnt_s_patch16_224 --batch 1,8 --img-size 224,384 "
+        "--dtypes fp32,bf16 --modes infer,train; vitlab bench --targets"
+    )
+    p.add_argument("models", nargs="*", help="registered model names (vitlab models lists them)")
+    p.add_argument("--batch", type=csv_list(int), default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument("--img-size", type=csv_list(int), default=None, help="input resolutions (default: the model's)")
+    p.add_argument("--dtypes", type=csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16 (default fp32)")
+    p.add_argument("--modes", type=csv_list(str, MODES), default=["infer"], help="infer,train (default infer)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "both"),
+        help="torch.compile the model (--compile = on; 'both' also runs eager)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads per case (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per case (default 5)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed calls besides the setup's warm call (default 0)")
+    p.add_argument(
+        "--max-time",
+        type=float,
+        default=30.0,
+        help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 30)",
+    )
+    p.add_argument("--gemm-rounds", type=int, default=5, help="timed rounds per GEMM shape (default 5)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory pass (faster)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one call per case: time per kind of work (matrix products, attention, norms, copies, "
+        "elementwise) with their GFLOP/s, top operators; profile_*.txt",
+    )
+    p.add_argument(
+        "--targets",
+        action="store_true",
+        help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)",
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "inherit"),
+        default=None,
+        help="OpenMP wait policy of the case processes (default: passive, or OMP_WAIT_POLICY when set; "
+        "'inherit' leaves the environment as it is)",
+    )
+    p.add_argument(
+        "--allocator",
+        choices=("keep", "default"),
+        default="keep",
+        help="allocator policy of the timed calls: keep freed memory for reuse (default, as every vitlab command) "
+        "or glibc's default (returns large blocks to the OS: page faults on every new activation)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("forkserver", "subprocess"),
+        default="forkserver",
+        help="fresh process per pass: forked from a clean server (default) or a new interpreter",
+    )
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a case pass is killed")
+    p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output folder (default runs/bench)")
+
+
+def resolve(args: argparse.Namespace) -> None:
+    from ..models import get_config
+
+    if not args.models and not args.targets:
+        raise ValueError("name at least one model (vitlab models lists them) or pass --targets")
+    for name in args.models:
+        get_config(name)  # ValueError naming the closest known names
+    for opt in ("threads", "repeats", "gemm_rounds"):
+        if getattr(args, opt) < 1:
+            raise ValueError(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(args, opt)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if any(b < 1 for b in args.batch):
+        raise ValueError(f"--batch sizes must be >= 1, got {args.batch}")
+    if args.img_size and any(s < 1 for s in args.img_size):
+        raise ValueError(f"--img-size must be positive, got {args.img_size}")
+
+
+def apply_wait_policy(choice: str | None) -> str | None:
+    """Set ``OMP_WAIT_POLICY`` for the case processes (started after this); returns the policy they run with."""
+    if choice is None:
+        choice = "inherit" if "OMP_WAIT_POLICY" in os.environ else "passive"
+    if choice != "inherit":
+        os.environ["OMP_WAIT_POLICY"] = choice.upper()
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    cases = plan_cases(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = machine_info(args.threads)
+    info["omp_wait_policy"] = policy = apply_wait_policy(args.omp_wait_policy)
+    print(
+        f"vitlab bench: {len(cases)} cases, fresh processes per case; torch {info['torch']}, {args.threads} threads, "
+        f"{info['cpu']}; OMP_WAIT_POLICY={policy or 'unset (libgomp: active)'}; allocator {args.allocator}; "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    results = run_plan(cases, args)
+    elapsed = time.perf_counter() - t0
+    info["loadavg_start"], info["loadavg_end"] = load0, os.getloadavg()
+    targets = evaluate_targets(results, args.threads) if args.targets else []
+    text = table(results)
+    if targets:
+        text += "\n\n" + targets_text(targets)
+    text += (
+        f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
+        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}, allocator {args.allocator}: on a shared "
+        "machine, timings and utilisation move with the load"
+    )
+    print("\n" + text)
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "models",
+            "batch",
+            "img_size",
+            "dtypes",
+            "modes",
+            "compile",
+            "threads",
+            "repeats",
+            "warmup",
+            "omp_wait_policy",
+            "allocator",
+            "max_time",
+            "gemm_rounds",
+            "targets",
+        )
+    }
+    doc = {
+        "schema": "vitlab.bench-models/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "elapsed_s": elapsed,
+        "machine": info,
+        "config": config,
+        "definitions": {
+            "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
+            "model_flops": "2 x macs",
+            "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
+            "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
+            "probed right after that call in the same process",
+            "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
+            "gemm_flops_per_s": "median of the GEMM probes next to the timed calls",
+            "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes",
+        },
+        "cases": results,
+        "targets": targets,
+    }
+    profiles = write_profiles(results, args.out)  # adds each profile's yardstick figures to the results
+    paths = {"json": args.out / "bench.json", "csv": args.out / "bench.csv", "txt": args.out / "bench.txt", **profiles}
+    paths["json"].write_text(json.dumps(doc, indent=1, default=str))
+    write_csv(results, paths["csv"])
+    paths["txt"].write_text(text + "\n")
+    title = f"vitlab bench, torch {info['torch']}, {args.threads} threads, {info['cpu']}"
+    pngs = plot(results, args.out, title)
+    print(f"wrote {', '.join(str(p) for p in [*paths.values(), *pngs])} ({elapsed:.0f} s)")
+    return 0
+
+
+def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    """``profile_<case>.txt`` for every profiled case; prints each one's summary by kind of work."""
+    from ..measure.profile import profile_text, with_yardstick
+
+    paths = {}
+    for r in results:
+        prof = (r.get("info") or {}).get("profile") if r["status"] == "ok" else None
+        if not prof:
+            continue
+        passes = 3 if r["mode"] == "train" else 1
+        prof = r["info"]["profile"] = with_yardstick(
+            prof, r.get("gemm_flops_per_s"), passes * r["count"]["model_flops"]
+        )
+        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px" + (
+            "_compiled" if r["compile"] else ""
+        )
+        text = profile_text(name, prof)
+        paths[f"profile {name}"] = out / f"profile_{name}.txt"
+        paths[f"profile {name}"].write_text(text + "\n")
+        print("\n" + "\n".join(text.splitlines()[:10]))
+    return paths

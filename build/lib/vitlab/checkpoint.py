@@ -1,0 +1,120 @@
+"""Training checkpoints: written atomically, read without executing code, tied to the model they hold.
+
+A checkpoint is a dict of tensors and plain Python values (``torch.load(weights_only=True)`` reads it, so a
+file from elsewhere can never run code). It records the model's registered name and the constructor
+overrides it was built with, so :func:`model_from_checkpoint` rebuilds the same model and loading it into
+another model is a clear error, not a wall of missing-key messages.
+
+Layout (``format: "vitlab-checkpoint"``): ``model_name``, ``model_kwargs``, ``model`` (state_dict), and for
+resuming ``optimizer``, ``scheduler``, ``ema``, ``scaler``, ``epoch`` (completed epochs), ``step``, ``rng``
+(per-rank torch RNG states), ``config`` (the training options) and ``metrics`` (the last epoch's).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .io import atomic_open
+
+FORMAT = "vitlab-checkpoint"
+VERSION = 1
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` to ``path`` atomically (:func:`vitlab.io.atomic_open`): a reader, or a run killed
+    mid-write, sees the old complete file or the new complete file, never half."""
+    with atomic_open(path, "wb") as f:
+        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+    return Path(path)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a vitlab checkpoint with ``weights_only=True``; clear errors for missing, corrupt or foreign files."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found; pass a .pt file written by `vitlab train`")
+    try:
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning would only precede the error line
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = next(
+            (ln.strip() for ln in str(e).splitlines() if ln.strip().startswith(("Unsupported", "Trying"))), ""
+        )
+        if "global" in detail.lower():  # Python objects beyond tensors and plain values: loading could run code
+            raise ValueError(
+                f"checkpoint {path} holds Python objects that are not tensors or plain values ({detail[:160]}); "
+                "vitlab never unpickles those (loading could run code): pass a checkpoint written by `vitlab train`"
+            ) from None
+        raise ValueError(
+            f"checkpoint {path} is truncated, corrupt or not a PyTorch file ({detail[:80] or 'unreadable'}); "
+            "re-create it or pass another file"
+        ) from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, AttributeError) as e:
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"checkpoint {path} is truncated or corrupt ({reason}); re-create it or pass another file"
+        ) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model_name" not in ckpt:
+        raise ValueError(
+            f"{path} is not a vitlab checkpoint (no model name recorded); pass a file written by `vitlab train`"
+        )
+    ckpt["path"] = str(path)
+    return ckpt
+
+
+def describe_mismatch(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    parts = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)):
+        if keys:
+            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+            parts.append(f"{what}: {', '.join(keys[:3])}{more}")
+    return "; ".join(parts)
+
+
+def load_state_checked(model: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """``load_state_dict(strict=True)`` with one readable line on a mismatch instead of a long RuntimeError."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{what} does not fit the model: {describe_mismatch(missing, unexpected, shapes)}")
+    model.load_state_dict(state)
+
+
+def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
+    if ckpt["model_name"] != model_name:
+        raise ValueError(
+            f"checkpoint {ckpt.get('path', '')} holds a {ckpt['model_name']!r} model, not {model_name!r}; "
+            f"use --model {ckpt['model_name']} or a checkpoint of {model_name}"
+        )
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], ema: bool = False, **overrides: Any) -> nn.Module:
+    """Rebuild the checkpoint's model (its name and constructor overrides, plus ``overrides``) with its
+    weights (the EMA weights with ``ema=True``)."""
+    from .models import create_model
+
+    model = create_model(ckpt["model_name"], **{**ckpt.get("model_kwargs", {}), **overrides})
+    if ema:
+        if not ckpt.get("ema"):
+            raise ValueError(f"checkpoint {ckpt.get('path', '')} has no EMA weights (trained without --ema)")
+        state = ckpt["ema"]["module"]
+    else:
+        state = ckpt["model"]
+    load_state_checked(model, state, f"checkpoint {ckpt.get('path', '')}")
+    return model

@@ -1,0 +1,83 @@
+"""``vitlab`` command line: one subcommand per tool.
+
+Each tool module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+they are imported only when their subcommand runs, so ``vitlab --help`` stays
+fast. Errors a user can fix (bad path, unknown model, bad option) print one
+line; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .runtime import configure_from_env
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("vitlab.catalog", "list the registered models with parameters and MACs"),
+    "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
+    "bench": ("vitlab.bench.models", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
+    "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
+    "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
+    "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
+    "analyze": (
+        "vitlab.analysis.cli",
+        "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model",
+    ),
+    "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
+    "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
+    "lm": (
+        "vitlab.lm.cli",
+        "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench",
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (for its arguments), so ``vitlab --help`` stays fast
+    and one tool's import cost or failure never affects another."""
+    parser = argparse.ArgumentParser(prog="vitlab", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    if not args.command:
+        build_parser().print_help()
+        return 0
+    try:
+        configure_from_env()  # reuse freed activations instead of page-faulting fresh ones (vitlab.runtime)
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
+        return 0
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        if args.debug:
+            raise
+        print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_tool(command: str, argv: list[str] | None = None) -> int:
+    """``vitlab COMMAND ARGV...``: the entry of the ``benchmarks/`` scripts (one parser, one error format, the
+    same runtime settings as the command)."""
+    return main([command, *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

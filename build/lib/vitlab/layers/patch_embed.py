@@ -1,0 +1,76 @@
+"""Image -> patch tokens: a linear (conv k = s = p) embedding, or the CNN stems of Refined-ViT and DeepViT."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..mixers.base import can_fold, fold_bn
+
+
+def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (v[0], v[1])  # no int(): symbolic sizes stay symbolic under export
+
+
+class PatchEmbed(nn.Module):
+    """Split the image into ``p x p`` patches and project each to ``dim`` (a conv with kernel = stride = p).
+
+    ``stem_channels`` puts a CNN stem before the projection, as the official code
+    of Refined-ViT (32, 64, 128) and DeepViT-S/L (64, 64): conv 7x7/2, then 3x3
+    convs, each bias-free + BatchNorm + ReLU; the projection then uses kernel =
+    stride = p / 2, so the token grid is the same as the plain embedding's.
+    Returns tokens ``(B, N, C)`` and the grid ``(H/p, W/p)``.
+    """
+
+    def __init__(
+        self,
+        patch_size: int | Sequence[int] = 16,
+        in_chans: int = 3,
+        dim: int = 768,
+        stem_channels: Sequence[int] = (),
+    ) -> None:
+        super().__init__()
+        self.patch_size = _as_pair(patch_size)
+        self.in_chans = in_chans
+        layers: list[nn.Module] = []
+        c_in, stride = in_chans, 1
+        for i, c_out in enumerate(stem_channels):
+            k, s = (7, 2) if i == 0 else (3, 1)
+            layers += [nn.Conv2d(c_in, c_out, k, s, k // 2, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+            c_in, stride = c_out, stride * s
+        if any(p % stride for p in self.patch_size):
+            raise ValueError(f"patch size {self.patch_size} must be divisible by the stem stride {stride}")
+        self.stem = nn.Sequential(*layers)
+        k = (self.patch_size[0] // stride, self.patch_size[1] // stride)
+        self.proj = nn.Conv2d(c_in, dim, kernel_size=k, stride=k)
+
+    def grid_size(self, img_size: int | Sequence[int]) -> tuple[int, int]:
+        h, w = _as_pair(img_size)
+        ph, pw = self.patch_size
+        if h % ph or w % pw:
+            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}")
+        return h // ph, w // pw
+
+    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        grid = self.grid_size(x.shape[-2:])
+        if len(self.stem):
+            x = self._stem(x)
+        x = self.proj(x)
+        return x.flatten(2).transpose(1, 2), grid
+
+    def _stem(self, x: Tensor) -> Tensor:
+        # Speed: channels-last is oneDNN's native conv layout (no reorders of these large activations between
+        # layers, and the projection's output flattens to (B, N, C) without a copy); in inference each BatchNorm
+        # is folded into the conv before it and ReLU runs in place (two passes fewer per layer).
+        x = x.contiguous(memory_format=torch.channels_last)
+        if not can_fold(self.stem, x):
+            return self.stem(x)
+        for conv, bn, _ in zip(*[iter(self.stem)] * 3):
+            w, b = fold_bn(conv.weight, conv.bias, bn)
+            x = F.conv2d(x, w, b, conv.stride, conv.padding).relu_()
+        return x

@@ -1,0 +1,73 @@
+"""Position encodings: learned tables (resampled to a new grid), fixed sinusoids, and CPVT's PEG."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..mixers.base import TokenLayout, grid_to_tokens, tokens_to_grid
+
+
+def resample_pos_embed(
+    pos: Tensor, new_grid: tuple[int, int], old_grid: tuple[int, int], num_prefix: int, mode: str = "bicubic"
+) -> Tensor:
+    """Resample a learned table ``(1, P + h*w, C)`` to another patch grid; prefix rows are kept.
+
+    This is how DeiT/timm fine-tune at 384 from 224: bicubic interpolation of the
+    patch rows as a ``C``-channel image (align_corners=False, no antialiasing).
+    """
+    if tuple(new_grid) == tuple(old_grid):
+        return pos
+    prefix, grid = pos[:, :num_prefix], pos[:, num_prefix:]
+    c = pos.shape[-1]
+    grid = grid.reshape(1, *old_grid, c).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid.float(), size=tuple(new_grid), mode=mode, align_corners=False).to(pos.dtype)
+    return torch.cat([prefix, grid.permute(0, 2, 3, 1).reshape(1, -1, c)], dim=1)
+
+
+def sincos_2d(dim: int, grid: tuple[int, int], temperature: float = 10000.0) -> Tensor:
+    """Fixed 2-D sin-cos table ``(h*w, dim)`` (MoCo v3 / MAE form): a quarter of the channels per sin/cos x row/col."""
+    if dim % 4:
+        raise ValueError(f"2-D sin-cos position encoding needs dim divisible by 4, got {dim}")
+    h, w = grid
+    yy, xx = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64), indexing="ij")
+    omega = 1.0 / temperature ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    y = yy.flatten()[:, None] * omega[None]
+    x = xx.flatten()[:, None] * omega[None]
+    return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).float()
+
+
+def sinusoid_1d(num_positions: int, dim: int) -> Tensor:
+    """Transformer sinusoid table ``(num_positions, dim)``: sin on even, cos on odd channels (T2T-ViT's encoding)."""
+    pos = torch.arange(num_positions, dtype=torch.float64)[:, None]
+    i = torch.arange(dim, dtype=torch.float64)[None]
+    angle = pos / torch.pow(10000.0, 2 * torch.div(i, 2, rounding_mode="floor") / dim)
+    table = torch.where(i.long() % 2 == 0, angle.sin(), angle.cos())
+    return table.float()
+
+
+class PositionEncodingGenerator(nn.Module):
+    """CPVT's PEG (Chu et al., Algorithm 1): ``x + DWConv_kxk(x)`` over the patch grid, zero padding k//2.
+
+    The conditional encoding comes from the zero padding at the borders; prefix
+    tokens (class token) skip the convolution and are re-attached unchanged.
+    Works at any grid size, which is why CPVT needs no position table.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        if kernel_size % 2 == 0:
+            raise ValueError(f"PEG kernel size must be odd (zero padding k//2 keeps the grid), got {kernel_size}")
+        self.proj = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
+        # Twins initialises the PEG conv as a conv layer: normal(0, sqrt(2 / fan_out))
+        nn.init.normal_(self.proj.weight, 0.0, math.sqrt(2.0 / kernel_size**2))  # fan_out of a depth-wise conv
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: Tensor, layout: TokenLayout) -> Tensor:
+        if layout.grid is None:
+            raise ValueError("PositionEncodingGenerator needs the patch grid (layout.grid)")
+        prefix, grid = tokens_to_grid(x, layout)
+        return grid_to_tokens(prefix, grid + self.proj(grid))

@@ -1,0 +1,284 @@
+"""Training-step benchmark of the causal models in the paper's CIFAR-10 configuration (Table 2: L=24, d=256).
+
+Cases: AFT-local-256 (d' = 64; also with its core recomputed in the backward pass, ``aft_local_rc``),
+AFT-simple and the Transformer baseline (h = 2, SDPA) at T = 1024 and T = 3072, batch scaled to this
+machine. The baseline ``transformer`` is the paper's configuration: dropout 0.1 everywhere, the attention
+weights included (``nn.Transformer``/GPT-2 convention), for which SDPA on CPU takes its math path and stores
+the T x T maps, as the paper's 2021 baseline did. ``--flash`` adds ``transformer_flash`` (no attention
+dropout: SDPA's flash kernel, which stores no map; its MLP and norms store what AFT's do, so no mixer can
+use much less memory than it). One case = one training step (forward, cross-entropy, backward,
+AdamW step, dropout 0.1) in a **fresh process** (:mod:`vitlab.measure.process`): its time (the fastest of the
+timed steps over ``--rounds`` interleaved runs: other processes only add time) and its memory = peak resident memory - resident memory before the model was built, measured
+after a warm-up step of a tiny model (so: weights, gradients, optimizer state and activations; the paper's
+GB/GPU counts the same things).
+
+Ratios are taken against the Transformer of the same run and T, measured side by side. Targets (issue):
+AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step (paper: 12.8 / 30.4 GB =
+0.42x, 1.67 / 1.36 it/s = 1.23x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
+
+CASE_TARGET = "vitlab.lm.bench:prepare_case"
+# benchmark model -> (named config, extra mixer options)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "aft_local": ("aft_local_256_cifar", {}),
+    "aft_local_rc": ("aft_local_256_cifar", {"recompute": True}),
+    "aft_simple": ("aft_simple_cifar", {}),
+    "transformer": ("transformer_cifar", {}),
+    "transformer_flash": ("transformer_cifar", {"attn_drop": 0.0}),
+}
+BASELINE = "transformer"
+PAPER = {
+    "aft_local": {"mem": 12.8 / 30.4, "speed": 1.67 / 1.36},
+    "aft_simple": {"mem": 9.5 / 30.4, "speed": 2.15 / 1.36},
+}
+TARGET_T, TARGET_MEM, TARGET_SPEED = 3072, 0.6, 1.0
+
+
+def prepare_case(
+    model: str, T: int, layers: int, dim: int, batch: int, dropout: float = 0.1, seed: int = 0
+) -> Prepared:
+    """Build the model, its AdamW optimizer and a batch of sub-pixel sequences; return one training step."""
+    import torch
+
+    from ..optim import create_optimizer
+    from .model import create_lm, lm_config
+
+    name, extra = MODELS[model]
+    kind, opts = lm_config(name)["mixer"]
+    # what every case starts on its first step (thread pool, autograd engine, lazily imported modules, optimizer
+    # code) is started before the reference memory, so that it is not counted as the model's
+    for warm in ("tiny_aft_local", "tiny_transformer"):
+        _step(create_lm(warm, max_len=32), torch.randint(0, 256, (1, 32)), create_optimizer)()
+    gc.collect()
+    before = current_rss_bytes()
+    torch.manual_seed(seed)
+    lm = create_lm(name, depth=layers, dim=dim, max_len=T, dropout=dropout, mixer=(kind, {**opts, **extra}))
+    step = _step(lm, torch.randint(0, 256, (batch, T)), create_optimizer)
+    info = {
+        "params": sum(p.numel() for p in lm.parameters()),
+        "mixer": [kind, {**opts, **extra}],
+        "rss_before_model": before,
+    }
+    return Prepared(step, info)
+
+
+def _step(lm, seqs, create_optimizer):
+    """One training step of ``lm`` on ``seqs``: loss, backward, AdamW (lr 3e-3, wd 0.1)."""
+    lm.train()
+    opt = create_optimizer(lm, 3e-3, 0.1)
+
+    def step() -> None:
+        loss = lm.loss(seqs)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 3072], help="sequence lengths T")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=["aft_local", "aft_local_rc", "aft_simple", "transformer"],
+        help="aft_local_rc: AFT-local with its core recomputed in the backward pass",
+    )
+    p.add_argument(
+        "--flash",
+        action="store_true",
+        help="also the Transformer without attention dropout (SDPA's flash kernel: no T x T maps stored)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=4, help="blocks L (paper 24; fewer keeps the run short, ratios stay side by side)"
+    )
+    p.add_argument("--dim", type=int, default=256, help="width d (paper 256)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per case")
+    p.add_argument("--rounds", type=int, default=1, help="run every case this many times, interleaved (noisy machines)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per case (0: torch's default)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is killed")
+    p.add_argument("--out", default="runs/bench-lm", help="folder for lm_bench.json and lm_bench.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: L=1, d=64, T = 256 and 512")
+
+
+def run_cases(args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
+    models = list(dict.fromkeys([*args.models, *(["transformer_flash"] if args.flash else [])]))
+    if BASELINE not in models:
+        models.append(BASELINE)
+    results = []
+    # side by side: for each T, every model once per round
+    cases = [(t, k, m) for t in args.tokens for k in range(args.rounds) for m in models]
+    with CaseRunner("forkserver", args.timeout, (*PRELOAD, __name__)) as runner:
+        for i, (t, k, m) in enumerate(cases, 1):
+            params = {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch}
+            spec = CaseSpec(CASE_TARGET, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
+            log(f"[{i}/{len(cases)}] {m:<20} T={t:<5} L={args.layers} d={args.dim} B={args.batch} : ", end="")
+            t0 = time.perf_counter()
+            r = {
+                **params,
+                "round": k,
+                "loadavg_1m": os.getloadavg()[0],
+                **runner.run(spec),
+                "wall_s": time.perf_counter() - t0,
+            }
+            if r["status"] == "ok":
+                r["mem_mb"] = (r["mem"]["peak"] - (r["info"]["rss_before_model"] or r["mem"]["import"])) / MB
+                log(f"{r['time_s']['median']:.2f} s/step (best {r['time_s']['min']:.2f}), {r['mem_mb']:.0f} MB")
+            else:
+                log(f"{r['status']}: {r.get('reason')}")
+            results.append(r)
+    return results
+
+
+def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (model, T) over its rounds: ``step_s`` = the fastest timed step (load from other
+    processes only ever adds time), ``median_s`` over all timed steps, ``mem_mb`` = the largest peak."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        if r["status"] == "ok":
+            groups.setdefault((r["model"], r["T"]), []).append(r)
+    out = []
+    for (model, t), rs in groups.items():
+        times = [x for r in rs for x in r["time_s"]["times"]]
+        out.append(
+            {
+                "model": model,
+                "T": t,
+                "status": "ok",
+                "step_s": min(times),
+                "median_s": statistics.median(times),
+                "mem_mb": max(r["mem_mb"] for r in rs),
+                "steps_timed": len(times),
+            }
+        )
+    return out
+
+
+def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, T): memory / the Transformer's and speed = the Transformer's step time / the model's."""
+    base = {r["T"]: r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
+    rows = []
+    for r in results:
+        b = base.get(r["T"])
+        if r["status"] != "ok" or b is None:
+            continue
+        rows.append(
+            {
+                "model": r["model"],
+                "T": r["T"],
+                "step_s": r["step_s"],
+                "median_s": r.get("median_s"),
+                "mem_mb": r["mem_mb"],
+                "mem_ratio": r["mem_mb"] / b["mem_mb"],
+                "speed_ratio": b["step_s"] / r["step_s"],
+            }
+        )
+    return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The issue's targets for each AFT-local variant measured at T = 3072 (vs the SDPA Transformer)."""
+    out = {}
+    for r in rows:
+        if r["model"].startswith("aft_local") and r["T"] == TARGET_T:
+            out[r["model"]] = {
+                "mem_ratio": r["mem_ratio"],
+                "mem_target": TARGET_MEM,
+                "mem_met": r["mem_ratio"] <= TARGET_MEM,
+                "speed_ratio": r["speed_ratio"],
+                "speed_met": r["speed_ratio"] > TARGET_SPEED,
+            }
+    return out
+
+
+def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    if not verdict:
+        return [f"Targets not checked: no AFT-local and Transformer pair at T = {TARGET_T}."]
+    lines = []
+    for model, v in verdict.items():
+        lines.append(
+            f"Target at T={TARGET_T}, {model}: memory {v['mem_ratio']:.2f}x the Transformer's (<= {TARGET_MEM}x: "
+            f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
+            f"{'met' if v['speed_met'] else 'NOT met'})."
+        )
+    flash = next((r for r in rows if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
+    if flash:
+        for model in verdict:
+            mine = next(r for r in rows if r["model"] == model and r["T"] == TARGET_T)
+            lines.append(
+                f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
+                f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x."
+            )
+    p = PAPER["aft_local"]
+    lines.append(f"Paper (8 x V100, batch 32): {p['mem']:.2f}x memory, {p['speed']:.2f}x speed.")
+    return lines
+
+
+def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
+    lines = [
+        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T; "
+        "step = fastest timed step, median in brackets)",
+        "",
+        "| model | T | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = PAPER.get(r["model"])
+        paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p and r["T"] == TARGET_T else ""
+        med = f" ({r['median_s']:.2f})" if r.get("median_s") else ""
+        lines.append(
+            f"| {r['model']} | {r['T']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
+            f"{r['speed_ratio']:.2f}x | {paper} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.layers, args.dim, args.tokens, args.repeats = 1, 64, [256, 512], 1
+    for name in ("layers", "dim", "batch", "repeats", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if any(t < 1 for t in args.tokens):
+        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    start = time.time()
+    results = run_cases(args, log=lambda s, end="\n": print(s, end=end, flush=True))
+    rows = ratios(summarise(results))
+    verdict = targets(rows)
+    md = table(rows, args.layers, args.dim, args.batch)
+    md += "\n\n" + "\n".join(verdict_lines(verdict, rows))
+    print()
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "settings": {
+            k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")
+        },
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "seconds": time.time() - start,
+        "results": results,
+        "ratios": rows,
+        "targets": verdict,
+    }
+    (out / "lm_bench.json").write_text(json.dumps(report, indent=2))
+    (out / "lm_bench.md").write_text(md + "\n")
+    print(f"\nwrote {out / 'lm_bench.json'} and {out / 'lm_bench.md'}")
+    return 0 if all(r["status"] == "ok" for r in results) else 1

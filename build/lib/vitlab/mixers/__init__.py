@@ -1,0 +1,73 @@
+"""Token mixers: one module per method, all ``(B, N, C) -> (B, N, C)``.
+
+``build(kind, dim, **kw)`` constructs any of them by name, which is how model
+configs choose a mixer per block.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+
+from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
+from .attention import Attention, attention_map
+from .base import TokenLayout, TokenMixer
+from .external import ExternalAttention, MultiHeadExternalAttention
+from .reattention import ReAttention
+from .refiner import DistributedLocalAttention, RefinerAttention
+
+MIXERS: dict[str, type[TokenMixer]] = {
+    "attention": Attention,
+    "refiner": RefinerAttention,
+    "reattention": ReAttention,
+    "external": ExternalAttention,
+    "external_mh": MultiHeadExternalAttention,
+    "aft_full": AFTFull,
+    "aft_local": AFTLocal,
+    "aft_simple": AFTSimple,
+    "aft_conv": AFTConv,
+}
+
+
+def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMixer:
+    """Build the token mixer ``kind`` of width ``dim``; ``kw`` go to its constructor.
+
+    ``defaults`` are model-wide settings (num_heads, qkv_bias, max_len, ...) given
+    only to mixers whose constructor takes them, so one model config can place
+    any mixer in any block. ``external`` with ``num_heads > 1`` builds the
+    official multi-head external attention (:class:`MultiHeadExternalAttention`).
+    """
+    if kind not in MIXERS:
+        close = difflib.get_close_matches(kind, MIXERS, n=3, cutoff=0.4)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown mixer kind {kind!r}{hint} Known kinds: {', '.join(MIXERS)}")
+    cls = MIXERS[kind]
+    if kind == "external" and kw.get("num_heads", 1) > 1:
+        cls = MultiHeadExternalAttention
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
+    kw = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **kw}
+    unknown = sorted(set(kw) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"mixer {kind!r} ({cls.__name__}) has no option {', '.join(unknown)}; accepted: {', '.join(accepted)}"
+        )
+    return cls(dim, **kw)
+
+
+__all__ = [
+    "MIXERS",
+    "AFTConv",
+    "AFTFull",
+    "AFTLocal",
+    "AFTSimple",
+    "Attention",
+    "DistributedLocalAttention",
+    "ExternalAttention",
+    "MultiHeadExternalAttention",
+    "ReAttention",
+    "RefinerAttention",
+    "TokenLayout",
+    "TokenMixer",
+    "attention_map",
+    "build",
+]

@@ -1,0 +1,557 @@
+"""AFT: An Attention Free Transformer (Zhai et al., arXiv 2105.14103 v1).
+
+AFT replaces dot-product attention by a per-channel weighted average whose
+weights combine the keys with learned pair-wise position biases (paper Eq. 2)::
+
+    Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w[t, t']) V_t' / sum_t' exp(K_t' + w[t, t'])
+
+(``w[t, t']``: t = output position). Variants (paper §3.2):
+
+* :class:`AFTFull`   -- a learned ``T x T`` bias, factorised ``w = u vᵀ`` (Eq. 7);
+* :class:`AFTLocal`  -- ``w`` kept for ``|t - t'| < s``, 0 outside (global connectivity kept); sequences
+  longer than s take an O(T·s·d) banded path (:func:`aft_local_banded`, :mod:`.aft_banded`);
+* :class:`AFTSimple` -- no bias: ``Y_t = sigmoid(Q_t) * sum_t' softmax_t'(K)_t' V_t'``;
+* :class:`AFTConv`   -- heads with one key channel each and a shared ``k x k`` relative bias (Eq. 6).
+
+The core functions (:func:`aft_full`, :func:`aft_local_banded`, :func:`aft_simple`, :func:`aft_conv`)
+take fp32 ``q, k, v`` and never form a ``(B, T, T, d)`` tensor: AFT-full/local
+are two matrix products with ``exp(w)``, AFT-simple is O(T·d), AFT-conv is a
+depth-wise convolution plus sums outside the window (no cancellation, unlike the
+literal ``e^w - 1`` form). They subtract maxima before every exponential; an
+entry whose shifted denominator still underflows (possible when the maxima of K
+and of w sit at different t', or with causal cumulative sums) is recomputed
+exactly by a per-entry log-sum-exp in float64 (:func:`_exact_entries`). In
+normal use no entry takes that path. Modules run these cores in fp32 with
+autocast off; their projections follow autocast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .aft_banded import MIN_BLOCK, banded_sums, local_bias_band
+from .base import TokenLayout, TokenMixer, check_divisible
+
+# Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
+# of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
+_UNDERFLOW = 1e-20
+# bound on the elements of one fallback chunk (float64 logits and values), to cap its memory
+_FALLBACK_ELEMS = 1 << 22
+
+BiasRows = Callable[[Tensor, Tensor], Tensor]
+
+
+def _exact_entries(k: Tensor, v: Tensor, bias_rows: BiasRows, b: Tensor, t: Tensor, g: Tensor) -> Tensor:
+    """Weighted averages of the listed ``(b, t, g)`` entries by a log-sum-exp over t', in float64.
+
+    ``k`` (B, T, G) are the key logits of G key channels, ``v`` (B, T, G, R) the R value channels each
+    key channel weighs, ``bias_rows(t, g)`` the bias rows ``w[t, :]`` (m, T) of those entries (-inf =
+    excluded). Returns (m, R). float64 makes ``K + w`` exact for fp32 inputs of any magnitude.
+    """
+    dt = torch.float32 if k.device.type == "mps" else torch.float64
+    kt, vt = k.transpose(1, 2), v.permute(0, 2, 1, 3)  # (B, G, T), (B, G, T, R)
+    step = max(1, _FALLBACK_ELEMS // (k.shape[1] * v.shape[-1]))
+    out = []
+    for i in range(0, b.numel(), step):  # chunks of entries, never tokens
+        bi, ti, gi = b[i : i + step], t[i : i + step], g[i : i + step]
+        p = (kt[bi, gi].to(dt) + bias_rows(ti, gi).to(dt)).softmax(-1)
+        out.append(torch.einsum("mt,mtr->mr", p, vt[bi, gi].to(dt)))
+    return torch.cat(out).to(k.dtype)
+
+
+def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
+    """``num / den`` (num (B, T, G, R), den (B, T, G)) with underflowed entries recomputed exactly."""
+    # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
+    y = num / den.clamp_min(_UNDERFLOW).unsqueeze(-1)
+    if _data_checks_allowed(den) and den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
+        idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True)
+        y = y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
+    return y
+
+
+def _data_checks_allowed(t: Tensor) -> bool:
+    """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
+    traced or exported (TorchScript trace, ONNX), which records the fast path only."""
+    return t.device.type != "meta" and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
+
+
+def _future_mask(n: int, device: torch.device) -> Tensor:
+    """(n, n) True where t' > t."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+
+
+def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -> Tensor:
+    """AFT-full / AFT-local core, paper Eq. (2): ``sigmoid(Q_t) * Σ_t' e^{K_t'+w[t,t']} V_t' / Σ_t' e^{K_t'+w[t,t']}``.
+
+    ``q, k, v`` (B, T, C) fp32; ``w`` (T, T), ``w[t, t']`` with t = output position, -inf = pair excluded.
+    ``causal`` keeps t' <= t. Computed as ``e^{w - rowmax} @ [e^{K - colmax} V, e^{K - colmax}]``
+    (the maxima cancel in the ratio): O(T² C) time, O(T² + T C) memory.
+    """
+    b, n, c = k.shape
+    if causal:
+        w = w.masked_fill(_future_mask(n, w.device), float("-inf"))
+    # the ratio does not depend on the shifts, so they carry no gradient
+    wmax = w.detach().amax(-1, keepdim=True)
+    wmax = torch.where(torch.isfinite(wmax), wmax, 0.0)
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()
+    # one (T, T) @ (T, B·2C) product for numerator and denominator
+    ctx = torch.cat([ek * v, ek], -1).transpose(0, 1).reshape(n, b * 2 * c)
+    num, den = ((w - wmax).exp() @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: w[t])
+    return torch.sigmoid(q) * y.squeeze(-1)
+
+
+def aft_local_banded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_band: Tensor,
+    window: int,
+    outside_zero: bool,
+    bias_rows: BiasRows,
+    causal: bool = False,
+) -> Tensor:
+    """AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf) for
+    ``|t - t'| >= window`` (``causal``: and t' <= t only).
+
+    ``q, k, v`` (B, T, C) fp32; ``w_band`` (nb, b, 2b causal, else 3b) the raw bias on the band of
+    :func:`~vitlab.mixers.aft_banded.band_positions` with ``b >= window``; ``bias_rows(t, g)`` the full rows
+    of the effective bias (future -inf when causal) for the exact fallback of underflowed entries
+    (:func:`_ratio`). The sums are :func:`~vitlab.mixers.aft_banded.banded_sums`.
+    """
+    num, den = banded_sums(k, v, w_band, window, outside_zero, causal)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
+    return torch.sigmoid(q) * y.squeeze(-1)
+
+
+def aft_local_causal(
+    q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool, bias_rows: BiasRows
+) -> Tensor:
+    """Causal AFT-local core: :func:`aft_local_banded` with ``causal=True`` (``w_band`` (nb, b, 2b))."""
+    return aft_local_banded(q, k, v, w_band, window, outside_zero, bias_rows, causal=True)
+
+
+def _causal_rows(n: int, t: Tensor) -> Tensor:
+    """(m, n) bias rows of causal AFT-simple: 0 for t' <= t, -inf after."""
+    future = torch.arange(n, device=t.device)[None] > t[:, None]
+    return torch.zeros(future.shape, device=t.device).masked_fill(future, float("-inf"))
+
+
+def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+    """AFT-simple core: ``sigmoid(Q_t) * Σ_t' softmax_t'(K)_t' V_t'`` (paper §3.2, w = 0), O(T·C).
+
+    Non-causal: one softmax-weighted sum over tokens, broadcast over t. Causal: cumulative sums over
+    t' <= t of ``e^{K - max} V`` and ``e^{K - max}``.
+    """
+    if not causal:
+        return torch.sigmoid(q) * (k.softmax(1) * v).sum(1, keepdim=True)
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()
+    num, den = (ek * v).cumsum(1), ek.cumsum(1)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: _causal_rows(k.shape[1], t))
+    return torch.sigmoid(q) * y.squeeze(-1)
+
+
+def _outside_window_sum(x: Tensor, s: int) -> Tensor:
+    """For every pixel of ``x`` (B, C, H, W), the sum of ``x`` over the grid outside the ``s x s`` window centred on it.
+
+    With the 0/1 band matrices ``A_H[r, r'] = |r - r'| <= s//2`` (and ``A_W``), the outside sum is
+    ``(1 - A_H) X 1 + A_H X (1 - A_W)`` (rows outside the window's rows, plus the window's rows outside its
+    columns): small matrix products with non-negative coefficients, never ``total - window``, which cancels.
+    """
+    h, w = x.shape[-2:]
+    near_h, near_w = (_band(n, s // 2, x) for n in (h, w))
+    return (1 - near_h) @ x.sum(-1, keepdim=True) + near_h @ (x @ (1 - near_w))
+
+
+def _band(n: int, p: int, like: Tensor) -> Tensor:
+    """(n, n) 0/1 matrix, 1 where |i - j| <= p (symmetric)."""
+    i = torch.arange(n, device=like.device)
+    return ((i[:, None] - i[None]).abs() <= p).to(like.dtype)
+
+
+def _conv_bias_rows(
+    w: Tensor, grid: tuple[int, int], num_prefix: int, n: int, outside: float, t: Tensor, g: Tensor
+) -> Tensor:
+    """(m, N) rows ``w_eff[t, :]`` of AFT-conv's implied pair-wise bias for query t, head g.
+
+    ``w_eff[t, t'] = w[g, dy + s//2, dx + s//2]`` when both are patches and t' = t + (dy, dx) lies in the
+    window; ``outside`` otherwise (prefix tokens and pairs outside the window): 0, or -inf for the ablation.
+    """
+    s, p = w.shape[-1], w.shape[-1] // 2
+    gw = grid[1]
+    key = torch.arange(n, device=t.device) - num_prefix  # (N,)
+    qry = t - num_prefix  # (m,)
+    dy = key.div(gw, rounding_mode="floor")[None] - qry.div(gw, rounding_mode="floor")[:, None] + p
+    dx = (key % gw)[None] - (qry % gw)[:, None] + p
+    inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s) & (key >= 0)[None] & (qry >= 0)[:, None]
+    vals = w[g[:, None], dy.clamp(0, s - 1), dx.clamp(0, s - 1)]
+    return torch.where(inside, vals, outside)
+
+
+def aft_conv(
+    q: Tensor, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int = 0, global_context: bool = True
+) -> Tensor:
+    """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
+
+        Y^i_t = sigmoid(Q^i_t) * [conv(e^{K^i} V^i, e^{w^i} - 1) + Σ_t' e^{K^i_t'} V^i_t']
+                               / [conv(e^{K^i}, e^{w^i} - 1) + Σ_t' e^{K^i_t'}]
+
+    ``q, v`` (B, N, C) head-major, ``k`` (B, N, h), ``w`` (h, s, s) the (re-parameterised) bias, s odd.
+    conv is PyTorch's cross-correlation with zero padding s//2 over the patch grid: query (r, c) meets key
+    (r + dy, c + dx) with bias ``w[i, dy + s//2, dx + s//2]``. The ``num_prefix`` leading tokens (class
+    token) take part in the global sums only: no local term for a pair involving a prefix token.
+
+    Computed without cancellation as ``e^{-m} · (Σ_{outside window} e^K V) + conv(e^K V, e^{w - m})``
+    with ``m = max(max w^i, 0)`` (same value as Eq. 6, whose ``e^w - 1`` form cancels for w << 0).
+
+    ``global_context=False`` is the paper's ablation with ``w = -inf`` outside the window: only the local
+    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0).
+    """
+    b, n, c = v.shape
+    h, s = k.shape[-1], w.shape[-1]
+    r = c // h
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)
+    x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
+    m = w.detach().amax((1, 2))
+    if global_context:
+        m = m.clamp_min(0)  # pairs outside the window have bias 0
+    scale = torch.exp(-m)
+    kernel = torch.exp(w - m[:, None, None])  # (h, s, s), <= 1
+    per_chan = torch.cat([torch.arange(h, device=w.device).repeat_interleave(r), torch.arange(h, device=w.device)])
+    x_pre, x_grid = x[:, :num_prefix], x[:, num_prefix:].transpose(1, 2).reshape(b, c + h, *grid)
+    local = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)
+    if global_context:
+        outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
+        patch = local + scale[per_chan][:, None, None] * outside  # (B, C + h, H, W)
+    else:
+        patch = local
+    prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
+    nd = torch.cat([prefix, patch.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
+    rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
+    y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
+    return torch.sigmoid(q) * y.reshape(b, n, c)
+
+
+def _resample_tokens(t: Tensor, n: int, layout: TokenLayout, dim: int) -> Tensor:
+    """Resample axis ``dim`` of a position table (length L) to ``n`` tokens; prefix rows are kept.
+
+    Patch rows are resampled in 2-D (bicubic, as ViT position embeddings) when ``layout.grid`` is given and
+    ``L - num_prefix`` is a perfect square (the stored square grid), else by 1-D linear interpolation.
+    """
+    p = layout.num_prefix
+    t = t.movedim(dim, 0)
+    length, rest_shape = t.shape[0], t.shape[1:]
+    if p >= min(length, n):
+        raise ValueError(f"cannot resample a {length}-token position table to {n} tokens with {p} prefix tokens")
+    rest = t[p:].reshape(length - p, -1).T.unsqueeze(0)  # (1, F, L - p)
+    side = math.isqrt(length - p)
+    if layout.grid is not None and side * side == length - p:
+        img = rest.reshape(1, -1, side, side)
+        rest = F.interpolate(img, size=layout.grid, mode="bicubic", align_corners=False).flatten(2)
+    else:
+        rest = F.interpolate(rest, size=n - p, mode="linear", align_corners=False)
+    rest = rest[0].T.reshape(n - p, *rest_shape)
+    return torch.cat([t[:p], rest]).movedim(0, dim)
+
+
+def _no_autocast(x: Tensor) -> AbstractContextManager:
+    """Context that runs the AFT core in fp32 even under autocast (exp of half-precision logits is lossy)."""
+    if not torch.amp.is_autocast_available(x.device.type):  # e.g. the meta device used to count MACs
+        return nullcontext()
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+class AFTFull(TokenMixer):
+    """AFT-full (paper Eq. 2) with a learned pair-wise position bias ``w`` (max_len x max_len).
+
+    Args:
+        dim: token width C.
+        max_len: T, the number of tokens ``w`` is built for.
+        hidden_dim: width of Q, K, V (default ``dim``); ``proj`` maps it back to ``dim``.
+        bias_dim: d' of the factorised bias ``w = u vᵀ``, ``u, v ~ N(0, 0.01²)`` (paper Eq. 7, d' = 128
+            on ImageNet); ``None`` = a full ``max_len x max_len`` parameter ``w ~ N(0, 0.01²)`` (Table 3).
+        causal: autoregressive (t' <= t). A causal model accepts N <= max_len tokens and uses the
+            top-left N x N block of ``w``: exactly the model on the shorter sequence.
+        qkv_bias: bias of the fused ``qkv`` projection.
+        resample: accept other token counts by resampling ``u, v`` (or ``w``) to N (see
+            :func:`_resample_tokens`). Without it, a non-causal model needs N == max_len.
+
+    ``return_aux=True`` gives ``aux["keys"]``: K, (B, N, hidden_dim).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        max_len: int,
+        hidden_dim: int | None = None,
+        bias_dim: int | None = 128,
+        causal: bool = False,
+        qkv_bias: bool = True,
+        resample: bool = False,
+    ) -> None:
+        super().__init__(dim)
+        name = type(self).__name__
+        if max_len <= 0:
+            raise ValueError(f"{name}: max_len must be positive, got {max_len}")
+        if bias_dim is not None and bias_dim <= 0:
+            raise ValueError(f"{name}: bias_dim must be positive or None (full w), got {bias_dim}")
+        self.max_len = max_len
+        self.hidden_dim = hidden = hidden_dim or dim
+        self.causal = causal
+        self.resample = resample
+        self.qkv = nn.Linear(dim, 3 * hidden, bias=qkv_bias)
+        self.proj = nn.Linear(hidden, dim)
+        if bias_dim is None:
+            self.w = nn.Parameter(torch.randn(max_len, max_len) * 0.01)
+            self.register_parameter("u", None)
+            self.register_parameter("v", None)
+        else:
+            self.register_parameter("w", None)
+            self.u = nn.Parameter(torch.randn(max_len, bias_dim) * 0.01)
+            self.v = nn.Parameter(torch.randn(max_len, bias_dim) * 0.01)
+
+    def no_weight_decay(self) -> set[str]:
+        """Position biases are not weight-decayed (AFT §6.1: weight decay on the linear weights only)."""
+        return {n for n in ("u", "v", "w") if getattr(self, n) is not None}
+
+    def extra_repr(self) -> str:
+        d = None if self.u is None else self.u.shape[1]
+        return f"dim={self.dim}, hidden_dim={self.hidden_dim}, max_len={self.max_len}, bias_dim={d}, " + (
+            f"causal={self.causal}, resample={self.resample}"
+        )
+
+    def _fit(self, n: int, layout: TokenLayout) -> Callable[[Tensor, int], Tensor]:
+        """How a table's token axis becomes n long: as is, prefix block (causal) or resampled."""
+        if n == self.max_len:
+            return lambda t, dim: t
+        if self.causal and n < self.max_len:
+            return lambda t, dim: t.narrow(dim, 0, n)
+        if self.resample:
+            return lambda t, dim: _resample_tokens(t, n, layout, dim)
+        name = type(self).__name__
+        need = f"N <= max_len = {self.max_len}" if self.causal else f"N == max_len = {self.max_len}"
+        raise ValueError(
+            f"{name}: got N = {n} tokens but the position bias is built for {need}; "
+            f"build it with max_len={n} or pass resample=True to interpolate the bias"
+        )
+
+    def position_bias(self, n: int | None = None, layout: TokenLayout | None = None) -> Tensor | None:
+        """The bias ``w[t, t']`` (n, n) the model uses for n tokens (fp32; -inf = pair excluded), or None.
+
+        Causal masking is applied by the core, not here.
+        """
+        n = n or self.max_len
+        fit = self._fit(n, layout or TokenLayout())
+        if self.w is not None:
+            w = fit(fit(self.w.float(), 0), 1)
+        elif self.u is not None:
+            w = fit(self.u.float(), 0) @ fit(self.v.float(), 0).T
+        else:
+            return None
+        return self._restrict(w)
+
+    def _restrict(self, w: Tensor) -> Tensor:
+        return w
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        with _no_autocast(x):
+            y = self._core(q.float(), k.float(), v.float(), layout)
+        out = self.proj(y.to(q.dtype)).to(x.dtype)
+        return out, ({"keys": k} if return_aux else {})
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
+        """The AFT core on fp32 ``q, k, v`` (B, N, hidden), autocast off."""
+        w = self.position_bias(k.shape[1], layout)
+        return aft_simple(q, k, v, self.causal) if w is None else aft_full(q, k, v, w, self.causal)
+
+
+class AFTLocal(AFTFull):
+    """AFT-local: AFT-full with ``w[t, t']`` kept for ``|t - t'| < window`` (paper §3.2).
+
+    ``outside="zero"`` (paper default) sets w = 0 outside the window, so every pair keeps weight
+    ``e^{K_t'}`` (global connectivity); ``outside="-inf"`` drops those pairs (the paper's ablation).
+    ``window=0`` is AFT-simple: no position bias (and no bias parameters) at all, any token count.
+    Default window 32 (paper's best on Enwik8, Table 5). The window is in token order (|t - t'|), whatever
+    the layout.
+
+    Sequences longer than the window whose bias is a block of the stored table (causal:
+    ``window < N <= max_len``; non-causal: ``window < N == max_len``) take the O(N·s·d) path
+    :func:`aft_local_banded` (only the band of pairs inside the window is formed; same outputs as the dense
+    O(N² d) path the other cases take: shorter sequences, and the resampled bias of ``resample=True``).
+    ``recompute=True`` keeps only that core's inputs for the backward pass and recomputes its intermediates
+    there (activation checkpointing, as flash attention recomputes its map): less memory in training, one
+    more core forward per step. Other arguments as :class:`AFTFull`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        max_len: int,
+        window: int = 32,
+        outside: str = "zero",
+        hidden_dim: int | None = None,
+        bias_dim: int | None = 128,
+        causal: bool = False,
+        qkv_bias: bool = True,
+        resample: bool = False,
+        recompute: bool = False,
+    ) -> None:
+        super().__init__(dim, max_len, hidden_dim, bias_dim, causal, qkv_bias, resample)
+        if window < 0:
+            raise ValueError(f"AFTLocal: window must be >= 0, got {window}")
+        if outside not in ("zero", "-inf"):
+            raise ValueError(f"AFTLocal: outside must be 'zero' or '-inf', got {outside!r}")
+        self.window = window
+        self.outside = outside
+        self.recompute = recompute
+        if window == 0:  # unused parameters would break DDP and waste the optimiser's state
+            self.u = self.v = self.w = None
+
+    def extra_repr(self) -> str:
+        return (
+            super().extra_repr()
+            + f", window={self.window}, outside={self.outside!r}"
+            + (", recompute=True" if self.recompute else "")
+        )
+
+    def _fit(self, n: int, layout: TokenLayout) -> Callable[[Tensor, int], Tensor]:
+        if self.window == 0:  # no table: any token count
+            return lambda t, dim: t
+        return super()._fit(n, layout)
+
+    def _restrict(self, w: Tensor) -> Tensor:
+        n = w.shape[0]
+        pos = torch.arange(n, device=w.device)
+        far = (pos[:, None] - pos[None]).abs() >= self.window
+        return w.masked_fill(far, 0.0 if self.outside == "zero" else float("-inf"))
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
+        n = k.shape[1]
+        # the band needs w[:N, :N] of the table as is, whatever the layout: causal N <= max_len (top-left block)
+        # or N == max_len; other N are resampled (or rejected) by _fit on the dense path
+        if self.window == 0 or not self.window < n <= self.max_len or not (self.causal or n == self.max_len):
+            return super()._core(q, k, v, layout)
+        band = local_bias_band(n, max(self.window, MIN_BLOCK), self.u, self.v, self.w, self.causal).float()
+        core = aft_local_causal if self.causal else aft_local_banded
+        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._bias_rows, n))
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(core, *args, use_reentrant=False)
+        return core(*args)
+
+    def _bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
+        """Full rows ``w[t, :]`` (m, n), the future excluded when causal; only underflowed entries need them."""
+        rows = self.position_bias(n)[t]
+        if not self.causal:
+            return rows
+        return rows.masked_fill(torch.arange(n, device=t.device)[None] > t[:, None], float("-inf"))
+
+
+class AFTSimple(TokenMixer):
+    """AFT-simple (paper §3.2): ``Y_t = sigmoid(Q_t) * Σ_t' softmax_t'(K)_t' V_t'``, O(T·d), any N.
+
+    ``causal=True`` restricts the sum to t' <= t. ``return_aux=True`` gives ``aux["keys"]`` (B, N, hidden).
+    """
+
+    def __init__(self, dim: int, hidden_dim: int | None = None, causal: bool = False, qkv_bias: bool = True) -> None:
+        super().__init__(dim)
+        self.hidden_dim = hidden = hidden_dim or dim
+        self.causal = causal
+        self.qkv = nn.Linear(dim, 3 * hidden, bias=qkv_bias)
+        self.proj = nn.Linear(hidden, dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, hidden_dim={self.hidden_dim}, causal={self.causal}"
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        with _no_autocast(x):
+            y = aft_simple(q.float(), k.float(), v.float(), self.causal)
+        out = self.proj(y.to(q.dtype)).to(x.dtype)
+        return out, ({"keys": k} if return_aux else {})
+
+
+class AFTConv(TokenMixer):
+    """AFT-conv-h-s (paper Eq. 6) over the patch grid: h heads, one key channel per head (K: dim -> h),
+    a 2-D ``s x s`` relative bias per head shared by the head's dim/h channels.
+
+    The bias is re-parameterised per head (paper §3.2, Eq. 8):
+    ``w^i = gamma_i (w^i - mean w^i) / sqrt(var w^i + eps) + beta_i`` with the population variance over
+    the s x s entries, ``eps = 1e-8`` (guards s = 1; the raw ``w ~ N(0, 0.01²)`` has var 1e-4 >> eps,
+    and the standardisation makes its scale otherwise irrelevant). ``gamma, beta`` start at 0, so at
+    initialisation ``e^w - 1 = 0`` and AFT-conv is AFT-simple with each key repeated over its head.
+
+    ``outside="-inf"`` is the paper's global-connectivity ablation (w = -inf outside the window: a purely
+    local operator). Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
+    paper evaluates at 384 a model trained at 224). ``return_aux=True`` gives ``aux["keys"]`` (B, N, h).
+    """
+
+    needs_grid = True
+    eps = 1e-8
+
+    def __init__(
+        self, dim: int, num_heads: int, kernel_size: int = 11, qkv_bias: bool = True, outside: str = "zero"
+    ) -> None:
+        super().__init__(dim)
+        check_divisible("AFTConv", dim, num_heads)
+        if outside not in ("zero", "-inf"):
+            raise ValueError(f"AFTConv: outside must be 'zero' (global connectivity) or '-inf', got {outside!r}")
+        self.outside = outside
+        if kernel_size <= 0 or kernel_size % 2 == 0:
+            raise ValueError(
+                f"AFTConv: kernel_size must be a positive odd number (zero padding k//2), got {kernel_size}"
+            )
+        self.num_heads = num_heads
+        self.kernel_size = kernel_size
+        # fused [Q (dim) | K (num_heads) | V (dim)]
+        self.qkv = nn.Linear(dim, 2 * dim + num_heads, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
+        self.gamma = nn.Parameter(torch.zeros(num_heads))
+        self.beta = nn.Parameter(torch.zeros(num_heads))
+
+    def no_weight_decay(self) -> set[str]:
+        """The kernel and its re-parameterisation gains are not weight-decayed (decay would pull gamma to 0)."""
+        return {"w", "gamma", "beta"}
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
+
+    def position_bias(self) -> Tensor:
+        """The re-parameterised bias w (h, s, s), fp32 (Eq. 8)."""
+        w = self.w.float()
+        mean = w.mean((1, 2), keepdim=True)
+        var = w.var((1, 2), unbiased=False, keepdim=True)
+        return (
+            self.gamma.float()[:, None, None] * (w - mean) * torch.rsqrt(var + self.eps)
+            + self.beta.float()[:, None, None]
+        )
+
+    def effective_kernel(self) -> Tensor:
+        """``exp(w) - 1`` per head (h, s, s): the relative weight the paper plots (Fig. 1)."""
+        return torch.expm1(self.position_bias())
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        if self.outside == "-inf" and layout.num_prefix:
+            raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
+        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], -1)
+        with _no_autocast(x):
+            y = aft_conv(
+                q.float(),
+                k.float(),
+                v.float(),
+                self.position_bias(),
+                layout.grid,
+                layout.num_prefix,
+                self.outside == "zero",
+            )
+        out = self.proj(y.to(q.dtype)).to(x.dtype)
+        return out, ({"keys": k} if return_aux else {})

@@ -1,0 +1,160 @@
+"""External attention (Guo et al. 2021, arXiv 2105.02358) and its multi-head form (EAMLP).
+
+Tokens attend to two small learnable memories shared by the whole data set
+instead of to each other: ``out = M_v(DoubleNorm(M_k(F)))``, linear in N
+(O(N·S·d) with S memory slots). Paper Algorithm 1:
+
+    α̃ = F M_kᵀ                               (B, N, S)
+    α̂_ij = exp(α̃_ij) / Σ_k exp(α̃_kj)         softmax over the tokens i
+    α_ij = α̂_ij / Σ_k α̂_ik                    ℓ1 over the memory slots j
+    out = α M_v
+
+vitlab Decision 5: single-head as Algorithm 1 (memories without bias, eps 1e-9
+in the ℓ1 step, ``M_v`` initialised as ``M_kᵀ``); multi-head as the official
+EAMLP code (query widened ``coef``× with ``coef``× as many heads, one ``M_k`` /
+``M_v`` pair shared by all heads, memories with bias, output projection).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import TokenLayout, TokenMixer, can_fold, check_divisible
+
+
+def double_normalize(
+    logits: Tensor, token_dim: int = -2, memory_dim: int = -1, eps: float = 1e-9, inplace: bool = False
+) -> Tensor:
+    """EA's double normalisation: softmax over ``token_dim``, then ℓ1 over ``memory_dim`` (+ ``eps``).
+
+    Stable for any logits: softmax subtracts the per-slot max over tokens, and
+    ``eps > 0`` keeps a token that no slot attends to at 0 instead of 0/0. Half
+    precision is normalised in fp32 and returned in the input dtype. ``inplace``
+    (inference, no autograd) overwrites ``logits`` and normalises in place.
+    """
+    low = logits.dtype in (torch.float16, torch.bfloat16)
+    if inplace and not low:  # softmax over a middle axis by hand, in place: faster than its strided kernel
+        attn = logits.sub_(logits.amax(dim=token_dim, keepdim=True)).exp_()
+        attn = attn.div_(attn.sum(dim=token_dim, keepdim=True))
+    else:
+        attn = logits.softmax(dim=token_dim, dtype=torch.float32 if low else None)
+    norm = attn.sum(dim=memory_dim, keepdim=True).add_(eps)
+    attn = attn.div_(norm) if inplace else attn / norm
+    return attn.to(logits.dtype)
+
+
+class ExternalAttention(TokenMixer):
+    """Single-head external attention, paper Algorithm 1.
+
+    ``mk = Linear(dim → S)`` and ``mv = Linear(S → dim)`` are the memories
+    (``bias=False`` as the paper); ``aux["attn"]`` is the (B, N, S) normalised
+    map. ``num_heads`` exists so that configs can pass it to every mixer; it must
+    be 1 (``build("external", dim, num_heads=h > 1)`` gives the multi-head class).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        memory_size: int = 64,
+        bias: bool = False,
+        attn_drop: float = 0.0,
+        eps: float = 1e-9,
+        num_heads: int = 1,
+    ) -> None:
+        super().__init__(dim)
+        if memory_size < 1:
+            raise ValueError(f"ExternalAttention: memory_size must be positive, got {memory_size}")
+        if num_heads != 1:
+            raise ValueError(
+                f"ExternalAttention is single-head, got num_heads={num_heads}; use MultiHeadExternalAttention"
+            )
+        self.memory_size = memory_size
+        self.eps = eps
+        self.mk = nn.Linear(dim, memory_size, bias=bias)
+        self.mv = nn.Linear(memory_size, dim, bias=bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``M_v = M_kᵀ`` at init (official EANet), as a copy: the two are trained independently.
+
+        Call again after a model-wide weight init that re-draws ``mv``.
+        """
+        self.mv.weight.copy_(self.mk.weight.t())
+        if self.mv.bias is not None:
+            self.mv.bias.zero_()
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        attn = double_normalize(self.mk(x), token_dim=1, memory_dim=2, eps=self.eps)
+        out = self.mv(self.attn_drop(attn))
+        return out, ({"attn": attn} if return_aux else {})
+
+
+class MultiHeadExternalAttention(TokenMixer):
+    """Multi-head external attention as the official EAMLP code (``Attention`` in transformer_block.py).
+
+    ``t = query(x)`` widens dim → coef·dim and splits it into coef·num_heads heads
+    of width ``dim / num_heads``; every head uses the same ``mk`` (d_h → S) and
+    ``mv`` (S → d_h) memories; softmax over tokens, ℓ1 over slots (eps 1e-9);
+    heads are merged and ``proj`` maps coef·dim → dim. ``memory_size`` defaults
+    to 256 // coef (64 for coef 4). ``aux["attn"]`` is the (B, heads, N, S) map.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        coef: int = 4,
+        memory_size: int | None = None,
+        qkv_bias: bool = True,
+        memory_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__(dim)
+        head_dim = check_divisible("MultiHeadExternalAttention", dim, num_heads)
+        if coef < 1:
+            raise ValueError(f"MultiHeadExternalAttention: coef must be a positive integer, got {coef}")
+        memory_size = 256 // coef if memory_size is None else memory_size
+        if memory_size < 1:
+            raise ValueError(f"MultiHeadExternalAttention: memory_size must be positive, got {memory_size}")
+        self.num_heads = num_heads * coef
+        self.coef = coef
+        self.memory_size = memory_size
+        self.query = nn.Linear(dim, dim * coef, bias=qkv_bias)
+        self.mk = nn.Linear(head_dim, memory_size, bias=memory_bias)
+        self.mv = nn.Linear(memory_size, head_dim, bias=memory_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim * coef, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        b, n, _ = x.shape
+        # heads as a middle axis, (B, N, heads, d_h): a view of the query, and the memories' output is already
+        # the merged (B, N, heads · d_h) layout -- no head split/merge copies (the same function as the
+        # official (B, heads, N, d_h) layout; the softmax runs over the token axis 1)
+        t = self.query(x).view(b, n, self.num_heads, -1)
+        if can_fold(self, x):
+            attn, out = self._memories_folded(t)
+            out = F.linear(out.view(b, n, -1), self.proj.weight, self._proj_bias())
+        else:
+            attn = double_normalize(self.mk(t), token_dim=1, memory_dim=-1)
+            out = self.proj(self.mv(self.attn_drop(attn)).view(b, n, -1))
+        return self.proj_drop(out), ({"attn": attn.transpose(1, 2)} if return_aux else {})
+
+    def _memories_folded(self, t: Tensor) -> tuple[Tensor, Tensor]:
+        """Inference: ``mk``'s bias adds one constant per memory slot to the logits, which the softmax over the
+        tokens cancels exactly, so it is skipped; ``mv``'s bias moves into the output projection's bias
+        (:meth:`_proj_bias`); the ℓ1 step divides in place. Saves two bias passes and an allocation."""
+        attn = double_normalize(F.linear(t, self.mk.weight), token_dim=1, memory_dim=-1, inplace=True)
+        return attn, F.linear(attn, self.mv.weight)
+
+    def _proj_bias(self) -> Tensor | None:
+        """``proj.b + proj.W · [b_v, ..., b_v]``: ``mv``'s bias (shared by the heads) pushed through ``proj``."""
+        if self.mv.bias is None:
+            return self.proj.bias
+        shift = self.proj.weight @ self.mv.bias.repeat(self.num_heads)
+        return shift if self.proj.bias is None else self.proj.bias + shift

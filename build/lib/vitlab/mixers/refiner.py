@@ -1,0 +1,328 @@
+"""Refiner: refining self-attention maps (Zhou et al. 2021, arXiv 2106.03714).
+
+The refiner works on the attention maps ``A`` (B, H, N, N), read as images with
+H channels on the query × key plane (class-token row/column included):
+
+1. attention expansion (paper §2.2): ``Ã^h = Σ_i W_A(h, i) A^i``, h = 1..rH, a
+   1×1 convolution H → rH over the head axis;
+2. distributed local attention (DLA, paper §2.3):
+   ``A*_{ij} = Σ_{a,b} w_{ab} Ã_{i-⌊k/2⌋+a, j-⌊k/2⌋+b}``, a depth-wise k×k
+   convolution of every expanded map (zero padding, TensorFlow "same");
+3. linear reduction (paper §2.4): a 1×1 convolution rH → H,
+
+and the refined maps multiply V. With a kernel that is non-zero only along the
+key axis, ``Σ_j A*_ij v_j = Σ_j A_ij Σ_a w_a v_{j-a+⌊k/2⌋}``: attention over
+locally aggregated values, hence the name.
+
+vitlab Decision 1: the defaults are the paper's linear operation;
+``official_extras=True`` adds what the official code (Refiner_ViT ``DLA``) has
+-- BatchNorm + ReLU6 after expansion and after the depth-wise conv, BatchNorm
+after reduction, an identity shortcut -- and, through ``adapt_bn``, the extra
+BatchNorm on the refined map. ``share=True`` and ``residual_attention=True``
+reproduce the official "shared" and "normal" blocks of the released models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import Attention, HeadMix, attention_map
+from .base import TokenLayout, can_fold, check_divisible, fold_bn, merge_heads, split_heads
+
+#: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
+OFFICIAL_KEY_PREFIXES: dict[str, str] = {
+    "DLA.conv_exp.": "refiner.expand.0.",
+    "DLA.bn1.": "refiner.expand.1.",
+    "DLA.depth_sep_conv.": "refiner.local.0.",
+    "DLA.bn2.": "refiner.local.1.",
+    "DLA.conv_pro.": "refiner.reduce.0.",
+    "DLA.bn3.": "refiner.reduce.1.",
+}
+
+
+def official_key(key: str) -> str:
+    """Rename one official ``Refined_Attention`` state-dict key to the vitlab one (others unchanged)."""
+    for old, new in OFFICIAL_KEY_PREFIXES.items():
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
+
+
+def _positive_int(name: str, what: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: {what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _fold_stage(stage: nn.Sequential, dtype: torch.dtype) -> tuple[Tensor, Tensor | None, bool]:
+    """(weight, bias or None, ReLU6?) of a refiner stage with its BatchNorm folded in; a 1x1 head mix gives a
+    (out, in) matrix, the depth-wise conv its (C, 1, k, k) kernel. Folded in fp32, returned in ``dtype``."""
+    conv = stage[0]
+    w = conv.weight.float()
+    w = w[:, :, 0, 0] if isinstance(conv, HeadMix) else w
+    bias = None if conv.bias is None else conv.bias.float()
+    bns = [m for m in stage if isinstance(m, nn.BatchNorm2d)]
+    if bns:
+        w, bias = fold_bn(w, bias, bns[0])
+    relu6 = any(isinstance(m, nn.ReLU6) for m in stage)
+    return w.to(dtype), None if bias is None else bias.to(dtype), relu6
+
+
+def _bias_act(x: Tensor, bias: Tensor | None, relu6: bool) -> Tensor:
+    """``ReLU6(x + bias)`` in place (bias over the last axis of a heads-last tensor)."""
+    if bias is not None:
+        x = x.add_(bias)
+    return x.clamp_(0.0, 6.0) if relu6 else x
+
+
+class SameDepthwiseConv2d(nn.Conv2d):
+    """Depth-wise k×k convolution, no bias, TensorFlow-"same" zero padding at stride 1.
+
+    Padding is k-1 in total per axis, ⌊(k-1)/2⌋ before and the rest after, as the
+    official ``Conv2dSamePadding``: symmetric for odd k, one more after for even k.
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        before = (kernel_size - 1) // 2
+        odd = kernel_size % 2 == 1
+        super().__init__(channels, channels, kernel_size, padding=before if odd else 0, groups=channels, bias=False)
+        # even kernels need an asymmetric pad, which Conv2d's own padding cannot express
+        self.same_pad = None if odd else (before, kernel_size - 1 - before) * 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x if self.same_pad is None else F.pad(x, self.same_pad))
+
+
+class DistributedLocalAttention(nn.Module):
+    """The refiner on attention maps: expansion H → rH, depth-wise k×k conv (DLA), reduction rH → H.
+
+    Input and output are maps ``(B, H, N, N)`` (``(B, rH, N, N)`` out when
+    ``reduction=False``). Stages can be switched off for the paper's ablations:
+    ``expansion=1`` skips the expansion conv (as the official code), ``dla=False``
+    the local convolution, ``reduction=False`` the reduction. With
+    ``official_extras`` each conv is followed by BatchNorm (+ ReLU6 after the
+    first two) and the input map is added back (official ``DLA``).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        expansion: int = 3,
+        kernel_size: int = 3,
+        dla: bool = True,
+        reduction: bool = True,
+        official_extras: bool = False,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.num_heads = _positive_int(name, "num_heads", num_heads)
+        self.expansion = _positive_int(name, "expansion", expansion)
+        self.kernel_size = _positive_int(name, "kernel_size", kernel_size)
+        hidden = num_heads * expansion
+        self.out_heads = num_heads if reduction else hidden
+        if official_extras and self.out_heads != num_heads:
+            raise ValueError(
+                f"{name}: official_extras adds the input maps back (identity shortcut), which needs "
+                f"reduction=True or expansion=1; got reduction=False with expansion={expansion}"
+            )
+        self.residual = official_extras
+
+        def stage(conv: nn.Conv2d, relu: bool) -> nn.Sequential:
+            extras = [nn.BatchNorm2d(conv.out_channels)] + ([nn.ReLU6()] if relu else [])
+            return nn.Sequential(conv, *(extras if official_extras else []))
+
+        self.expand = stage(HeadMix(num_heads, hidden, bias=False), True) if expansion > 1 else None
+        self.local = stage(SameDepthwiseConv2d(hidden, kernel_size), True) if dla else None
+        self.reduce = stage(HeadMix(hidden, num_heads, bias=False), False) if reduction else None
+
+    def forward(self, attn: Tensor, post: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``."""
+        if attn.dim() != 4 or attn.shape[1] != self.num_heads or attn.shape[2] != attn.shape[3]:
+            raise ValueError(
+                f"{type(self).__name__}: expected attention maps (B, H={self.num_heads}, N, N), got {tuple(attn.shape)}"
+            )
+        if can_fold(self, attn):
+            return self._folded(attn, post)
+        out = attn
+        for stage in (self.expand, self.local, self.reduce):
+            if stage is not None:
+                out = stage(out)
+        out = attn + out if self.residual else out
+        if post is not None:
+            out = out * post[0].view(-1, 1, 1) + post[1].view(-1, 1, 1)
+        return out
+
+    # ------------------------------------------------------------------ inference fast path
+    # Speed (eval, no autograd): each BatchNorm is folded into the conv before it, bias + ReLU6 run in place,
+    # and the stages run on a few maps at a time. The expanded maps (B, rH, N, N) are large (45 MB for
+    # Refined-ViT-S at batch 8, 224 px): processed whole, every stage streams them through memory and every
+    # intermediate is a fresh allocation that the kernel must fault in; chunks of ~16 MB stay in cache and are
+    # reused by the allocator. The 1x1 head mixes are GEMMs over the head axis on heads-last views, so the
+    # depth-wise conv gets channels-last maps (oneDNN's native layout) and the reduction writes the standard
+    # (B, H, N, N) layout that ``attn @ v`` reads, with no copies in between. Same function as the modules.
+
+    _CHUNK_BYTES = 16 << 20
+
+    def _folded(self, attn: Tensor, post: tuple[Tensor, Tensor] | None) -> Tensor:
+        b, h, n, _ = attn.shape
+        stages = [None if st is None else _fold_stage(st, attn.dtype) for st in (self.expand, self.local, self.reduce)]
+        if self.residual:  # a · (attn + r) + c = a·r + (a·attn + c): the residual joins the post affine
+            one = attn.new_ones(self.out_heads)
+            post = (one, attn.new_zeros(self.out_heads)) if post is None else post
+        if post is not None and stages[2] is not None:  # fold the scale a into the reduction
+            w, bias, _ = stages[2]
+            a = post[0].to(attn.dtype)
+            stages[2] = (w * a[:, None], (bias if bias is not None else 0) * a + post[1].to(attn.dtype), False)
+        out = attn.new_empty(b, self.out_heads, n, n)
+        per_sample = max(self.num_heads * self.expansion, h) * n * n * attn.element_size()
+        step = max(1, self._CHUNK_BYTES // per_sample)
+        for i in range(0, b, step):  # a loop over a few chunks of the batch, never over tokens
+            self._folded_chunk(attn[i : i + step], out[i : i + step], stages, post)
+        return out
+
+    def _folded_chunk(self, attn: Tensor, out: Tensor, stages: list, post: tuple[Tensor, Tensor] | None) -> None:
+        b, h, n, _ = attn.shape
+        x = attn.reshape(b, h, n * n).transpose(1, 2)  # (b, N², H): a heads-last view
+        expand, local, reduce = stages
+        if expand is not None:
+            x = _bias_act(torch.bmm(x, expand[0].t().expand(b, -1, -1)), expand[1], expand[2])  # (b, N², rH)
+        if local is not None:
+            c = x.shape[-1]
+            x = x.reshape(b, n, n, c).permute(0, 3, 1, 2)  # channels-last (b, C, N, N)
+            pad = self.local[0].same_pad
+            x = F.conv2d(
+                x if pad is None else F.pad(x, pad), local[0], local[1], padding=self.local[0].padding, groups=c
+            )
+            x = _bias_act(x, None, local[2]).permute(0, 2, 3, 1).reshape(b, n * n, c)
+        dest = out.view(b, self.out_heads, n * n)
+        if reduce is not None:
+            torch.matmul(reduce[0], x.transpose(1, 2), out=dest)  # (b, H, N²)
+            if reduce[1] is not None:
+                dest.add_(reduce[1].view(-1, 1))
+        else:
+            dest.copy_(x.transpose(1, 2))
+            if post is not None:
+                dest.mul_(post[0].view(-1, 1)).add_(post[1].view(-1, 1))
+        if self.residual:
+            dest.addcmul_(attn.reshape(b, h, n * n), post[0].view(-1, 1).to(dest.dtype))
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, expansion={self.expansion}, kernel_size={self.kernel_size}"
+
+
+class RefinerAttention(Attention):
+    """Multi-head attention with refined maps (Refined-ViT's token mixer).
+
+    Normal block (``share=False``)::
+
+        A = softmax(q kᵀ s)  [+ s · attn_prev  if residual_attention and attn_prev is given]
+        A = drop(A);  A = adapt_bn(DLA(A)) if refine
+        out = proj(merge_h(A_h V_h))
+
+    Shared block (``share=True``, the official odd blocks): no q/k -- ``qkv``
+    maps dim → dim and gives V only -- and ``A = adapt_bn(DLA(attn_prev)) · s``;
+    ``attn_prev`` is required.
+
+    ``aux["attn"]`` is the map multiplied with V; ``aux["carry"]`` the map to hand
+    to the next block as the official code does: the (refined) map of a normal
+    block, the incoming ``attn_prev`` unchanged for a shared block.
+
+    ``reduction=False`` (paper Table 3 ablation: no linear reduction) leaves rH
+    maps; vitlab's reading is that they multiply V split into rH heads of width
+    dim / (rH), so the output width stays dim (ValueError if not divisible).
+    ``adapt_bn`` (BatchNorm2d on the refined map) defaults to ``official_extras``.
+
+    The released Refined-ViT models alternate ``RefinerAttention(refine=False,
+    residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
+    official_extras=True)`` (odd blocks), each block passing ``aux["carry"]`` on as
+    the next block's ``attn_prev``. Official ``Refined_Attention`` checkpoints load
+    after renaming keys with :func:`official_key`.
+    """
+
+    uses_attn_prev = True
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = True,
+        qk_scale: float | None = None,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        expansion: int = 3,
+        kernel_size: int = 3,
+        dla: bool = True,
+        reduction: bool = True,
+        official_extras: bool = False,
+        adapt_bn: bool | None = None,
+        share: bool = False,
+        residual_attention: bool = False,
+        refine: bool = True,
+    ) -> None:
+        super().__init__(dim, num_heads, qkv_bias, qk_scale, attn_drop, proj_drop, fused=False)
+        if share and not refine:
+            raise ValueError("RefinerAttention: share=True refines the previous block's map; it needs refine=True")
+        self.share = share
+        self.residual_attention = residual_attention
+        if share:
+            self.qkv = nn.Linear(dim, dim, bias=qkv_bias)  # values only: the map comes from the previous block
+        self.refiner = (
+            DistributedLocalAttention(num_heads, expansion, kernel_size, dla, reduction, official_extras)
+            if refine
+            else None
+        )
+        self.value_heads = self.refiner.out_heads if refine else num_heads
+        if self.value_heads != num_heads:
+            check_divisible(
+                f"RefinerAttention (reduction=False: V is split into {expansion}x heads)", dim, self.value_heads
+            )
+        use_bn = official_extras if adapt_bn is None else adapt_bn
+        self.adapt_bn = nn.BatchNorm2d(self.value_heads) if refine and use_bn else None
+
+    def refine_map(self, attn: Tensor, scale: float = 1.0) -> Tensor:
+        """``scale · adapt_bn(DLA(attn))`` (without ``adapt_bn`` unless enabled), in ``attn``'s dtype."""
+        if can_fold(self, attn):  # inference: adapt_bn and the scale fold into the refiner's last stage
+            if self.adapt_bn is not None:
+                a, c = fold_bn(attn.new_ones(self.value_heads, dtype=torch.float32), None, self.adapt_bn)
+            else:
+                a, c = attn.new_ones(self.value_heads), attn.new_zeros(self.value_heads)
+            return self.refiner(attn, post=((a * scale).to(attn.dtype), (c * scale).to(attn.dtype)))
+        out = self.refiner(attn)
+        if self.adapt_bn is not None:
+            out = self.adapt_bn(out)
+        out = out.to(attn.dtype)  # BN/conv may run in another precision under autocast
+        return out * scale if scale != 1.0 else out
+
+    def _check_prev(self, attn_prev: Tensor, x: Tensor) -> None:
+        want = (x.shape[0], self.num_heads, x.shape[1], x.shape[1])
+        if tuple(attn_prev.shape) != want:
+            raise ValueError(
+                f"RefinerAttention: attn_prev must be the previous block's map of shape (B, H, N, N) = {want}, "
+                f"got {tuple(attn_prev.shape)}"
+            )
+
+    def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        if attn_prev is not None:
+            self._check_prev(attn_prev, x)
+        if self.share:
+            if attn_prev is None:
+                raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")
+            v = split_heads(self.qkv(x), self.value_heads)
+            attn = self.refine_map(attn_prev.to(v.dtype), self.scale)
+            carry = attn_prev
+        else:
+            q, k, v = self.qkv_heads(x)
+            if self.value_heads != self.num_heads:
+                v = split_heads(merge_heads(v), self.value_heads)
+            attn = attention_map(q, k, self.scale)
+            if self.residual_attention and attn_prev is not None:  # official: added after the softmax
+                prev = attn_prev.to(attn.dtype)
+                attn = attn.add_(prev, alpha=self.scale) if can_fold(self, attn) else attn + self.scale * prev
+            attn = self.attn_drop(attn)
+            if self.refiner is not None:
+                attn = self.refine_map(attn)
+            carry = attn
+        out = self.proj_drop(self.proj(merge_heads(attn @ v)))
+        return out, {"attn": attn, "carry": carry}

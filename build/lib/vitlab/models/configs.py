@@ -1,0 +1,410 @@
+"""Every named model as a row of a table (see SPEC.md "Named configurations").
+
+Parameter/MAC targets are for 1000 classes at the default input size. The
+``*_mini`` rows are small variants of each family (patch 4, 32 px input) for
+CPU training; build them with ``img_size=28, in_chans=1`` for MNIST.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .registry import ModelConfig, register
+
+DEIT = "Touvron et al. 2021, Training data-efficient image transformers (DeiT)"
+REFINER = "Zhou et al. 2021, Refiner: Refining Self-attention for Vision Transformers"
+TNT = "Han et al. 2021, Transformer in Transformer"
+CPVT = "Chu et al. 2021, Conditional Positional Encodings for Vision Transformers (CPVT)"
+DEEPVIT = "Zhou et al. 2021, DeepViT: Towards Deeper Vision Transformer"
+EA = "Guo et al. 2021, Beyond Self-attention: External Attention using Two Linear Layers"
+AFT = "Zhai et al. 2021, An Attention Free Transformer"
+
+# width, heads of the DeiT backbones
+DEIT_SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
+MINI = dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2, mlp_ratio=4.0)
+
+
+def alternate(depth: int, even: Any, odd: Any) -> list[Any]:
+    return [even if i % 2 == 0 else odd for i in range(depth)]
+
+
+def last(depth: int, n: int, base: Any, special: Any) -> list[Any]:
+    """``base`` in the first ``depth - n`` blocks, ``special`` in the last ``n`` (DeepViT-S/L)."""
+    return [base] * (depth - n) + [special] * n
+
+
+def vit(
+    name: str,
+    paper: str,
+    source: str,
+    params: float | None = None,
+    macs: float | None = None,
+    notes: str = "",
+    **kw: Any,
+) -> ModelConfig:
+    base = dict(patch_size=16, mlp_ratio=4.0, qkv_bias=True, norm_eps=1e-6)
+    return ModelConfig(name, "vit", {**base, **kw}, paper, source, params, macs, notes=notes)
+
+
+# Refined-ViT (official code): even blocks = attention + s·(map two blocks back), odd blocks = the shared
+# block refining the previous map with DLA (expansion 3, 3x3, BN/ReLU6, identity, adapt_bn); no q/k there.
+REFINER_NORMAL = ("refiner", dict(refine=False, residual_attention=True))
+REFINER_SHARED = ("refiner", dict(share=True, official_extras=True))
+REFINER_OFFICIAL = dict(mlp_ratio=3.0, stem_channels=(32, 64, 128), residual_scale=0.5, ls_init=(None, 1e-5))
+DEEPVIT_OFFICIAL = dict(mlp_ratio=3.0, stem_channels=(64, 64), residual_scale=0.5)
+# seed 000 Table 2: a 3x3 convolution directly on the heads' attention maps (no expansion, no reduction)
+DLA_ONLY = ("refiner", dict(expansion=1, reduction=False))
+
+_rows: list[ModelConfig] = []
+
+# --- DeiT / ViT baselines -------------------------------------------------------------------------------
+# distilled: + distillation token, its position row and a second head
+for size, params, params_dist, macs in (
+    ("tiny", 5.72, 5.91, 1.25),
+    ("small", 22.05, 22.44, 4.60),
+    ("base", 86.57, 87.34, 17.56),
+):
+    dim, heads = DEIT_SIZES[size]
+    src = f"facebookresearch/deit models.py deit_{size}_patch16_224"
+    _rows += [
+        vit(f"deit_{size}_patch16_224", DEIT, src, params, macs, embed_dim=dim, depth=12, num_heads=heads),
+        vit(
+            f"deit_{size}_distilled_patch16_224",
+            DEIT,
+            src.replace("_patch", "_distilled_patch"),
+            params_dist,
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+            dist_token=True,
+        ),
+    ]
+
+# --- DeepViT: ViT baselines of the paper, re-attention in every block, and the official S/L ----------
+for depth, params, params_re in ((16, 24.42, 24.43), (24, 36.26, 36.26), (32, 48.09, 48.10)):
+    deep = dict(embed_dim=384, depth=depth, num_heads=12, mlp_ratio=3.0)
+    src = f"zhoudaquan/dvit_repo deep_vision_transformer.py deepvit_patch16_224_re_attn_{depth}b"
+    _rows += [
+        vit(f"vit_{depth}b", DEEPVIT, src + " (apply_transform off)", params, **deep),
+        vit(f"deepvit_{depth}b", DEEPVIT, src, params_re, mixer="reattention", **deep),
+        vit(
+            f"vit_{depth}b_dla",
+            REFINER,
+            "seed 000 Table 2: ViT + 3x3 conv on attention maps",
+            params,
+            mixer=DLA_ONLY,
+            **deep,
+        ),
+    ]
+_rows += [
+    vit(
+        "vit_base_dla",
+        REFINER,
+        "seed 000 Table 2: ViT-B + 3x3 conv on attention maps",
+        86.57,
+        embed_dim=768,
+        depth=12,
+        num_heads=12,
+        mixer=DLA_ONLY,
+    ),
+    vit(
+        "deepvit_s",
+        DEEPVIT,
+        "zhoudaquan/dvit_repo deepvit_S",
+        27.31,
+        6.33,
+        embed_dim=396,
+        depth=16,
+        num_heads=12,
+        mixer=last(16, 5, "attention", ("reattention", dict(transform_scale=True))),
+        **DEEPVIT_OFFICIAL,
+        notes="papers quote 27M",
+    ),
+    vit(
+        "deepvit_l",
+        DEEPVIT,
+        "zhoudaquan/dvit_repo deepvit_L",
+        58.88,
+        13.08,
+        embed_dim=420,
+        depth=32,
+        num_heads=12,
+        mixer=last(32, 12, "attention", "reattention"),
+        **DEEPVIT_OFFICIAL,
+        notes="the paper quotes 55M; the official config computes to 58.9M",
+    ),
+]
+
+# --- Refined-ViT (official configs; token-labelling aux head off by default) ---------------------------
+for size, dim, depth, heads, params, macs in (
+    ("s", 384, 16, 12, 25.02, 6.74),
+    ("m", 420, 32, 12, 55.03, 13.42),
+    ("l", 512, 32, 16, 80.64, 19.09),
+):
+    _rows.append(
+        vit(
+            f"refiner_vit_{size}",
+            REFINER,
+            f"zhoudaquan/Refiner_ViT refined_transformer.py Refiner_ViT_{size.upper()}",
+            params,
+            macs,
+            embed_dim=dim,
+            depth=depth,
+            num_heads=heads,
+            mixer=alternate(depth, REFINER_NORMAL, REFINER_SHARED),
+            **REFINER_OFFICIAL,
+        )
+    )
+
+# --- CPVT: DeiT without a position table, PEGs after blocks 0-4 (‡) ------------------------------------
+for size, short, params, params_gap in (
+    ("tiny", "ti", 5.69, 5.69),
+    ("small", "s", 21.99, 21.99),
+    ("base", "b", 86.46, 86.46),
+):
+    dim, heads = DEIT_SIZES[size]
+    cpvt = dict(embed_dim=dim, depth=12, num_heads=heads, pos_embed="none", peg_at=(0, 1, 2, 3, 4))
+    src = "paper Algorithm 1 + Meituan-AutoML/Twins gvt.py PosCNN"
+    _rows += [
+        vit(f"cpvt_{short}", CPVT, src, params, **cpvt),
+        vit(
+            f"cpvt_{short}_gap",
+            CPVT,
+            src + " (GAP, no class token)",
+            params_gap,
+            class_token=False,
+            global_pool="avg",
+            **cpvt,
+        ),
+    ]
+_rows.append(
+    vit(
+        "cpvt_ti_peg0",
+        CPVT,
+        "CPVT Table 2: a single PEG after block 0",
+        5.68,
+        embed_dim=192,
+        depth=12,
+        num_heads=3,
+        pos_embed="none",
+        peg_at=(0,),
+    )
+)
+
+# --- AFT on the DeiT backbone (AFT Table 7) -------------------------------------------------------------
+for size, params in (("tiny", 6.32), ("small", 22.66)):
+    dim, heads = DEIT_SIZES[size]
+    _rows.append(
+        vit(
+            f"aft_full_{size}",
+            AFT,
+            "AFT Table 7 (d' = 128)",
+            params,
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+            mixer=("aft_full", dict(bias_dim=128)),
+        )
+    )
+for size, heads_aft, k, params in (
+    ("tiny", 32, 11, 5.36),
+    ("tiny", 192, 11, 5.96),
+    ("small", 16, 11, 20.30),
+    ("small", 384, 11, 22.54),
+    ("small", 384, 15, 23.02),
+):
+    dim, heads = DEIT_SIZES[size]
+    _rows.append(
+        vit(
+            f"aft_conv_{size}_{heads_aft}_{k}",
+            AFT,
+            "AFT Table 7 (no class token, no position table, GAP)",
+            params,
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+            class_token=False,
+            global_pool="avg",
+            pos_embed="none",
+            mixer=("aft_conv", dict(num_heads=heads_aft, kernel_size=k)),
+        )
+    )
+# AFT §6.3.2 global-connectivity ablation: kernel 7, w = -inf outside the window (79.9 vs 80.8 with the global sum)
+for suffix, outside in (("", "zero"), ("_noglobal", "-inf")):
+    _rows.append(
+        vit(
+            f"aft_conv_small_384_7{suffix}",
+            AFT,
+            f"AFT §6.3.2 ablation (kernel 7, outside={outside})",
+            embed_dim=384,
+            depth=12,
+            num_heads=6,
+            class_token=False,
+            global_pool="avg",
+            pos_embed="none",
+            mixer=("aft_conv", dict(num_heads=384, kernel_size=7, outside=outside)),
+        )
+    )
+
+# --- small variants for CPU training (patch 4, 32 px) ---------------------------------------------------
+_rows += [
+    vit("deit_mini", DEIT, "vitlab: small DeiT", **MINI),
+    vit("deepvit_mini", DEEPVIT, "vitlab: small DeepViT (re-attention in every block)", **MINI, mixer="reattention"),
+    vit(
+        "refiner_vit_mini",
+        REFINER,
+        "vitlab: small Refined-ViT (official block pattern, no CNN stem)",
+        **{**MINI, "num_heads": 4},
+        mixer=alternate(4, REFINER_NORMAL, REFINER_SHARED),
+        residual_scale=0.5,
+        ls_init=(None, 1e-5),
+    ),
+    vit(
+        "refiner_mini",
+        REFINER,
+        "vitlab: small ViT with the paper's refiner (r=3, 3x3 DLA, reduction) in every block",
+        **{**MINI, "num_heads": 4},
+        mixer=("refiner", dict(expansion=3, kernel_size=3)),
+    ),
+    vit("cpvt_mini", CPVT, "vitlab: small CPVT (PEG after blocks 0-2)", **MINI, pos_embed="none", peg_at=(0, 1, 2)),
+    vit(
+        "cpvt_gap_mini",
+        CPVT,
+        "vitlab: small CPVT-GAP",
+        **MINI,
+        pos_embed="none",
+        peg_at=(0, 1, 2),
+        class_token=False,
+        global_pool="avg",
+    ),
+    vit("aft_full_mini", AFT, "vitlab: small AFT-full", **MINI, mixer=("aft_full", dict(bias_dim=32))),
+    vit("aft_simple_mini", AFT, "vitlab: small AFT-simple", **MINI, mixer="aft_simple"),
+    vit(
+        "aft_conv_mini",
+        AFT,
+        "vitlab: small AFT-conv",
+        **MINI,
+        class_token=False,
+        global_pool="avg",
+        pos_embed="none",
+        mixer=("aft_conv", dict(num_heads=16, kernel_size=5)),
+    ),
+]
+
+# --- EAMLP: T2T-ViT with external attention everywhere (EA token layers S=128, multi-head EA blocks) ---
+# The position table is a fixed sinusoid recomputed for the input's token count, so every row runs at any size.
+for depth, dim, heads, mlp, params in ((7, 256, 4, 2.0, 6.10), (14, 384, 6, 3.0, 29.80), (19, 448, 7, 3.0, 54.47)):
+    _rows.append(
+        ModelConfig(
+            f"eamlp_{depth}",
+            "t2t",
+            dict(img_size=384 if depth == 7 else 224, embed_dim=dim, depth=depth, num_heads=heads, mlp_ratio=mlp),
+            EA,
+            f"MenghaoGuo/EANet EAMLP/models/t2t_vit.py T2t_vit_{depth} (external attention)",
+            params,
+            notes=(
+                "official input 384 (EAMLP_7_384/args.yaml, 71.7% top-1); img_size=224 gives the same parameters"
+                if depth == 7
+                else ""
+            ),
+        )
+    )
+_rows.append(
+    ModelConfig(
+        "eamlp_mini",
+        "t2t",
+        dict(
+            img_size=32,
+            embed_dim=64,
+            depth=4,
+            num_heads=2,
+            mlp_ratio=4.0,
+            token_dim=32,
+            soft_split=((3, 2, 1), (3, 2, 1), (3, 1, 1)),
+        ),
+        EA,
+        "vitlab: small EAMLP (soft splits k/s/p 3/2/1, 3/2/1, 3/1/1: an 8x8 grid at 32 px, 7x7 at 28)",
+        notes="the official 7/4/2 first split would leave a 2x2 grid at 32 px; stride 1 comes last so that the "
+        "token layers see 256 and 64 tokens instead of 1024 and 256 (a third fewer MACs)",
+    )
+)
+
+# --- TNT (official non-legacy Huawei code; the frozen unused outer_tokens is not created: SPEC Decision 4) ------
+TNT_SRC = "huawei-noah/Efficient-AI-Backbones tnt_pytorch/tnt.py"
+TNT_SIZES = {"ti": (192, 12, 3, 2, 6.08, 1.40), "s": (384, 24, 6, 4, 23.77, 5.22), "b": (640, 40, 10, 4, 65.43, 14.05)}
+
+
+def tnt(
+    name: str,
+    source: str,
+    params: float | None = None,
+    macs: float | None = None,
+    notes: str = "",
+    size: str = "s",
+    **kw: Any,
+) -> ModelConfig:
+    outer, inner, outer_heads, inner_heads = TNT_SIZES[size][:4]
+    base = dict(
+        patch_size=16,
+        outer_dim=outer,
+        inner_dim=inner,
+        depth=12,
+        outer_heads=outer_heads,
+        inner_heads=inner_heads,
+        inner_stride=4,
+        qkv_bias=False,
+    )
+    return ModelConfig(name, "tnt", {**base, **kw}, TNT, source, params, macs, notes=notes)
+
+
+for size, (*_, params, macs) in TNT_SIZES.items():
+    _rows.append(
+        tnt(
+            f"tnt_{size}_patch16_224",
+            TNT_SRC + (f" tnt_{size}_patch16_224" if size != "ti" else ""),
+            params,
+            macs,
+            size=size,
+            notes="paper Table 1 only (no official registration)"
+            if size == "ti"
+            else "paper 23.8M / 65.6M include the frozen unused outer_tokens",
+        )
+    )
+# partial TNT (paper Table 5: inner transformer only in blocks [1,4,8,12], [1,6,12], [1,6], [1]; 1-based there)
+for i, (blocks, params, macs) in enumerate(
+    (((0, 3, 7, 11), 22.52, 4.8), ((0, 5, 11), 22.36, 4.7), ((0, 5), 22.21, 4.7), ((0,), 22.05, 4.6)), 1
+):
+    _rows.append(
+        tnt(
+            f"tnt_s_{i}",
+            f"TNT paper Table 5 (TNT-S-{i})",
+            params,
+            macs,
+            tnt_blocks=blocks,
+            notes="params computed from the config; MACs are the paper's (0.1G rounding)",
+        )
+    )
+_rows += [
+    tnt(
+        "tnt_s_se_patch16_224",
+        "TNT paper Table 12 (TNT-S + SE; official Block se>0 = hidden C/4)",
+        24.67,
+        5.22,
+        se=4,
+        notes="paper 24.7M",
+    ),
+    tnt(
+        "tnt_mini",
+        "vitlab: small TNT (patch 4 -> 2x2 words of 16 channels)",
+        img_size=32,
+        patch_size=4,
+        outer_dim=64,
+        inner_dim=16,
+        depth=4,
+        outer_heads=2,
+        inner_heads=2,
+        inner_stride=2,
+    ),
+]
+
+register(*_rows)

@@ -1,0 +1,178 @@
+"""The generic Vision Transformer: every paper's model except TNT is a configuration of this class.
+
+One block = one token mixer (any ``vitlab.mixers`` kind, chosen per block) + MLP.
+Around the blocks: patch embedding (linear or a CNN stem), prefix tokens
+(class / distillation), a position encoding (learned table, 2-D sin-cos, CPVT's
+PEG after chosen blocks, or none) and a head (class token, GAP, DeiT's two heads,
+Refined-ViT's token-labelling aux head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import PatchEmbed, PositionEncodingGenerator, resample_pos_embed, sincos_2d
+from ..mixers.base import TokenLayout
+from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
+
+
+class VisionTransformer(Classifier):
+    """ViT / DeiT with a pluggable token mixer per block.
+
+    Args:
+        img_size, patch_size, in_chans, num_classes, embed_dim, depth, num_heads,
+        mlp_ratio, qkv_bias: as in ViT (Dosovitskiy et al.) / DeiT.
+        mixer: one spec for all blocks or a list with one per block; a spec is a
+            kind (``"attention"``) or ``(kind, kwargs)``. num_heads, qkv_bias,
+            attn_drop and max_len (the token count) are passed to mixers that take them.
+        stem_channels: CNN stem before the patch projection (Refined-ViT, DeepViT-S/L).
+        class_token, dist_token: prefix tokens (DeiT distillation adds a second head).
+        pos_embed: ``"learned"``, ``"sincos"`` or ``"none"``.
+        peg_at: block indices whose output passes through a PEG (CPVT); -1 = before block 0.
+        global_pool: ``"token"`` (class token) or ``"avg"`` (mean of patch tokens).
+        residual_scale, ls_init: the official Refiner/DeepViT residual rescaling and LayerScale.
+        aux_head: Refined-ViT's token-labelling head: logits = head(cls) + 0.5·max_n aux_head(patch_n).
+        dynamic_img_size: resample the learned position table (bicubic) when the
+            input grid differs from the one it was built for; otherwise that is an error.
+    """
+
+    def __init__(
+        self,
+        img_size: int | tuple[int, int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        mixer: MixerSpec | Sequence[MixerSpec] = "attention",
+        stem_channels: Sequence[int] = (),
+        class_token: bool = True,
+        dist_token: bool = False,
+        pos_embed: str = "learned",
+        peg_at: Sequence[int] = (),
+        peg_kernel: int = 3,
+        global_pool: str = "token",
+        norm_eps: float = 1e-6,
+        residual_scale: float = 1.0,
+        ls_init: tuple[float | None, float | None] = (None, None),
+        aux_head: bool = False,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        dynamic_img_size: bool = False,
+    ) -> None:
+        super().__init__()
+        if pos_embed not in ("learned", "sincos", "none"):
+            raise ValueError(f"pos_embed must be 'learned', 'sincos' or 'none', got {pos_embed!r}")
+        check_pool(global_pool, class_token)
+        if dist_token and not class_token:
+            raise ValueError("a distillation token needs a class token (DeiT)")
+        if any(i < -1 or i >= depth for i in peg_at):
+            raise ValueError(f"peg_at indices must be in [-1, {depth - 1}], got {list(peg_at)}")
+
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.global_pool = global_pool
+        self.num_prefix = int(class_token) + int(dist_token)
+        self.dynamic_img_size = dynamic_img_size
+        self.pos_embed_kind = pos_embed
+
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim, stem_channels)
+        self.grid = self.patch_embed.grid_size(img_size)
+        num_tokens = self.num_prefix + self.grid[0] * self.grid[1]
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
+        self.pos_drop = nn.Dropout(drop_rate)
+        self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel) for i in peg_at})
+
+        defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
+        self.blocks = build_blocks(
+            embed_dim,
+            depth,
+            mixer,
+            defaults,
+            drop_path_rate,
+            mlp_ratio=mlp_ratio,
+            drop=drop_rate,
+            norm_eps=norm_eps,
+            ls_init=ls_init,
+            residual_scale=residual_scale,
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
+        self.head = self.new_head(num_classes)
+        self.head_dist = self.new_head(num_classes) if dist_token else None
+        self.aux_head = self.new_head(num_classes) if aux_head else None
+        self.distilled_training = False  # DeiT: training returns both heads' logits when True
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """DeiT/timm init (trunc-normal 0.02 for Linear weights, tokens and table); the PEG and the patch
+        embedding keep their conv init."""
+        self.init_trunc_normal(self.pos_embed, self.cls_token, self.dist_token)
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        super().reset_classifier(num_classes, global_pool)
+        if self.head_dist is not None:
+            self.head_dist = self.new_head(num_classes)
+        if self.aux_head is not None:
+            self.aux_head = self.new_head(num_classes)
+
+    # --------------------------------------------------------------- forward
+    def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
+        x, grid = self.patch_embed(x)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
+        x = torch.cat([*prefix, x], dim=1)
+        layout = TokenLayout(grid, self.num_prefix)
+        if self.pos_embed is not None:
+            if grid != self.grid and not self.dynamic_img_size:
+                raise ValueError(
+                    f"this model's position table is for a {self.grid[0]}x{self.grid[1]} patch grid "
+                    f"({self.grid[0] * self.patch_embed.patch_size[0]} px), got {grid[0]}x{grid[1]}; build it with "
+                    f"img_size=... or dynamic_img_size=True to resample the table"
+                )
+            x = x + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix)
+        elif self.pos_embed_kind == "sincos":
+            table = sincos_2d(self.embed_dim, grid).to(x)
+            x = torch.cat([x[:, : self.num_prefix], x[:, self.num_prefix :] + table], dim=1)
+        return self.pos_drop(x), layout
+
+    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
+        """Run the trunk and return every block's output and its mixer's aux (attention maps, keys...).
+
+        Returns ``{"tokens": [B,N,C per block], "aux": [dict per block], "features":
+        final normed tokens, "layout": TokenLayout}``. This is the single path the
+        analysis tools read; attention switches from SDPA to its explicit path,
+        which computes the same output.
+        """
+        x, layout = self._embed(x)
+        if "-1" in self.pegs:
+            x = self.pegs["-1"](x, layout)
+
+        def peg(i: int, t: Tensor) -> Tensor:
+            return self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
+
+        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux, peg)
+        return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present."""
+        pooled = self.pool(x)
+        if pre_logits:
+            return pooled
+        logits = self.head(pooled)
+        if self.head_dist is not None:
+            logits_dist = self.head_dist(x[:, 1])
+            if self.training and self.distilled_training:
+                return logits, logits_dist
+            return (logits + logits_dist) / 2
+        if self.aux_head is not None:
+            logits = logits + 0.5 * self.aux_head(x[:, self.num_prefix :]).max(1).values
+        return logits

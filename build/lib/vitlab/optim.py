@@ -1,0 +1,85 @@
+"""AdamW with DeiT's weight-decay exclusions, and a per-step warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed weights, and the rest without decay.
+
+    As timm's ``param_groups_weight_decay``: 1-D parameters (biases, norm scales) and the names in
+    ``model.no_weight_decay()`` (class/distillation tokens, position tables, AFT position biases) are not
+    decayed, since decay pulls them toward zero with no regularising benefit.
+    """
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def create_optimizer(
+    model: nn.Module, lr: float, weight_decay: float = 0.05, betas: tuple[float, float] = (0.9, 0.999)
+) -> torch.optim.AdamW:
+    if lr <= 0 or weight_decay < 0:
+        raise ValueError(f"need lr > 0 and weight_decay >= 0, got lr={lr}, weight_decay={weight_decay}")
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas)
+
+
+class WarmupCosine:
+    """Per-step learning rate: linear warmup from ``warmup_lr`` to ``lr`` over ``warmup_steps``, then
+    cosine decay to ``min_lr`` at ``total_steps`` (DeiT's schedule, stepped per batch instead of per epoch).
+
+    Its state is the step count, so a resumed run continues the same curve.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        min_lr: float = 0.0,
+        warmup_lr: float = 0.0,
+    ) -> None:
+        if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+            raise ValueError(
+                f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}"
+            )
+        self.optimizer, self.lr, self.min_lr, self.warmup_lr = optimizer, lr, min_lr, warmup_lr
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.step_count = 0
+        self._apply()
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.warmup_lr + (self.lr - self.warmup_lr) * step / self.warmup_steps
+        span = max(1, self.total_steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
+
+    def _apply(self) -> None:
+        lr = self.lr_at(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    @property
+    def current_lr(self) -> float:
+        return self.lr_at(self.step_count)
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+        self._apply()

@@ -1,0 +1,111 @@
+"""``vitlab train``: train a registered model (``torchrun --nproc_per_node=N -m vitlab.cli train ...`` for DDP)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+
+from .engine import AMP_CHOICES, TrainConfig
+
+HELP = {
+    "model": "registered model name (see `vitlab models`)",
+    "data": "dataset spec: mnist (embedded, default), cifar10:<folder>, mnist-idx:<folder>, folder:<path>",
+    "out": "output folder: last.pt (each epoch), log.csv/log.json, summary.json (default runs/train/<model>)",
+    "epochs": "training epochs",
+    "batch_size": "global batch size (split over torchrun processes)",
+    "lr": "peak learning rate (after warmup)",
+    "min_lr": "learning rate at the end of the cosine",
+    "warmup_epochs": "linear warmup length in epochs (fractions allowed)",
+    "weight_decay": "AdamW weight decay (not applied to norms, biases, tokens, position tables)",
+    "clip_grad": "clip the gradient norm to this (0: off)",
+    "drop_path": "stochastic depth rate of the last block (linear rule)",
+    "smoothing": "label smoothing",
+    "mixup": "Mixup alpha (0: off)",
+    "cutmix": "CutMix alpha (0: off)",
+    "ema": "keep an EMA of the weights with this decay, e.g. 0.999 (0: off)",
+    "amp": "autocast: auto = fp16 with a gradient scaler on GPU, off on CPU; bf16 on CPU or GPU",
+    "seed": "seed of the initial weights, data order and augmentation",
+    "threads": "torch threads per process (0: torch's default)",
+    "device": "auto, cpu, cuda or cuda:N",
+    "img_size": "train at this input size (default: the data's)",
+    "holdout": "held-out images of the embedded MNIST (default 1000)",
+    "train_limit": "train on a random N of the training images (quick runs)",
+    "crop_padding": "random-crop padding in pixels (0: no crop)",
+    "hflip": "horizontal flip probability (default 0 for digits, else 0.5)",
+    "auto_augment": "RandAugment spec, e.g. rand-m9-n2-mstd0.5",
+    "teacher": "DeiT hard distillation from this vitlab checkpoint (needs --dist-token)",
+    "dist_token": "add DeiT's distillation token and head (ViT-family models)",
+    "init_from": "initialise the weights from this checkpoint (e.g. DeiT -> AFT-conv)",
+    "eval_batch_size": "batch size of the held-out evaluation",
+    "tag": "prefix of the progress lines",
+}
+HIDDEN = {"progress", "force", "resume", "tag", "model_args"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in HIDDEN:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true", help=HELP[f.name])
+            continue
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        extra = {"choices": AMP_CHOICES} if f.name == "amp" else {}
+        default = f.default if f.name != "out" else None
+        show = "" if default is None else f" (default {default})"
+        p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=HELP[f.name] + show, **extra)
+    p.add_argument(
+        "--model-arg",
+        dest="model_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model constructor override, repeatable, e.g. --model-arg patch_size=7",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CKPT",
+        help="continue a run: OUT/last.pt, or the given checkpoint",
+    )
+    p.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def parse_model_args(items: list[str]) -> dict:
+    """``["patch_size=7", "mixer=aft_full"]`` -> ``{"patch_size": 7, "mixer": "aft_full"}`` (Python literals)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--model-arg takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value  # a bare string
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    values["model_args"] = parse_model_args(values.get("model_args") or [])
+    if values.get("out") is None:
+        values["out"] = f"runs/train/{args.model}"
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .engine import train
+
+    try:
+        train(config_from_args(args))
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,544 @@
+"""The training loop: one function, setup then loop (nanoGPT style), and evaluation.
+
+``train(TrainConfig(...))`` trains a registered model on a dataset spec (``vitlab.data.load_dataset``) with
+AdamW (no decay on norms, biases, tokens, position tables), a per-step warmup + cosine schedule, gradient
+clipping, stochastic depth, optional Mixup/CutMix + label smoothing, an EMA of the weights, autocast
+(bf16 on CPU, fp16 with a gradient scaler on CUDA) and DeiT hard distillation from a teacher checkpoint.
+
+Determinism: the data order and augmentation are pure functions of ``(seed, epoch, rank, batch)``
+(``BatchLoader``); everything else that carries state (model, optimizer, schedule, EMA, scaler, the torch
+RNGs that drive dropout and stochastic depth) goes into the checkpoint written atomically after every
+epoch, so a run killed at any moment and resumed with ``resume="auto"`` ends with the same weights, bit for
+bit, as one never interrupted (same thread count and hardware).
+
+Run under ``torchrun --nproc_per_node=N`` it trains with DistributedDataParallel (gloo on CPU, NCCL on
+GPU); ``batch_size`` is the global batch, split evenly over the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..checkpoint import check_model_name, load_checkpoint, load_state_checked, save_checkpoint
+from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
+from ..io import write_csv_atomic, write_json_atomic
+from ..optim import WarmupCosine, create_optimizer
+from .ema import ModelEma
+
+AMP_CHOICES = ("auto", "none", "bf16", "fp16")
+
+
+class TrainingError(ValueError):
+    """Something the user can fix (options, files, memory): the CLI prints it as one line."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "deit_mini"
+    model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
+    data: str = "mnist"
+    out: str = "runs/train"
+    epochs: int = 10
+    batch_size: int = 128  # global batch (split over DDP ranks)
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    warmup_epochs: float = 1.0
+    weight_decay: float = 0.05
+    clip_grad: float = 1.0  # max gradient norm; 0 = off
+    drop_path: float = 0.1  # stochastic depth rate of the last block (linear rule)
+    smoothing: float = 0.1
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    ema: float = 0.0  # EMA decay; 0 = no EMA
+    amp: str = "auto"  # auto: fp16 + scaler on CUDA, off on CPU; bf16: autocast to bfloat16
+    seed: int = 0
+    threads: int = 2  # torch.set_num_threads per process; 0 = torch's default
+    device: str = "auto"
+    img_size: int | None = None  # default: the dataset's
+    holdout: int | None = None  # held-out images of the embedded MNIST (default 1000)
+    train_limit: int | None = None  # train on a seeded random N of the training images (quick runs)
+    crop_padding: int = 2
+    hflip: float | None = None  # default: 0 for digits, 0.5 otherwise
+    auto_augment: str | None = None  # e.g. "rand-m9-n2-mstd0.5"
+    teacher: str | None = None  # checkpoint of a teacher: DeiT hard distillation (needs dist_token)
+    dist_token: bool = False
+    init_from: str | None = None  # initialise the weights from another checkpoint
+    resume: str | None = None  # "auto" = OUT/last.pt, or a checkpoint path
+    force: bool = False  # start over even if OUT holds a checkpoint
+    eval_batch_size: int = 256
+    progress: bool = True
+    tag: str = ""  # prefix of the per-epoch lines (compare)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
+            raise TrainingError(f"need epochs, batch size >= 1, got {self.epochs}, {self.batch_size}")
+        if self.amp not in AMP_CHOICES:
+            raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
+        if not 0 <= self.drop_path < 1 or not 0 <= self.smoothing < 1 or not 0 <= self.ema < 1:
+            raise TrainingError("drop_path, smoothing and ema must lie in [0, 1)")
+        if self.clip_grad < 0 or self.warmup_epochs < 0 or self.min_lr < 0:
+            raise TrainingError("clip_grad, warmup_epochs and min_lr must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# options that define the run: resuming with another value cannot continue the same training
+RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def setup_device(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, device); joins the process group when started by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError("--device cuda asked for, but no CUDA GPU is available; use --device cpu")
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return rank, world, dev
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    if amp == "auto":
+        return torch.float16 if device.type == "cuda" else None
+    if amp == "fp16" and device.type != "cuda":
+        raise TrainingError("fp16 autocast needs a GPU; use --amp bf16 on the CPU")
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor | None]:
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def is_oom(e: BaseException) -> bool:
+    msg = str(e)
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in msg or "out of memory" in msg.lower()
+
+
+def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
+    """The per-epoch log as JSON and CSV (rewritten each epoch, atomically)."""
+    write_json_atomic(out / "log.json", rows)
+    write_csv_atomic(out / "log.csv", rows)
+
+
+def class_targets(y: Tensor) -> Tensor:
+    return y.argmax(-1) if y.is_floating_point() else y
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+    """Top-1 / top-5 accuracy (%), mean cross-entropy and throughput (img/s) over ``loader``."""
+    was_training = model.training
+    model.eval()
+    n, loss, c1, c5 = 0, 0.0, 0, 0
+    t0 = time.perf_counter()
+    for x, y in loader:
+        with autocast(device, dtype):
+            logits = model(x)
+        logits = logits.float()
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        top = logits.topk(min(5, logits.shape[-1]), -1).indices
+        c1 += int((top[:, 0] == y).sum())
+        c5 += int((top == y[:, None]).any(-1).sum())
+        n += len(y)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    model.train(was_training)
+    return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
+
+
+# --------------------------------------------------------------------------- data and model
+
+
+def load_data(cfg: TrainConfig, split: str):
+    try:
+        return load_dataset(cfg.data, split, img_size=cfg.img_size, holdout=cfg.holdout)
+    except ImportError as e:
+        raise TrainingError(str(e)) from None
+    except (EOFError, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise TrainingError(f"cannot read dataset {cfg.data!r} ({e}); check or re-create its files") from None
+
+
+def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
+    kw = dict(
+        img_size=cfg.img_size or int(train_ds.img_size[0]),
+        in_chans=int(train_ds.in_chans),
+        num_classes=int(train_ds.num_classes),
+        **cfg.model_args,
+    )
+    if cfg.drop_path > 0:
+        kw["drop_path_rate"] = cfg.drop_path
+    if cfg.dist_token:
+        kw["dist_token"] = True
+    return kw
+
+
+def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, rank: int) -> None:
+    old = ckpt.get("config", {})
+    bad = [
+        f"{k}={old.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_FIXED if k in old and old[k] != getattr(cfg, k)
+    ]
+    if bad:
+        raise TrainingError(
+            f"cannot resume from {ckpt['path']}: it was trained with {', '.join(bad)}; rerun with the same "
+            "options or start afresh in another --out (or with --force)"
+        )
+    if ckpt["epoch"] >= cfg.epochs:
+        raise TrainingError(
+            f"{ckpt['path']} has already trained {ckpt['epoch']} of {cfg.epochs} epochs; pass --epochs > {ckpt['epoch']} to continue"
+        )
+    changed = [
+        f"{k} {old[k]!r} -> {getattr(cfg, k)!r}"
+        for k in (
+            "epochs",
+            "lr",
+            "min_lr",
+            "warmup_epochs",
+            "weight_decay",
+            "clip_grad",
+            "drop_path",
+            "smoothing",
+            "mixup",
+            "cutmix",
+            "ema",
+            "amp",
+            "threads",
+            "teacher",
+        )
+        if k in old and old[k] != getattr(cfg, k)
+    ]
+    if changed and rank == 0:
+        print(
+            f"note: resuming with changed options ({', '.join(changed)}): not the run that was started", file=sys.stderr
+        )
+
+
+def init_weights_from(model: nn.Module, path: str) -> str:
+    """``--init-from``: copy what fits from a checkpoint (vitlab's own, or official/timm ones that
+    ``vitlab.convert`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer. One line back."""
+    from ..convert import init_from
+
+    try:
+        source = load_checkpoint(path)["model"]  # a vitlab checkpoint: its model weights
+    except ValueError:
+        source = path  # another format: vitlab.convert reads it (weights_only / safetensors)
+    report = init_from(model, source)
+    if not report.matched:
+        raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
+    return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns the summary (also written to ``OUT/summary.json``)."""
+    t_start = time.perf_counter()
+    rank, world, device = setup_device(cfg.device)
+    master = rank == 0
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    dtype = amp_dtype(cfg.amp, device)
+    out = Path(cfg.out)
+    say = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+
+    # ---- resume / output folder
+    resume_path = None
+    if cfg.resume:
+        resume_path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+        if cfg.resume == "auto" and not resume_path.exists():
+            raise TrainingError(f"nothing to resume: {resume_path} does not exist (drop --resume to start a new run)")
+    elif (out / "last.pt").exists() and not cfg.force:
+        raise TrainingError(f"{out} already holds a run; pass --resume to continue it or --force to start over")
+    ckpt = load_checkpoint(resume_path) if resume_path else None
+
+    # ---- data
+    if cfg.batch_size % world:
+        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {world} processes")
+    train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
+    if cfg.train_limit:
+        pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
+        train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
+    if cfg.batch_size > len(train_ds):
+        raise TrainingError(
+            f"batch size {cfg.batch_size} exceeds the {len(train_ds)} training images; use a smaller --batch-size"
+        )
+    img_size = cfg.img_size or int(train_ds.img_size[0])
+    hflip = (
+        cfg.hflip if cfg.hflip is not None else (0.0 if train_ds.num_classes == 10 and train_ds.in_chans == 1 else 0.5)
+    )
+    train_tf = make_transform(
+        True,
+        img_size,
+        train_ds.mean,
+        train_ds.std,
+        crop_padding=cfg.crop_padding or None,
+        hflip=hflip,
+        auto_augment=cfg.auto_augment,
+    )
+    eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
+    mix = None
+    if cfg.mixup > 0 or cfg.cutmix > 0:
+        mix = MixupCutmix(cfg.mixup, cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=train_ds.num_classes)
+    per_rank = cfg.batch_size // world
+    loader = BatchLoader(
+        train_ds,
+        per_rank,
+        shuffle=True,
+        drop_last=True,
+        transform=train_tf,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        mix=mix,
+        device=device,
+    )
+    val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=device)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise TrainingError(
+            f"no full batch of {per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
+        )
+
+    # ---- model, optimizer, schedule, EMA, scaler
+    from ..models import create_model
+
+    kwargs = model_kwargs(cfg, train_ds)
+    if ckpt is not None:
+        check_model_name(ckpt, cfg.model)
+        check_resume(ckpt, cfg, rank)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = create_model(cfg.model, **kwargs)
+    if cfg.init_from and ckpt is None:
+        say(init_weights_from(model, cfg.init_from))
+    model.to(device)
+    criterion = None
+    if cfg.teacher:
+        from .distill import HardDistillationLoss, load_teacher
+
+        criterion = HardDistillationLoss(load_teacher(cfg.teacher, device), cfg.smoothing)
+        criterion.check_student(model, train_ds.in_chans)
+        model.distilled_training = True
+    optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
+    sched = WarmupCosine(
+        optimizer, cfg.lr, cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr
+    )
+    ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    start_epoch, step, rows = 0, 0, []
+    torch.manual_seed(derive_seed(cfg.seed, rank))  # dropout / drop-path streams, one per rank
+    if ckpt is not None:
+        load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
+        optimizer.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        if ema is not None:
+            if not ckpt.get("ema"):
+                raise TrainingError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
+            ema.load_state_dict(ckpt["ema"])
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+        if sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
+            say("note: the schedule is stretched to the new --epochs from here on")
+        rngs = ckpt.get("rng") or []
+        if len(rngs) == world:
+            set_rng_state(rngs[rank], device)
+        else:
+            say(f"note: the checkpoint was written by {len(rngs)} processes, now {world}: fresh random streams")
+            torch.manual_seed(derive_seed(cfg.seed, rank, start_epoch))
+        log_file = out / "log.json"
+        if log_file.exists():
+            rows = [r for r in json.loads(log_file.read_text()) if r["epoch"] <= start_epoch]
+        say(f"resumed {ckpt['path']} after epoch {start_epoch} (step {step})")
+    del ckpt
+    raw = model
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if master:
+        out.mkdir(parents=True, exist_ok=True)
+    n_params = sum(p.numel() for p in raw.parameters())
+    say(
+        f"{cfg.tag}{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(train_ds)} train / {len(val_ds)} held-out "
+        f"images at {img_size}px, {cfg.epochs} epochs x {steps_per_epoch} steps of {cfg.batch_size}"
+        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {dtype}' if dtype else ''}"
+    )
+
+    # ---- loop
+    from tqdm import tqdm
+
+    show_bar = cfg.progress and master and sys.stderr.isatty()
+    model.train()
+    for epoch in range(start_epoch, cfg.epochs):
+        loader.set_epoch(epoch)
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        seen = 0
+        t0 = time.perf_counter()
+        bar = tqdm(
+            loader,
+            total=steps_per_epoch,
+            desc=f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}",
+            leave=False,
+            disable=not show_bar,
+            dynamic_ncols=True,
+        )
+        for i, (x, y) in enumerate(bar):
+            try:
+                with autocast(device, dtype):
+                    outputs = model(x)
+                    if criterion is not None:
+                        loss = criterion(x, outputs, y)
+                    else:
+                        loss = soft_target_cross_entropy(outputs, y, cfg.smoothing)
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                if cfg.clip_grad > 0:
+                    scaler.unscale_(optimizer)
+                    nn.utils.clip_grad_norm_(raw.parameters(), cfg.clip_grad)
+                scaler.step(optimizer)
+                scaler.update()
+            except RuntimeError as e:
+                if is_oom(e):
+                    raise TrainingError(
+                        f"a batch of {per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
+                        "use a smaller --batch-size"
+                    ) from None
+                raise
+            sched.step()
+            step += 1
+            if ema is not None:
+                ema.update(raw)
+            logits = outputs[0] if isinstance(outputs, tuple) else outputs
+            loss_sum += loss.detach().float() * len(x)
+            correct += (logits.argmax(-1) == class_targets(y)).sum()
+            seen += len(x)
+            if show_bar and (i % 10 == 0 or i == steps_per_epoch - 1):
+                rate = seen * world / (time.perf_counter() - t0)
+                bar.set_postfix_str(
+                    f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}% {rate:.0f} img/s"
+                )
+        bar.close()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_time = time.perf_counter() - t0
+        stats = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
+        if world > 1:
+            dist.all_reduce(stats)
+        train_loss = (stats[0] / stats[2]).item()
+        if not math.isfinite(train_loss):
+            raise TrainingError(
+                f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none"
+            )
+
+        # ---- evaluate, log, checkpoint (rank 0 writes; every rank contributes its RNG state)
+        row: dict[str, Any] = {
+            "epoch": epoch + 1,
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            "train_loss": train_loss,
+            "train_acc": (100 * stats[1] / stats[2]).item(),
+            "train_img_s": stats[2].item() / train_time,
+            "train_time_s": train_time,
+        }
+        if master:
+            ev = evaluate(raw, val_loader, device, dtype)
+            row.update(val_loss=ev["loss"], val_top1=ev["top1"], val_top5=ev["top5"], eval_img_s=ev["img_s"])
+            if ema is not None:
+                ev_ema = evaluate(ema.module, val_loader, device, dtype)
+                row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])
+        row["elapsed_s"] = time.perf_counter() - t_start
+        rngs = [rng_state(device)]
+        if world > 1:
+            rngs = [None] * world
+            dist.all_gather_object(rngs, rng_state(device))
+        if master:
+            rows.append(row)
+            save_checkpoint(
+                {
+                    "model_name": cfg.model,
+                    "model_kwargs": kwargs,
+                    "model": raw.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "ema": ema.state_dict() if ema is not None else None,
+                    "scaler": scaler.state_dict(),
+                    "epoch": epoch + 1,
+                    "step": step,
+                    "rng": rngs,
+                    "world_size": world,
+                    "config": asdict(cfg),
+                    "metrics": row,
+                },
+                out / "last.pt",
+            )
+            write_log(out, rows)
+            ema_txt = f"  ema {row['ema_top1']:.2f}%" if ema is not None else ""
+            say(
+                f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}  loss {train_loss:.4f}  train {row['train_acc']:.1f}%  "
+                f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}  lr {row['lr']:.2e}  "
+                f"{row['train_img_s']:.0f} img/s  {train_time:.1f} s"
+            )
+
+    summary: dict[str, Any] = {}
+    if master:
+        train_s = sum(r["train_time_s"] for r in rows)
+        summary = {
+            "model": cfg.model,
+            "params": n_params,
+            "epochs": cfg.epochs,
+            "world_size": world,
+            "final": rows[-1] if rows else {},
+            "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
+            "train_time_s": train_s,
+            "wall_s": time.perf_counter() - t_start,
+            "checkpoint": str(out / "last.pt"),
+        }
+        if device.type == "cuda":  # the host RSS says little about a GPU run
+            summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        write_json_atomic(out / "summary.json", summary)
+    if world > 1:
+        dist.barrier()
+    return summary
