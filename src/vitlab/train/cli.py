@@ -38,9 +38,8 @@ HELP = {
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
     "init_from": "initialise the weights from this checkpoint (e.g. DeiT -> AFT-conv)",
     "eval_batch_size": "batch size of the held-out evaluation",
-    "tag": "prefix of the progress lines",
 }
-HIDDEN = {"progress", "force", "resume", "tag", "model_args"}
+HIDDEN = {"progress", "force", "resume", "model_args"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

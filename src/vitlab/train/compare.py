@@ -26,9 +26,17 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from ..checkpoint import load_checkpoint, model_from_checkpoint
+from ..io import write_csv_atomic, write_json_atomic, write_text_atomic
+from ..measure.flops import count_macs
+from ..measure.process import CaseRunner, CaseSpec, Prepared
+from .engine import TrainConfig, load_data, train
 
 DEFAULT_MODELS = (
     "deit_mini", "refiner_vit_mini", "deepvit_mini", "cpvt_mini", "tnt_mini", "eamlp_mini", "aft_full_mini",
@@ -132,9 +140,6 @@ def resolve_models(spec: str) -> list[str]:
 
 def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int]) -> tuple[int, int]:
     """(parameters, MACs) of the variant, counted on the meta device."""
-    import torch
-
-    from ..measure.flops import count_macs
     from ..models import create_model
 
     with torch.device("meta"):
@@ -146,48 +151,29 @@ def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int])
 # --------------------------------------------------------------------------- cases run in fresh processes
 
 
-class _Tee:
-    def __init__(self, path: Path, stream) -> None:
-        self.file, self.stream = open(path, "a"), stream  # noqa: SIM115 -- closed by the case
-
-    def write(self, s: str) -> int:
-        self.file.write(s)
-        self.file.flush()
-        return self.stream.write(s)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
-def train_case(config: dict[str, Any]):
-    """Case for ``vitlab.measure.process``: the timed call trains the variant (its summary goes into ``info``)."""
-    from ..measure.process import Prepared
-    from .engine import TrainConfig, train
-
+def train_case(config: dict[str, Any]) -> Prepared:
+    """Measured case: the timed call trains the variant; its summary (with the per-epoch log) goes into
+    ``info``. Progress lines go to the variant's ``train.log`` and, prefixed with its name, to the output."""
     cfg = TrainConfig.from_dict(config)
     info: dict[str, Any] = {}
 
     def work() -> None:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        tee = _Tee(out / "train.log", sys.stdout)
-        old, sys.stdout = sys.stdout, tee
-        try:
-            info["summary"] = train(cfg)
-        finally:
-            sys.stdout = old
-            tee.file.close()
+        with open(out / "train.log", "a") as log_file:
+
+            def log(line: str) -> None:
+                log_file.write(line + "\n")
+                log_file.flush()
+                print(f"[{cfg.model}] {line}", flush=True)
+
+            info["summary"] = train(cfg, log)
 
     return Prepared(work, info)
 
 
-def inference_case(checkpoint: str, batch: int = 256):
-    """Case for ``vitlab.measure.process``: one eval-mode forward of a batch of held-out-sized inputs."""
-    import torch
-
-    from ..checkpoint import load_checkpoint, model_from_checkpoint
-    from ..measure.process import Prepared
-
+def inference_case(checkpoint: str, batch: int = 256) -> Prepared:
+    """Measured case: one eval-mode forward of a batch of inputs of the model's size."""
     model = model_from_checkpoint(load_checkpoint(checkpoint)).eval()
     c, h, w = model.meta["input_size"]
     x = torch.randn(batch, c, h, w)
@@ -226,15 +212,9 @@ def render_markdown(rows: list[dict[str, Any]], note: str) -> str:
     return "\n".join([head, sep, *body, "", note, ""])
 
 
-def write_tables(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    import csv
-
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "table.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
-    (out / "table.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+def write_tables(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
+    write_csv_atomic(out / "table.csv", rows)
+    write_json_atomic(out / "table.json", {"meta": meta, "rows": rows})
     note = (
         f"Held-out top-1/top-5 after {meta['epochs']} epochs on {meta['data']} ({meta['train_images']} train / "
         f"{meta['heldout_images']} held-out images), batch {meta['batch_size']}, lr {meta['lr']}; train img/s with "
@@ -242,7 +222,8 @@ def write_tables(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
         f"with the same {meta['threads_per_job']} thread(s), batch 256, one variant at a time; peak MiB = peak resident memory of the "
         f"variant's training process. Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}."
     )
-    (out / "table.md").write_text(render_markdown(rows, note))
+    write_text_atomic(out / "table.md", render_markdown(rows, note))
+    return [out / "table.csv", out / "table.json", out / "table.md"]
 
 
 def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[dict[str, Any]]]) -> list[Path]:
@@ -282,12 +263,205 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[dict[str, A
 
 # --------------------------------------------------------------------------- the command
 
+RUN_ONLY = ("force", "resume", "progress")  # options that do not change what a variant computes
 
-RUN_ONLY = ("force", "resume", "progress", "tag")  # options that do not change what a variant computes
+
+@dataclass
+class Plan:
+    """What ``vitlab compare`` will run: the variants' training configs and sizes, and the setting."""
+
+    out: Path
+    names: list[str]
+    configs: dict[str, TrainConfig]
+    sizes: dict[str, tuple[int, int]]  # (parameters, MACs)
+    jobs: int
+    per_job: int
+    train_images: int
+    heldout_images: int
+
+
+def run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    plan = plan_variants(args)
+    print(
+        f"compare: {len(plan.names)} variants x {args.epochs} epochs on {args.data} ({plan.train_images} train "
+        f"images), {plan.jobs} at a time x {plan.per_job} thread(s); output in {plan.out}",
+        flush=True,
+    )
+    results = train_variants(plan, args.isolation, args.resume)
+    speeds = time_inference(plan, results, args.isolation)
+    rows = [table_row(plan, name, results[name], speeds.get(name)) for name in plan.names]
+    logs = {name: results[name].get("info", {}).get("summary", {}).get("log", []) for name in plan.names}
+    meta = run_meta(args, plan, time.perf_counter() - t_start)
+    written = write_tables(plan.out, rows, meta)
+    if not args.no_plots:
+        written += plot(plan.out, rows, logs)
+    print()
+    print(render_text(rows))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']}: failed: {r['error']}")
+    print(f"\nwall time {meta['wall_s']:.0f} s (load average {meta['loadavg']}); wrote {', '.join(map(str, written))}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def plan_variants(args: argparse.Namespace) -> Plan:
+    """Check the options and the data in this process (one line on a mistake, before any variant starts):
+    the data is loaded once, for its sizes; each variant's config is built and its size counted."""
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    jobs = args.jobs or args.threads
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    names = resolve_models(args.models)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = {**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "ema": args.ema}
+    probe = TrainConfig(data=args.data, **recipe)
+    train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
+    n_train = min(args.train_limit, len(train_ds)) if args.train_limit else len(train_ds)
+    if args.batch_size > n_train:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds the {n_train} training images")
+    img = int(train_ds.img_size[0])
+    input_size = (int(train_ds.in_chans), img, img)
+    per_job = max(1, args.threads // jobs)
+    configs, sizes = {}, {}
+    for name in names:
+        model_args = {} if args.no_adapt else adapt_to_size(name, img)
+        configs[name] = TrainConfig(
+            model=name,
+            model_args=model_args,
+            data=args.data,
+            out=str(out / name),
+            seed=args.seed,
+            threads=per_job,
+            progress=False,
+            force=True,
+            resume=None,
+            train_limit=args.train_limit,
+            **recipe,
+        )
+        kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
+        sizes[name] = size_of(name, kwargs, input_size)  # also checks that the overrides build
+    return Plan(out, names, configs, sizes, jobs, per_job, n_train, len(val_ds))
+
+
+def train_variants(plan: Plan, isolation: str, resume: bool) -> dict[str, dict[str, Any]]:
+    """Train every variant in a fresh process, ``plan.jobs`` at a time, the costliest first; each result is
+    also written to ``OUT/<variant>/result.json`` (``--resume`` reuses it)."""
+    results: dict[str, dict[str, Any]] = {}
+    local = threading.local()
+    runners: list[CaseRunner] = []
+
+    def train_one(name: str) -> None:
+        if not hasattr(local, "runner"):
+            local.runner = CaseRunner(isolation, timeout=3600)
+            runners.append(local.runner)
+        results[name] = train_variant(plan.configs[name], local.runner, resume)
+
+    by_cost = sorted(plan.names, key=lambda n: -next((c for k, c in COST.items() if n.startswith(k)), 1.0))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(plan.jobs) as pool:
+            for f in [pool.submit(train_one, n) for n in by_cost]:
+                f.result()
+    finally:
+        for r in runners:
+            r.close()
+    return results
+
+
+def train_variant(cfg: TrainConfig, runner: CaseRunner, resume: bool) -> dict[str, Any]:
+    """One variant: reuse a finished result, continue an unfinished run, or train afresh."""
+    out, config = Path(cfg.out), asdict(cfg)
+    result_file = out / "result.json"
+    done = _reusable(result_file, config) if resume else None
+    if done is not None:
+        print(f"[{cfg.model}] finished before: reused {result_file}", flush=True)
+        return done
+    if resume and _resumable(out / "last.pt", config):
+        config.update(resume="auto", force=False)
+    elif out.exists():
+        for stale in ("log.json", "log.csv", "train.log", "summary.json", "result.json"):
+            (out / stale).unlink(missing_ok=True)
+    # one pass, timed, default allocator: the peak RSS is the training process's own, as a user sees it
+    res = runner.run(CaseSpec(train_case, {"config": config}, warmup=0, repeats=1, passes=("time",)))
+    res["config"] = asdict(cfg)
+    write_json_atomic(result_file, res)
+    if res["status"] != "ok":
+        print(f"[{cfg.model}] failed: {res.get('reason')}", file=sys.stderr, flush=True)
+    return res
+
+
+def time_inference(plan: Plan, results: dict[str, dict[str, Any]], isolation: str) -> dict[str, float]:
+    """Inference throughput (img/s): one variant at a time, with the threads each variant trained with."""
+    speeds: dict[str, float] = {}
+    with CaseRunner(isolation, timeout=600) as runner:
+        for name in plan.names:
+            if results[name]["status"] != "ok":
+                continue
+            spec = CaseSpec(
+                inference_case,
+                {"checkpoint": str(plan.out / name / "last.pt")},
+                warmup=2,
+                repeats=20,
+                max_time=2.0,
+                threads=plan.per_job,
+                passes=("time",),
+            )
+            res = runner.run(spec)
+            if res["status"] == "ok":
+                speeds[name] = res["info"]["batch"] / res["time_s"]["median"]
+    return speeds
+
+
+def table_row(plan: Plan, name: str, res: dict[str, Any], infer_img_s: float | None) -> dict[str, Any]:
+    params, macs = plan.sizes[name]
+    row: dict[str, Any] = {"model": name, "method": method_of(name), "params_m": params / 1e6, "mmacs": macs / 1e6}
+    if res["status"] != "ok":
+        row["error"] = res.get("reason")
+        return row
+    s = res["info"]["summary"]
+    final = s["log"][-1] if s.get("log") else s["final"]
+    mem = res["mem"].get("timed", res["mem"])
+    row.update(
+        top1=final.get("val_top1"),
+        top5=final.get("val_top5"),
+        ema_top1=final.get("ema_top1"),
+        train_img_s=s["train_img_s"],
+        infer_img_s=infer_img_s,
+        peak_mib=mem["peak"] / MB,
+        train_mem_mib=mem["delta"] / MB,
+        train_s=s["train_time_s"],
+        wall_s=res["time_s"]["median"],
+        model_args=json.dumps(plan.configs[name].model_args),
+    )
+    if "cuda_peak_mib" in s:
+        row["cuda_peak_mib"] = s["cuda_peak_mib"]
+    return row
+
+
+def run_meta(args: argparse.Namespace, plan: Plan, wall: float) -> dict[str, Any]:
+    return {
+        "data": args.data,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "train_images": plan.train_images,
+        "heldout_images": plan.heldout_images,
+        "jobs": plan.jobs,
+        "threads_per_job": plan.per_job,
+        "threads": args.threads,
+        "recipe": {**RECIPE, "epochs": args.epochs},
+        "wall_s": wall,
+        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+    }
 
 
 def _same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    strip = lambda d: {k: v for k, v in json.loads(json.dumps(d)).items() if k not in RUN_ONLY}  # noqa: E731
+    def strip(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in json.loads(json.dumps(d)).items() if k not in RUN_ONLY}
+
     return strip(a) == strip(b)
 
 
@@ -303,8 +477,6 @@ def _reusable(result_file: Path, config: dict[str, Any]) -> dict[str, Any] | Non
 
 def _resumable(ckpt_file: Path, config: dict[str, Any]) -> bool:
     """An unfinished run of the same variant that ``resume="auto"`` can continue."""
-    from ..checkpoint import load_checkpoint
-
     if not ckpt_file.exists():
         return False
     try:
@@ -312,175 +484,3 @@ def _resumable(ckpt_file: Path, config: dict[str, Any]) -> bool:
     except ValueError:
         return False
     return ckpt["epoch"] < config["epochs"] and _same_run(ckpt.get("config", {}), config)
-
-
-def run(args: argparse.Namespace) -> int:
-    from ..measure.process import CaseRunner, CaseSpec
-    from .engine import TrainConfig, load_data
-
-    t_start = time.perf_counter()
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    jobs = args.jobs or args.threads
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    per_job = max(1, args.threads // jobs)
-    names = resolve_models(args.models)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    # fail fast, in this process, on bad data or options (one line), before any variant starts
-    probe = TrainConfig(data=args.data, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, ema=args.ema)
-    train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
-    n_train = min(args.train_limit, len(train_ds)) if args.train_limit else len(train_ds)
-    if args.batch_size > n_train:
-        raise ValueError(f"--batch-size {args.batch_size} exceeds the {n_train} training images")
-    img = int(train_ds.img_size[0])
-    input_size = (int(train_ds.in_chans), img, img)
-
-    configs, sizes = {}, {}
-    for name in names:
-        model_args = {} if args.no_adapt else adapt_to_size(name, img)
-        cfg = TrainConfig(
-            model=name,
-            model_args=model_args,
-            data=args.data,
-            out=str(out / name),
-            seed=args.seed,
-            threads=per_job,
-            progress=False,
-            force=True,
-            resume=None,
-            tag=f"[{name}] ",
-            train_limit=args.train_limit,
-            **{**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "ema": args.ema},
-        )
-        kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
-        sizes[name] = size_of(name, kwargs, input_size)  # also checks the overrides build
-        configs[name] = cfg
-    del train_ds, val_ds
-    print(
-        f"compare: {len(names)} variants x {args.epochs} epochs on {args.data} ({n_train} train images), "
-        f"{jobs} at a time x {per_job} thread(s); output in {out}",
-        flush=True,
-    )
-
-    results: dict[str, dict[str, Any]] = {}
-    local = threading.local()
-    runners: list[CaseRunner] = []
-    lock = threading.Lock()
-
-    def runner() -> CaseRunner:
-        if not hasattr(local, "runner"):
-            local.runner = CaseRunner(args.isolation, timeout=3600)
-            with lock:
-                runners.append(local.runner)
-        return local.runner
-
-    def train_one(name: str) -> None:
-        cfg = configs[name]
-        config = asdict(cfg)
-        result_file = out / name / "result.json"
-        done = _reusable(result_file, config) if args.resume else None
-        if done is not None:
-            print(f"[{name}] finished before: reused {result_file}", flush=True)
-            results[name] = done
-            return
-        if args.resume and _resumable(out / name / "last.pt", config):
-            config["resume"] = "auto"
-            config["force"] = False
-        elif (out / name).exists():
-            for stale in ("log.json", "log.csv", "train.log", "summary.json", "result.json"):
-                (out / name / stale).unlink(missing_ok=True)
-        # one pass, timed, default allocator: the peak RSS is the training process's own, as a user sees it
-        spec = CaseSpec("vitlab.train.compare:train_case", {"config": config}, warmup=0, repeats=1, passes=("time",))
-        res = runner().run(spec)
-        res["config"] = asdict(cfg)
-        (out / name).mkdir(parents=True, exist_ok=True)
-        result_file.write_text(json.dumps(res, indent=1) + "\n")
-        results[name] = res
-        if res["status"] != "ok":
-            print(f"[{name}] failed: {res.get('reason')}", file=sys.stderr, flush=True)
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            by_cost = sorted(names, key=lambda n: -next((c for k, c in COST.items() if n.startswith(k)), 1.0))
-            for f in [pool.submit(train_one, n) for n in by_cost]:
-                f.result()
-        # inference throughput: one variant at a time, the threads each variant trained with
-        infer: dict[str, float] = {}
-        with CaseRunner(args.isolation, timeout=600) as r:
-            for name in names:
-                if results[name]["status"] != "ok":
-                    continue
-                spec = CaseSpec(
-                    "vitlab.train.compare:inference_case",
-                    {"checkpoint": str(out / name / "last.pt")},
-                    warmup=2,
-                    repeats=20,
-                    max_time=2.0,
-                    threads=per_job,
-                    passes=("time",),
-                )
-                res = r.run(spec)
-                if res["status"] == "ok":
-                    infer[name] = res["info"]["batch"] / res["time_s"]["median"]
-    finally:
-        for r in runners:
-            r.close()
-
-    rows, logs = [], {}
-    for name in names:
-        res, (params, macs) = results[name], sizes[name]
-        log_file = out / name / "log.json"
-        logs[name] = json.loads(log_file.read_text()) if log_file.exists() else []
-        row: dict[str, Any] = {"model": name, "method": method_of(name), "params_m": params / 1e6, "mmacs": macs / 1e6}
-        if res["status"] == "ok":
-            s = res["info"]["summary"]
-            final = logs[name][-1] if logs[name] else s["final"]
-            mem = res["mem"].get("timed", res["mem"])
-            row.update(
-                top1=final.get("val_top1"),
-                top5=final.get("val_top5"),
-                ema_top1=final.get("ema_top1"),
-                train_img_s=s["train_img_s"],
-                infer_img_s=infer.get(name),
-                peak_mib=mem["peak"] / MB,
-                train_mem_mib=mem["delta"] / MB,
-                train_s=s["train_time_s"],
-                wall_s=res["time_s"]["median"],
-                model_args=json.dumps(configs[name].model_args),
-            )
-            if "cuda_peak_mib" in s:
-                row["cuda_peak_mib"] = s["cuda_peak_mib"]
-        else:
-            row["error"] = res.get("reason")
-        rows.append(row)
-
-    wall = time.perf_counter() - t_start
-    meta = {
-        "data": args.data,
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "seed": args.seed,
-        "train_images": n_train,
-        "heldout_images": len(load_data(probe, "test")),
-        "jobs": jobs,
-        "threads_per_job": per_job,
-        "threads": args.threads,
-        "recipe": {**RECIPE, "epochs": args.epochs},
-        "wall_s": wall,
-        "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
-    }
-    write_tables(out, rows, meta)
-    written = [out / "table.csv", out / "table.json", out / "table.md"]
-    if not args.no_plots:
-        written += plot(out, rows, logs)
-    print()
-    print(render_text(rows))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['model']}: failed: {r['error']}")
-    print(f"\nwall time {wall:.0f} s (load average {meta['loadavg']}); wrote {', '.join(str(p) for p in written)}")
-    return 1 if any("error" in r for r in rows) else 0

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,6 @@ class TrainConfig:
     force: bool = False  # start over even if OUT holds a checkpoint
     eval_batch_size: int = 256
     progress: bool = True
-    tag: str = ""  # prefix of the per-epoch lines (compare)
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
@@ -131,10 +131,6 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def rng_state(device: torch.device) -> dict[str, Tensor | None]:
@@ -216,7 +212,7 @@ def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
     return kw
 
 
-def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, rank: int) -> None:
+def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], None]) -> None:
     old = ckpt.get("config", {})
     bad = [
         f"{k}={old.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_FIXED if k in old and old[k] != getattr(cfg, k)
@@ -250,10 +246,8 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, rank: int) -> None:
         )
         if k in old and old[k] != getattr(cfg, k)
     ]
-    if changed and rank == 0:
-        print(
-            f"note: resuming with changed options ({', '.join(changed)}): not the run that was started", file=sys.stderr
-        )
+    if changed:
+        log(f"note: resuming with changed options ({', '.join(changed)}): not the run that was started")
 
 
 def init_weights_from(model: nn.Module, path: str) -> str:
@@ -271,33 +265,118 @@ def init_weights_from(model: nn.Module, path: str) -> str:
     return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- the loop, as named steps
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns the summary (also written to ``OUT/summary.json``)."""
+@dataclass
+class Run:
+    """Everything one training run holds between its steps."""
+
+    cfg: TrainConfig
+    log: Callable[[str], None]  # rank 0's progress lines (the other ranks' are dropped)
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype | None
+    out: Path
+    t_start: float
+    train_ds: Any = None
+    val_ds: Any = None
+    loader: BatchLoader | None = None
+    val_loader: BatchLoader | None = None
+    model: nn.Module | None = None  # what the step calls: the DDP wrapper under torchrun
+    raw: nn.Module | None = None  # the model itself (state dicts, EMA, evaluation)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    criterion: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    sched: WarmupCosine | None = None
+    ema: ModelEma | None = None
+    scaler: torch.amp.GradScaler | None = None
+    start_epoch: int = 0
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def per_rank(self) -> int:
+        return self.cfg.batch_size // self.world
+
+
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str, Any]:
+    """Train as ``cfg`` says; ``log`` receives rank 0's progress lines. Returns the summary (also written to
+    ``OUT/summary.json``) with the per-epoch ``log`` rows: everything a caller needs to report the run."""
+    run = setup(cfg, log)
+    run.model.train()
+    for epoch in range(run.start_epoch, cfg.epochs):
+        row = train_epoch(run, epoch)
+        if run.master:
+            row.update(evaluate_epoch(run))
+        row["elapsed_s"] = time.perf_counter() - run.t_start
+        save_epoch(run, row)
+    return finish(run)
+
+
+def setup(cfg: TrainConfig, log: Callable[[str], None]) -> Run:
+    """Device and process group, output folder and resume checkpoint, data, model and optimizer state."""
     t_start = time.perf_counter()
     rank, world, device = setup_device(cfg.device)
-    master = rank == 0
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    dtype = amp_dtype(cfg.amp, device)
-    out = Path(cfg.out)
-    say = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    run = Run(
+        cfg,
+        log if rank == 0 else (lambda line: None),
+        rank,
+        world,
+        device,
+        amp_dtype(cfg.amp, device),
+        Path(cfg.out),
+        t_start,
+    )
+    ckpt = open_checkpoint(run)
+    setup_data(run)
+    setup_model(run, ckpt)
+    if ckpt is not None:
+        restore(run, ckpt)
+    del ckpt
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        run.model = nn.parallel.DistributedDataParallel(run.raw, device_ids=ids)
+    if run.master:
+        run.out.mkdir(parents=True, exist_ok=True)
+    n_params = sum(p.numel() for p in run.raw.parameters())
+    run.log(
+        f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.train_ds)} train / {len(run.val_ds)} held-out "
+        f"images at {run.kwargs['img_size']}px, {cfg.epochs} epochs x {len(run.loader)} steps of {cfg.batch_size}"
+        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {run.dtype}' if run.dtype else ''}"
+    )
+    return run
 
-    # ---- resume / output folder
-    resume_path = None
-    if cfg.resume:
-        resume_path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
-        if cfg.resume == "auto" and not resume_path.exists():
-            raise TrainingError(f"nothing to resume: {resume_path} does not exist (drop --resume to start a new run)")
-    elif (out / "last.pt").exists() and not cfg.force:
-        raise TrainingError(f"{out} already holds a run; pass --resume to continue it or --force to start over")
-    ckpt = load_checkpoint(resume_path) if resume_path else None
 
-    # ---- data
-    if cfg.batch_size % world:
-        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {world} processes")
+def open_checkpoint(run: Run) -> dict[str, Any] | None:
+    """The checkpoint to resume from (``resume``), or None; refuses to start over a run without ``force``."""
+    cfg, out = run.cfg, run.out
+    if not cfg.resume:
+        if (out / "last.pt").exists() and not cfg.force:
+            raise TrainingError(f"{out} already holds a run; pass --resume to continue it or --force to start over")
+        return None
+    path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    if cfg.resume == "auto" and not path.exists():
+        raise TrainingError(f"nothing to resume: {path} does not exist (drop --resume to start a new run)")
+    return load_checkpoint(path)
+
+
+def setup_data(run: Run) -> None:
+    """The training subset, the held-out set, their transforms and the per-rank loaders."""
+    cfg = run.cfg
+    if cfg.batch_size % run.world:
+        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {run.world} processes")
     train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
     if cfg.train_limit:
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
@@ -307,9 +386,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"batch size {cfg.batch_size} exceeds the {len(train_ds)} training images; use a smaller --batch-size"
         )
     img_size = cfg.img_size or int(train_ds.img_size[0])
-    hflip = (
-        cfg.hflip if cfg.hflip is not None else (0.0 if train_ds.num_classes == 10 and train_ds.in_chans == 1 else 0.5)
-    )
+    digits = train_ds.num_classes == 10 and train_ds.in_chans == 1
+    hflip = cfg.hflip if cfg.hflip is not None else (0.0 if digits else 0.5)
     train_tf = make_transform(
         True,
         img_size,
@@ -319,226 +397,232 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         hflip=hflip,
         auto_augment=cfg.auto_augment,
     )
-    eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
     mix = None
     if cfg.mixup > 0 or cfg.cutmix > 0:
         mix = MixupCutmix(cfg.mixup, cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=train_ds.num_classes)
-    per_rank = cfg.batch_size // world
-    loader = BatchLoader(
+    run.loader = BatchLoader(
         train_ds,
-        per_rank,
+        run.per_rank,
         shuffle=True,
         drop_last=True,
         transform=train_tf,
         seed=cfg.seed,
-        rank=rank,
-        world_size=world,
+        rank=run.rank,
+        world_size=run.world,
         mix=mix,
-        device=device,
+        device=run.device,
     )
-    val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=device)
-    steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
+    eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
+    run.val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=run.device)
+    if len(run.loader) == 0:
         raise TrainingError(
-            f"no full batch of {per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
+            f"no full batch of {run.per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
         )
+    run.train_ds, run.val_ds = train_ds, val_ds
 
-    # ---- model, optimizer, schedule, EMA, scaler
+
+def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
+    """Model (identical initial weights on every rank), teacher, optimizer, schedule, EMA and scaler."""
     from ..models import create_model
 
-    kwargs = model_kwargs(cfg, train_ds)
+    cfg = run.cfg
+    run.kwargs = model_kwargs(cfg, run.train_ds)
     if ckpt is not None:
         check_model_name(ckpt, cfg.model)
-        check_resume(ckpt, cfg, rank)
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = create_model(cfg.model, **kwargs)
+        check_resume(ckpt, cfg, run.log)
+    torch.manual_seed(cfg.seed)
+    model = create_model(cfg.model, **run.kwargs)
     if cfg.init_from and ckpt is None:
-        say(init_weights_from(model, cfg.init_from))
-    model.to(device)
-    criterion = None
+        run.log(init_weights_from(model, cfg.init_from))
+    model.to(run.device)
     if cfg.teacher:
         from .distill import HardDistillationLoss, load_teacher
 
-        criterion = HardDistillationLoss(load_teacher(cfg.teacher, device), cfg.smoothing)
-        criterion.check_student(model, train_ds.in_chans)
+        run.criterion = HardDistillationLoss(load_teacher(cfg.teacher, run.device), cfg.smoothing)
+        run.criterion.check_student(model, run.train_ds.in_chans)
         model.distilled_training = True
-    optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
-    sched = WarmupCosine(
-        optimizer, cfg.lr, cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr
-    )
-    ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    start_epoch, step, rows = 0, 0, []
-    torch.manual_seed(derive_seed(cfg.seed, rank))  # dropout / drop-path streams, one per rank
-    if ckpt is not None:
-        load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
-        optimizer.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        if ema is not None:
-            if not ckpt.get("ema"):
-                raise TrainingError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
-            ema.load_state_dict(ckpt["ema"])
-        if ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
-        if sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
-            say("note: the schedule is stretched to the new --epochs from here on")
-        rngs = ckpt.get("rng") or []
-        if len(rngs) == world:
-            set_rng_state(rngs[rank], device)
-        else:
-            say(f"note: the checkpoint was written by {len(rngs)} processes, now {world}: fresh random streams")
-            torch.manual_seed(derive_seed(cfg.seed, rank, start_epoch))
-        log_file = out / "log.json"
-        if log_file.exists():
-            rows = [r for r in json.loads(log_file.read_text()) if r["epoch"] <= start_epoch]
-        say(f"resumed {ckpt['path']} after epoch {start_epoch} (step {step})")
-    del ckpt
-    raw = model
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if master:
-        out.mkdir(parents=True, exist_ok=True)
-    n_params = sum(p.numel() for p in raw.parameters())
-    say(
-        f"{cfg.tag}{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(train_ds)} train / {len(val_ds)} held-out "
-        f"images at {img_size}px, {cfg.epochs} epochs x {steps_per_epoch} steps of {cfg.batch_size}"
-        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {dtype}' if dtype else ''}"
-    )
+    run.model = run.raw = model
+    run.optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
+    steps = len(run.loader)
+    run.sched = WarmupCosine(run.optimizer, cfg.lr, cfg.epochs * steps, round(cfg.warmup_epochs * steps), cfg.min_lr)
+    run.ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
+    run.scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == torch.float16)
+    torch.manual_seed(derive_seed(cfg.seed, run.rank))  # dropout / drop-path streams, one per rank
 
-    # ---- loop
+
+def restore(run: Run, ckpt: dict[str, Any]) -> None:
+    """Continue a run from its checkpoint: weights, optimizer, schedule, EMA, scaler, RNG streams, log rows."""
+    load_state_checked(run.raw, ckpt["model"], f"checkpoint {ckpt['path']}")
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.sched.load_state_dict(ckpt["scheduler"])
+    if run.ema is not None:
+        if not ckpt.get("ema"):
+            raise TrainingError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
+        run.ema.load_state_dict(ckpt["ema"])
+    if ckpt.get("scaler"):
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.start_epoch, run.step = int(ckpt["epoch"]), int(ckpt["step"])
+    if run.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
+        run.log("note: the schedule is stretched to the new --epochs from here on")
+    rngs = ckpt.get("rng") or []
+    if len(rngs) == run.world:
+        set_rng_state(rngs[run.rank], run.device)
+    else:
+        run.log(f"note: the checkpoint was written by {len(rngs)} processes, now {run.world}: fresh random streams")
+        torch.manual_seed(derive_seed(run.cfg.seed, run.rank, run.start_epoch))
+    log_file = run.out / "log.json"
+    if log_file.exists():
+        run.rows = [r for r in json.loads(log_file.read_text()) if r["epoch"] <= run.start_epoch]
+    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step})")
+
+
+def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """One optimisation step; returns (the loss, the class logits)."""
+    cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+    try:
+        with autocast(run.device, run.dtype):
+            outputs = run.model(x)
+            if run.criterion is not None:
+                loss = run.criterion(x, outputs, y)
+            else:
+                loss = soft_target_cross_entropy(outputs, y, cfg.smoothing)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        if cfg.clip_grad > 0:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+    except RuntimeError as e:
+        if is_oom(e):
+            raise TrainingError(
+                f"a batch of {run.per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
+                "use a smaller --batch-size"
+            ) from None
+        raise
+    run.sched.step()
+    run.step += 1
+    if run.ema is not None:
+        run.ema.update(run.raw)
+    return loss, outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
+    """One pass over the training data; the epoch's row of the log (loss, accuracy, speed over all ranks)."""
     from tqdm import tqdm
 
-    show_bar = cfg.progress and master and sys.stderr.isatty()
-    model.train()
-    for epoch in range(start_epoch, cfg.epochs):
-        loader.set_epoch(epoch)
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device, dtype=torch.long)
-        seen = 0
-        t0 = time.perf_counter()
-        bar = tqdm(
-            loader,
-            total=steps_per_epoch,
-            desc=f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}",
-            leave=False,
-            disable=not show_bar,
-            dynamic_ncols=True,
-        )
-        for i, (x, y) in enumerate(bar):
-            try:
-                with autocast(device, dtype):
-                    outputs = model(x)
-                    if criterion is not None:
-                        loss = criterion(x, outputs, y)
-                    else:
-                        loss = soft_target_cross_entropy(outputs, y, cfg.smoothing)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                if cfg.clip_grad > 0:
-                    scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(raw.parameters(), cfg.clip_grad)
-                scaler.step(optimizer)
-                scaler.update()
-            except RuntimeError as e:
-                if is_oom(e):
-                    raise TrainingError(
-                        f"a batch of {per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
-                        "use a smaller --batch-size"
-                    ) from None
-                raise
-            sched.step()
-            step += 1
-            if ema is not None:
-                ema.update(raw)
-            logits = outputs[0] if isinstance(outputs, tuple) else outputs
-            loss_sum += loss.detach().float() * len(x)
-            correct += (logits.argmax(-1) == class_targets(y)).sum()
-            seen += len(x)
-            if show_bar and (i % 10 == 0 or i == steps_per_epoch - 1):
-                rate = seen * world / (time.perf_counter() - t0)
-                bar.set_postfix_str(
-                    f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}% {rate:.0f} img/s"
-                )
-        bar.close()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        train_time = time.perf_counter() - t0
-        stats = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
-        if world > 1:
-            dist.all_reduce(stats)
-        train_loss = (stats[0] / stats[2]).item()
-        if not math.isfinite(train_loss):
-            raise TrainingError(
-                f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none"
+    cfg, device, steps = run.cfg, run.device, len(run.loader)
+    run.loader.set_epoch(epoch)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    seen = 0
+    show_bar = cfg.progress and run.master and sys.stderr.isatty()
+    t0 = time.perf_counter()
+    bar = tqdm(
+        run.loader,
+        total=steps,
+        desc=f"epoch {epoch + 1}/{cfg.epochs}",
+        leave=False,
+        disable=not show_bar,
+        dynamic_ncols=True,
+    )
+    for i, (x, y) in enumerate(bar):
+        loss, logits = train_step(run, x, y)
+        loss_sum += loss.detach().float() * len(x)
+        correct += (logits.argmax(-1) == class_targets(y)).sum()
+        seen += len(x)
+        if show_bar and (i % 10 == 0 or i == steps - 1):
+            rate = seen * run.world / (time.perf_counter() - t0)
+            bar.set_postfix_str(
+                f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}% {rate:.0f} img/s"
             )
+    bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    train_time = time.perf_counter() - t0
+    stats = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
+    if run.world > 1:
+        dist.all_reduce(stats)
+    train_loss = (stats[0] / stats[2]).item()
+    if not math.isfinite(train_loss):
+        raise TrainingError(f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none")
+    return {
+        "epoch": epoch + 1,
+        "step": run.step,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "train_loss": train_loss,
+        "train_acc": (100 * stats[1] / stats[2]).item(),
+        "train_img_s": stats[2].item() / train_time,
+        "train_time_s": train_time,
+    }
 
-        # ---- evaluate, log, checkpoint (rank 0 writes; every rank contributes its RNG state)
-        row: dict[str, Any] = {
-            "epoch": epoch + 1,
-            "step": step,
-            "lr": optimizer.param_groups[0]["lr"],
-            "train_loss": train_loss,
-            "train_acc": (100 * stats[1] / stats[2]).item(),
-            "train_img_s": stats[2].item() / train_time,
-            "train_time_s": train_time,
-        }
-        if master:
-            ev = evaluate(raw, val_loader, device, dtype)
-            row.update(val_loss=ev["loss"], val_top1=ev["top1"], val_top5=ev["top5"], eval_img_s=ev["img_s"])
-            if ema is not None:
-                ev_ema = evaluate(ema.module, val_loader, device, dtype)
-                row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])
-        row["elapsed_s"] = time.perf_counter() - t_start
-        rngs = [rng_state(device)]
-        if world > 1:
-            rngs = [None] * world
-            dist.all_gather_object(rngs, rng_state(device))
-        if master:
-            rows.append(row)
-            save_checkpoint(
-                {
-                    "model_name": cfg.model,
-                    "model_kwargs": kwargs,
-                    "model": raw.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else None,
-                    "scaler": scaler.state_dict(),
-                    "epoch": epoch + 1,
-                    "step": step,
-                    "rng": rngs,
-                    "world_size": world,
-                    "config": asdict(cfg),
-                    "metrics": row,
-                },
-                out / "last.pt",
-            )
-            write_log(out, rows)
-            ema_txt = f"  ema {row['ema_top1']:.2f}%" if ema is not None else ""
-            say(
-                f"{cfg.tag}epoch {epoch + 1}/{cfg.epochs}  loss {train_loss:.4f}  train {row['train_acc']:.1f}%  "
-                f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}  lr {row['lr']:.2e}  "
-                f"{row['train_img_s']:.0f} img/s  {train_time:.1f} s"
-            )
 
+def evaluate_epoch(run: Run) -> dict[str, Any]:
+    """Held-out top-1/top-5 of the model (and of its EMA)."""
+    ev = evaluate(run.raw, run.val_loader, run.device, run.dtype)
+    row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
+    if run.ema is not None:
+        ev_ema = evaluate(run.ema.module, run.val_loader, run.device, run.dtype)
+        row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])
+    return row
+
+
+def save_epoch(run: Run, row: dict[str, Any]) -> None:
+    """Checkpoint (every rank contributes its RNG state, rank 0 writes), log files and the epoch's line."""
+    rngs = [rng_state(run.device)]
+    if run.world > 1:
+        rngs = [None] * run.world
+        dist.all_gather_object(rngs, rng_state(run.device))
+    if not run.master:
+        return
+    cfg = run.cfg
+    run.rows.append(row)
+    state = {
+        "model_name": cfg.model,
+        "model_kwargs": run.kwargs,
+        "model": run.raw.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.sched.state_dict(),
+        "ema": run.ema.state_dict() if run.ema is not None else None,
+        "scaler": run.scaler.state_dict(),
+        "epoch": row["epoch"],
+        "step": run.step,
+        "rng": rngs,
+        "world_size": run.world,
+        "config": asdict(cfg),
+        "metrics": row,
+    }
+    save_checkpoint(state, run.out / "last.pt")
+    write_log(run.out, run.rows)
+    ema_txt = f"  ema {row['ema_top1']:.2f}%" if run.ema is not None else ""
+    run.log(
+        f"epoch {row['epoch']}/{cfg.epochs}  loss {row['train_loss']:.4f}  train {row['train_acc']:.1f}%  "
+        f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}  lr {row['lr']:.2e}  "
+        f"{row['train_img_s']:.0f} img/s  {row['train_time_s']:.1f} s"
+    )
+
+
+def finish(run: Run) -> dict[str, Any]:
+    """The run's summary (rank 0; empty elsewhere), written to ``OUT/summary.json`` and returned with the log."""
     summary: dict[str, Any] = {}
-    if master:
+    if run.master:
+        rows = run.rows
         train_s = sum(r["train_time_s"] for r in rows)
         summary = {
-            "model": cfg.model,
-            "params": n_params,
-            "epochs": cfg.epochs,
-            "world_size": world,
+            "model": run.cfg.model,
+            "params": sum(p.numel() for p in run.raw.parameters()),
+            "epochs": run.cfg.epochs,
+            "world_size": run.world,
             "final": rows[-1] if rows else {},
             "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
             "train_time_s": train_s,
-            "wall_s": time.perf_counter() - t_start,
-            "checkpoint": str(out / "last.pt"),
+            "wall_s": time.perf_counter() - run.t_start,
+            "checkpoint": str(run.out / "last.pt"),
         }
-        if device.type == "cuda":  # the host RSS says little about a GPU run
-            summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-        write_json_atomic(out / "summary.json", summary)
-    if world > 1:
+        if run.device.type == "cuda":  # the host RSS says little about a GPU run
+            summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20
+        write_json_atomic(run.out / "summary.json", summary)
+        summary["log"] = list(rows)
+    if run.world > 1:
         dist.barrier()
     return summary
