@@ -8,7 +8,6 @@ resumable: weights, optimizer, schedule, RNG) and ``metrics.json`` into ``out``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
@@ -19,6 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint import load_checkpoint, load_state_checked, save_checkpoint
+from ..io import write_json_atomic
+from ..optim import WarmupCosine, create_optimizer
 from .data import ByteData, ImageSequences, open_data
 from .model import LN2, CausalLM, lm_config, shift_right
 
@@ -82,40 +84,26 @@ def evaluate(model: CausalLM, data: Data, split: str, batch_size: int = 16, max_
     return total / count / LN2
 
 
-def _save(
-    path: Path,
-    model: CausalLM,
-    opt,
-    sched,
-    step: int,
-    cfg: LMTrainConfig,
-    data: Data,
-    metrics: dict,
-    gen: torch.Generator,
-) -> None:
-    from ..checkpoint import save_checkpoint
-
+def _save(run: LMRun) -> None:
     save_checkpoint(
         {
-            "model_name": cfg.model,
-            "model_kwargs": model.config,
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "step": step,
-            "config": dataclasses.asdict(cfg),
-            "data": data_info(data),
-            "metrics": metrics,
-            "rng": {"data": gen.get_state(), "torch": torch.get_rng_state()},
+            "model_name": run.cfg.model,
+            "model_kwargs": run.model.config,
+            "model": run.model.state_dict(),
+            "optimizer": run.opt.state_dict(),
+            "scheduler": run.sched.state_dict(),
+            "step": run.step,
+            "config": dataclasses.asdict(run.cfg),
+            "data": data_info(run.data),
+            "metrics": {"history": run.history},
+            "rng": {"data": run.gen.get_state(), "torch": torch.get_rng_state()},
         },
-        path,
+        run.out / "last.pt",
     )
 
 
 def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
     """A trained model and its checkpoint (read with ``weights_only=True``)."""
-    from ..checkpoint import load_checkpoint, load_state_checked
-
     ckpt = load_checkpoint(path)
     if "data" not in ckpt or not isinstance(ckpt.get("model_kwargs"), dict) or "vocab_size" not in ckpt["model_kwargs"]:
         raise ValueError(f"{ckpt['path']} is not a `vitlab lm train` checkpoint")
@@ -124,10 +112,47 @@ def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
     return model.eval(), ckpt
 
 
+@dataclass
+class LMRun:
+    """Everything one sequence-model training run holds between its steps."""
+
+    cfg: LMTrainConfig
+    log: Callable[[str], None]
+    out: Path | None
+    data: Data
+    model: CausalLM
+    opt: torch.optim.Optimizer
+    sched: WarmupCosine
+    gen: torch.Generator  # the data sampler's stream
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
 def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.data``; returns ``{"history": [...], "final": {...}, "out": ...}``."""
-    from ..optim import WarmupCosine, create_optimizer
+    run = setup(cfg, log)
+    run.model.train()
+    t0, seen, running = time.perf_counter(), 0, []
+    while run.step < cfg.steps:
+        bits = train_step(run)
+        running.append(bits)
+        seen += 1
+        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+            rate = seen / (time.perf_counter() - t0)
+            log(
+                f"step {run.step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  "
+                f"lr {run.sched.current_lr:.2e}  {rate:.2f} steps/s"
+            )
+            running = []
+        if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+            record(run, bits)
+            if run.out is not None:
+                _save(run)
+    return finish(run)
 
+
+def setup(cfg: LMTrainConfig, log: Callable[[str], None]) -> LMRun:
+    """Checks, the checkpoint to resume, data, model (seeded), optimizer, schedule and the data stream."""
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.eval_every < 1:
         raise ValueError(
             f"need steps, batch_size and eval_every >= 1, got {cfg.steps}, {cfg.batch_size}, {cfg.eval_every}"
@@ -139,8 +164,6 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
     if cfg.resume:
         if out is None or not (out / "last.pt").is_file():
             raise FileNotFoundError(f"--resume: no checkpoint {out / 'last.pt' if out else '(no --out)'} to continue")
-        from ..checkpoint import load_checkpoint
-
         resume = load_checkpoint(out / "last.pt")
     base = lm_config(cfg.model)
     data = build_data(cfg, cfg.overrides.get("max_len", base["max_len"]))
@@ -150,76 +173,70 @@ def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, A
     if data.seq_len > model.max_len:
         raise ValueError(f"sequences of {data.seq_len} symbols do not fit max_len = {model.max_len}")
     opt = create_optimizer(model, cfg.lr, cfg.weight_decay)
-    warmup = min(cfg.warmup_steps, cfg.steps)
-    sched = WarmupCosine(opt, cfg.lr, cfg.steps, warmup, cfg.min_lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    history: list[dict[str, Any]] = []
-    step = 0
+    sched = WarmupCosine(opt, cfg.lr, cfg.steps, min(cfg.warmup_steps, cfg.steps), cfg.min_lr)
+    run = LMRun(cfg, log, out, data, model, opt, sched, torch.Generator().manual_seed(cfg.seed))
     if resume is not None:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["optimizer"])
         sched.load_state_dict(resume["scheduler"])
-        gen.set_state(resume["rng"]["data"])
+        run.gen.set_state(resume["rng"]["data"])
         torch.set_rng_state(resume["rng"]["torch"])
-        step = int(resume["step"])
-        history = list(resume["metrics"].get("history", []))
-        log(f"resumed from {out / 'last.pt'} at step {step}")
+        run.step = int(resume["step"])
+        run.history = list(resume["metrics"].get("history", []))
+        log(f"resumed from {out / 'last.pt'} at step {run.step}")
     params = sum(p.numel() for p in model.parameters())
     log(f"{cfg.model}: {params / 1e6:.2f}M parameters, {data}, {cfg.steps} steps of batch {cfg.batch_size}")
+    return run
 
-    def record(step: int, train_bits: float | None) -> dict[str, Any]:
-        row = {
-            "step": step,
-            "train_loss_bits": train_bits,
-            "train_bits": evaluate(model, data, "train", cfg.eval_batch_size, cfg.eval_symbols),
-            "test_bits": evaluate(model, data, "test", cfg.eval_batch_size, cfg.eval_symbols),
-        }
-        history.append(row)
-        log(
-            f"step {step}: bits/{'dim' if data.kind == 'images' else 'char'} train {row['train_bits']:.4f} "
-            f"held-out {row['test_bits']:.4f}"
-        )
-        return row
 
-    model.train()
-    t0, seen, running = time.perf_counter(), 0, []
-    while step < cfg.steps:
-        seqs = data.sample(cfg.batch_size, gen).long()
-        loss = model.loss(seqs)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-        opt.step()
-        sched.step()
-        step += 1
-        seen += 1
-        running.append(loss.item() / LN2)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            rate = seen / (time.perf_counter() - t0)
-            log(
-                f"step {step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  lr {sched.current_lr:.2e}  "
-                f"{rate:.2f} steps/s"
-            )
-            running = []
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            record(step, loss.item() / LN2)
-            if out is not None:
-                _save(out / "last.pt", model, opt, sched, step, cfg, data, {"history": history}, gen)
-    final = history[-1] if history else record(step, None)
+def train_step(run: LMRun) -> float:
+    """One optimisation step on a fresh random batch; returns its loss in bits per symbol."""
+    cfg = run.cfg
+    seqs = run.data.sample(cfg.batch_size, run.gen).long()
+    loss = run.model.loss(seqs)
+    if not math.isfinite(loss.item()):
+        raise FloatingPointError(f"loss is {loss.item()} at step {run.step}; lower --lr")
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.clip_grad)
+    run.opt.step()
+    run.sched.step()
+    run.step += 1
+    return loss.item() / LN2
+
+
+def record(run: LMRun, loss_bits: float | None) -> dict[str, Any]:
+    """Evaluate bits per symbol on both splits; the row joins the history."""
+    cfg, data = run.cfg, run.data
+    row = {
+        "step": run.step,
+        "train_loss_bits": loss_bits,
+        "train_bits": evaluate(run.model, data, "train", cfg.eval_batch_size, cfg.eval_symbols),
+        "test_bits": evaluate(run.model, data, "test", cfg.eval_batch_size, cfg.eval_symbols),
+    }
+    run.history.append(row)
+    run.log(
+        f"step {run.step}: bits/{'dim' if data.kind == 'images' else 'char'} train {row['train_bits']:.4f} "
+        f"held-out {row['test_bits']:.4f}"
+    )
+    return row
+
+
+def finish(run: LMRun) -> dict[str, Any]:
+    """The result (also ``OUT/metrics.json``): the final evaluation and the history."""
+    cfg = run.cfg
+    final = run.history[-1] if run.history else record(run, None)
     result = {
         "model": cfg.model,
         "data": str(cfg.data),
-        **data_info(data),
-        "params": params,
-        "steps": step,
-        "history": history,
+        **data_info(run.data),
+        "params": sum(p.numel() for p in run.model.parameters()),
+        "steps": run.step,
+        "history": run.history,
         "final": final,
-        "out": str(out) if out else None,
+        "out": str(run.out) if run.out else None,
     }
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(result, indent=2))
+    if run.out is not None:
+        write_json_atomic(run.out / "metrics.json", result, indent=2)
     return result
