@@ -44,7 +44,18 @@ def augment_images(images: Tensor, generator: torch.Generator | None = None, max
     return (out + shift).clamp(0, 255).to(torch.uint8)
 
 
-class ByteData:
+class Splits:
+    """A training and a held-out part (``parts``), looked up by split name."""
+
+    parts: dict[str, Tensor]
+
+    def part(self, split: str) -> Tensor:
+        if split not in self.parts:
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        return self.parts[split]
+
+
+class ByteData(Splits):
     """Bytes of a file; the last ``holdout`` of them (fraction in (0, 1) or a byte count) are held out.
 
     Args:
@@ -75,11 +86,6 @@ class ByteData:
         sizes = ", ".join(f"{k} {len(v)} bytes" for k, v in self.parts.items())
         return f"ByteData({self.path}: {sizes}; T={self.seq_len})"
 
-    def part(self, split: str) -> Tensor:
-        if split not in self.parts:
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return self.parts[split]
-
     def sample(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """``batch`` random training windows (batch, T)."""
         data = self.parts["train"]
@@ -96,7 +102,7 @@ class ByteData:
         yield from windows.split(batch)
 
 
-class ImageSequences:
+class ImageSequences(Splits):
     """Images as sub-pixel sequences (T = H·W·3), with a held-out split.
 
     Args:
@@ -140,11 +146,6 @@ class ImageSequences:
     def __repr__(self) -> str:
         n = {k: len(v) for k, v in self.parts.items()}
         return f"ImageSequences({n['train']} train / {n['test']} test images {self.size}, T={self.seq_len})"
-
-    def part(self, split: str) -> Tensor:
-        if split not in self.parts:
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        return self.parts[split]
 
     def sample(self, batch: int, generator: torch.Generator | None = None) -> Tensor:
         """``batch`` random training images as sequences (augmented unless ``augment=False``)."""
