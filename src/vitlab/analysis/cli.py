@@ -132,30 +132,24 @@ class Context:
     threshold: float
     slots: list[int]
     max_heads: int
-    external_blocks: set[int]  # blocks whose "attn" is external attention (B, heads, N, S)
 
 
-def _external_blocks(model: nn.Module) -> set[int]:
-    from ..mixers import ExternalAttention, MultiHeadExternalAttention
-
-    blocks = getattr(model, "blocks", [])
-    return {
-        i
-        for i, b in enumerate(blocks)
-        if any(isinstance(m, ExternalAttention | MultiHeadExternalAttention) for m in b.modules())
-    }
-
-
-def self_attention_maps(out: dict, ctx: Context) -> list[tuple[int, Tensor]]:
+def self_attention_maps(out: dict) -> list[tuple[int, Tensor]]:
     """(block, map (B, H, N, N)) for every block whose mixer materialised a self-attention map."""
     n = out["tokens"][0].shape[1]
     return [
         (i, aux["attn"])
         for i, aux in enumerate(out["aux"])
-        if "attn" in aux
-        and i not in ctx.external_blocks
-        and aux["attn"].dim() == 4
-        and aux["attn"].shape[-2:] == (n, n)
+        if "attn" in aux and aux["attn"].dim() == 4 and aux["attn"].shape[-2:] == (n, n)
+    ]
+
+
+def memory_attention_maps(out: dict) -> list[tuple[int, Tensor]]:
+    """(block, map (B, heads, N, S)) for every external-attention block (single-head maps get a head axis)."""
+    return [
+        (i, a.unsqueeze(1) if a.dim() == 3 else a)
+        for i, aux in enumerate(out["aux"])
+        if (a := aux.get("memory_attn")) is not None
     ]
 
 
@@ -197,7 +191,7 @@ class QueryAttention(Analysis):
     def start(self, out):
         if (why := _needs_grid(out)) is not None:
             return why
-        self.blocks = [i for i, _ in self_attention_maps(out, self.ctx)]
+        self.blocks = [i for i, _ in self_attention_maps(out)]
         if not self.blocks:
             return "no block computes a self-attention map (B, H, N, N)"
         layout = out["layout"]
@@ -225,8 +219,7 @@ class QueryAttention(Analysis):
     def update(self, out, n):
         layout = out["layout"]
         per_block = [
-            metrics.query_attention(a, self.query, layout.grid, layout.num_prefix)
-            for _, a in self_attention_maps(out, self.ctx)
+            metrics.query_attention(a, self.query, layout.grid, layout.num_prefix) for _, a in self_attention_maps(out)
         ]
         self.maps.append([m.float().cpu() for m in per_block])
 
@@ -276,7 +269,7 @@ class Collapse(Analysis):
     name = "collapse"
 
     def start(self, out):
-        found = self_attention_maps(out, self.ctx)
+        found = self_attention_maps(out)
         if len(found) < 2:
             return f"needs self-attention maps in at least 2 blocks, found {len(found)}"
         shapes = {tuple(a.shape) for _, a in found}
@@ -286,7 +279,7 @@ class Collapse(Analysis):
         return None
 
     def update(self, out, n):
-        self.mean.add(metrics.cross_layer_similarity([a for _, a in self_attention_maps(out, self.ctx)]), n)
+        self.mean.add(metrics.cross_layer_similarity([a for _, a in self_attention_maps(out)]), n)
 
     def result(self):
         sim = self.mean.value
@@ -330,11 +323,7 @@ class HeadSimilarity(Analysis):
     name = "heads"
 
     def _maps(self, out) -> list[tuple[int, Tensor]]:
-        found = dict(self_attention_maps(out, self.ctx))
-        for i in self.ctx.external_blocks:
-            if i < len(out["aux"]) and "attn" in out["aux"][i]:
-                a = out["aux"][i]["attn"]
-                found[i] = a.unsqueeze(1) if a.dim() == 3 else a  # single-head EA: (B, N, S)
+        found = dict(self_attention_maps(out)) | dict(memory_attention_maps(out))
         return sorted((i, a) for i, a in found.items() if a.shape[1] > 1)
 
     def start(self, out):
@@ -517,18 +506,10 @@ class ExternalMaps(Analysis):
 
     name = "external"
 
-    def _maps(self, out) -> list[tuple[int, Tensor]]:
-        found = []
-        for i in sorted(self.ctx.external_blocks):
-            if i < len(out["aux"]) and "attn" in out["aux"][i]:
-                a = out["aux"][i]["attn"]
-                found.append((i, a.unsqueeze(1) if a.dim() == 3 else a))
-        return found
-
     def start(self, out):
         if (why := _needs_grid(out)) is not None:
             return why
-        found = self._maps(out)
+        found = memory_attention_maps(out)
         if not found:
             return "no block uses external attention"
         size = min(a.shape[-1] for _, a in found)
@@ -544,7 +525,7 @@ class ExternalMaps(Analysis):
                 metrics.slot_maps(a[:, : self.ctx.max_heads], self.ctx.slots, layout.grid, layout.num_prefix)
                 .float()
                 .cpu()
-                for _, a in self._maps(out)
+                for _, a in memory_attention_maps(out)
             ]
         )
 
@@ -722,7 +703,7 @@ def analyze(
         raise ValueError(f"--max-heads and --batch-size must be positive, got {max_heads}, {batch_size}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = Context(model, images.cpu(), query, threshold, list(slots), max_heads, _external_blocks(model))
+    ctx = Context(model, images.cpu(), query, threshold, list(slots), max_heads)
     todo = [CLASSES[n](ctx) for n in what]
     skipped: dict[str, str] = {}
     logits_diff = 0.0

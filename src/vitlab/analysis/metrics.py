@@ -3,7 +3,7 @@
 Maps follow the mixers' ``aux["attn"]`` convention: ``A[b, h, i, t]`` is how much output
 (query) token i takes from input token t, so row i sums to 1 for softmax attention and
 **column** t, ``A[b, h, :, t]``, says how token t contributes to every output token.
-External attention's maps are ``(B, heads, N, S)`` over S memory slots.
+External attention's maps (``aux["memory_attn"]``) are ``(B, heads, N, S)`` over S memory slots.
 
 Similarities are averaged with equal weight per image, so a mean over batches weighted by
 batch size is the mean over all images.
