@@ -13,8 +13,7 @@ import torch
 
 import vitlab
 from vitlab import cli as vitlab_cli
-from vitlab.analysis import metrics
-from vitlab.analysis.cli import analyze, parse_what
+from vitlab.analysis import analyze, metrics, parse_what
 
 # ------------------------------------------------------------------------------ naive references
 

@@ -438,7 +438,7 @@ def test_external_inference_path_is_the_same_function():
     x = torch.randn(2, 9, 32)
     (fast, fast_aux), (ref, ref_aux) = _fast_and_reference(m, x, return_aux=True)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_aux["attn"], ref_aux["attn"], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fast_aux["memory_attn"], ref_aux["memory_attn"], rtol=1e-5, atol=1e-7)
 
 
 def test_stem_inference_path_and_block_folds_are_the_same_function():

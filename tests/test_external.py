@@ -72,7 +72,7 @@ def test_golden_eamlp_multi_head():
     m.load_state_dict({names[k.split(".")[0]] + "." + k.split(".")[1]: v for k, v in g.state().items()})
     out, aux = m(g.input("x"), return_aux=True)
     assert_close_to_golden(out, g.output("x"))
-    assert aux["attn"].shape == (2, 8, 17, 64)  # 4·num_heads heads, S = 256 // 4
+    assert aux["memory_attn"].shape == (2, 8, 17, 64)  # 4·num_heads heads, S = 256 // 4
 
 
 def test_golden_eamlp_token_layer():
@@ -111,7 +111,7 @@ def test_single_head_matches_naive_algorithm_1():
     x = torch.randn(3, 8, 12, dtype=torch.float64)
     out, aux = m(x, return_aux=True)
     a = naive_double_norm(x @ m.mk.weight.T + m.mk.bias)
-    torch.testing.assert_close(aux["attn"], a, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(aux["memory_attn"], a, rtol=1e-5, atol=1e-12)
     torch.testing.assert_close(out, a @ m.mv.weight.T + m.mv.bias, rtol=1e-5, atol=1e-12)
 
 
@@ -156,12 +156,12 @@ def test_modules_stable_for_huge_logits_fp32_and_bf16_autocast():
         out, aux = m(x, return_aux=True)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(
-            aux["attn"].double(), naive_double_norm(make_logits().detach()), rtol=1e-5, atol=1e-6
+            aux["memory_attn"].double(), naive_double_norm(make_logits().detach()), rtol=1e-5, atol=1e-6
         )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low, aux_low = m(x, return_aux=True)
-        assert torch.isfinite(low).all() and aux_low["attn"].dtype == torch.bfloat16
-        assert (aux_low["attn"].float().sum(-1) <= 1.01).all()  # ℓ1 rows: 1, or 0 for unattended tokens
+        assert torch.isfinite(low).all() and aux_low["memory_attn"].dtype == torch.bfloat16
+        assert (aux_low["memory_attn"].float().sum(-1) <= 1.01).all()  # ℓ1 rows: 1, or 0 for unattended tokens
 
 
 def test_memory_init_mv_is_mk_transpose_copy():

@@ -141,8 +141,8 @@ def test_golden_eamlp_token_attention():
     m.load_state_dict({keys[k]: v for k, v in g.state().items()})
     out, aux = m(g.input("x"), return_aux=True)
     assert_close_to_golden(out, g.output("x"))
-    assert aux["attn"].shape == (2, 17, 128)
-    torch.testing.assert_close(aux["attn"].sum(-1), torch.ones(2, 17), rtol=0, atol=1e-5)  # ℓ1 over slots
+    assert aux["memory_attn"].shape == (2, 17, 128)
+    torch.testing.assert_close(aux["memory_attn"].sum(-1), torch.ones(2, 17), rtol=0, atol=1e-5)  # ℓ1 over slots
 
 
 # ------------------------------------------------------------------------------- naive equations
@@ -228,7 +228,7 @@ def test_mini_trains(size, chans):
     model.eval()
     out = model.forward_intermediates(x, return_aux=True)
     assert len(out["tokens"]) == 4 and out["layout"].grid == grid and out["layout"].num_prefix == 1
-    assert out["aux"][0]["attn"].shape == (4, 8, 1 + grid[0] * grid[1], 64)
+    assert out["aux"][0]["memory_attn"].shape == (4, 8, 1 + grid[0] * grid[1], 64)
     torch.testing.assert_close(out["features"], model.forward_features(x))
     assert model.forward_head(out["features"], pre_logits=True).shape == (4, 64)
 

@@ -5,6 +5,9 @@ file from elsewhere can never run code). It records the model's registered name 
 overrides it was built with, so :func:`model_from_checkpoint` rebuilds the same model and loading it into
 another model is a clear error, not a wall of missing-key messages.
 
+:func:`load_model` is the one way the tools get a model with its weights: random, from a vitlab checkpoint,
+or from any other weights file (safetensors, an official or timm checkpoint) through :mod:`vitlab.convert`.
+
 Layout (``format: "vitlab-checkpoint"``): ``model_name``, ``model_kwargs``, ``model`` (state_dict), and for
 resuming ``optimizer``, ``scheduler``, ``ema``, ``scaler``, ``epoch`` (completed epochs), ``step``, ``rng``
 (per-rank torch RNG states), ``config`` (the training options) and ``metrics`` (the last epoch's).
@@ -15,13 +18,16 @@ from __future__ import annotations
 import pickle
 import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from .convert.load import load_reference, read_checkpoint
 from .io import atomic_open
+from .models import create_model, get_config, list_models
 
 FORMAT = "vitlab-checkpoint"
 VERSION = 1
@@ -107,8 +113,6 @@ def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
 def model_from_checkpoint(ckpt: dict[str, Any], ema: bool = False, **overrides: Any) -> nn.Module:
     """Rebuild the checkpoint's model (its name and constructor overrides, plus ``overrides``) with its
     weights (the EMA weights with ``ema=True``)."""
-    from .models import create_model
-
     model = create_model(ckpt["model_name"], **{**ckpt.get("model_kwargs", {}), **overrides})
     if ema:
         if not ckpt.get("ema"):
@@ -118,3 +122,102 @@ def model_from_checkpoint(ckpt: dict[str, Any], ema: bool = False, **overrides: 
         state = ckpt["model"]
     load_state_checked(model, state, f"checkpoint {ckpt.get('path', '')}")
     return model
+
+
+# ------------------------------------------------------------------------------------- load_model
+def load_model(
+    name_or_path: str | Path,
+    weights: str | Path | Mapping[str, Any] | None = None,
+    *,
+    ema: bool = False,
+    **overrides: Any,
+) -> nn.Module:
+    """A model with its weights, in eval mode on the CPU; ``model.meta["weights"]`` says where they came from.
+
+    ``name_or_path`` is a registered model name, or a ``vitlab train`` checkpoint (a file, or a run folder
+    holding ``last.pt``) that is then also the weights. ``weights`` is
+
+    - None: random init (seed torch first for a repeatable draw);
+    - a ``vitlab train`` checkpoint (a path, or the dict :func:`load_checkpoint` returns): it must hold
+      this model; the model is rebuilt with the recorded constructor options plus ``overrides``, with the
+      EMA weights when ``ema``;
+    - any other weights file (safetensors, a state dict in vitlab's or an official implementation's names):
+      read without running code and mapped by :func:`vitlab.convert.load_reference` (strict), the number of
+      classes taken from its ``head.weight`` unless ``overrides`` set it.
+
+    ``overrides`` are constructor options (``img_size``, ``in_chans``, ``num_classes``, ...).
+    """
+    if not isinstance(name_or_path, str) or not _is_model_name(name_or_path):
+        if weights is not None:
+            raise ValueError(f"{name_or_path} is a checkpoint, not a model name; pass the weights only once")
+        return _from_vitlab(load_checkpoint(name_or_path), ema, overrides)
+    if weights is None:
+        if ema:
+            raise ValueError("--ema needs a checkpoint written by `vitlab train`; no weights were given")
+        return _ready(create_model(name_or_path, **overrides), "random init")
+    if isinstance(weights, Mapping):
+        if weights.get("format") != FORMAT or "model_name" not in weights:
+            raise ValueError("weights given as a dict must be a checkpoint read by vitlab.checkpoint.load_checkpoint")
+        check_model_name(dict(weights), name_or_path)
+        return _from_vitlab(dict(weights), ema, overrides)
+    path = _weights_file(weights)
+    if (ckpt := _training_checkpoint(path)) is not None:
+        check_model_name(ckpt, name_or_path)
+        return _from_vitlab(ckpt, ema, overrides)
+    if ema:
+        raise ValueError(f"--ema needs a checkpoint written by `vitlab train`; {path} holds plain weights")
+    return _from_weights_file(name_or_path, path, overrides)
+
+
+def _is_model_name(name: str) -> bool:
+    """A registered name; raises the registry's "unknown model" error for what is neither a name nor a path."""
+    if name in list_models():
+        return True
+    if Path(name).expanduser().exists() or any(sep in name for sep in ("/", "\\")) or name.endswith((".pt", ".pth")):
+        return False
+    get_config(name)  # an unknown name, with the closest registered ones
+    return True
+
+
+def _weights_file(weights: str | Path) -> Path:
+    path = Path(weights).expanduser()
+    if path.is_dir() and (path / "last.pt").is_file():  # a `vitlab train` output folder
+        path = path / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found")
+    return path
+
+
+def _training_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The checkpoint dict when ``path`` was written by ``vitlab train``, else None (plain weights)."""
+    if path.suffix == ".safetensors":
+        return None
+    try:
+        return load_checkpoint(path)
+    except ValueError:  # not a training checkpoint (or unreadable: the plain reader explains why)
+        return None
+
+
+def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> nn.Module:
+    model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    epoch = ckpt.get("epoch", "?")
+    return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
+
+
+def _from_weights_file(name: str, path: Path, overrides: dict[str, Any]) -> nn.Module:
+    state = read_checkpoint(path)
+    head = state.get("head.weight")
+    if "num_classes" not in overrides and isinstance(head, Tensor) and head.dim() == 2:
+        overrides = {**overrides, "num_classes": head.shape[0]}
+    model = create_model(name, **overrides)
+    try:
+        report = load_reference(model, state, source="auto")
+    except ValueError as e:
+        first = str(e).splitlines()[0]
+        raise ValueError(f"{first}; check the model name and --img-size / --in-chans / --num-classes") from None
+    return _ready(model, f"{path} ({report.source} weights)")
+
+
+def _ready(model: nn.Module, weights: str) -> nn.Module:
+    model.meta = {**getattr(model, "meta", {}), "weights": weights}
+    return model.eval()

@@ -195,7 +195,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weights",
         default=None,
-        help="weights to load first (vitlab safetensors, or any checkpoint `vitlab convert` reads)",
+        help="weights to load first (vitlab safetensors, a `vitlab train` checkpoint, or any checkpoint "
+        "`vitlab convert` reads)",
     )
     p.add_argument(
         "--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)"
@@ -207,20 +208,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .convert import load_reference, load_weights
-    from .models import create_model
+    from .checkpoint import load_model
 
-    overrides: dict[str, Any] = {}
-    state = load_weights(args.weights) if args.weights else None
-    if args.num_classes is not None:
-        overrides["num_classes"] = args.num_classes
-    elif state is not None and "head.weight" in state:
-        overrides["num_classes"] = state["head.weight"].shape[0]
-    if args.img_size:
-        overrides["img_size"] = args.img_size
-    model = create_model(args.model, **overrides).eval()
-    if state is not None:
-        load_reference(model, state)  # vitlab names, or an official checkpoint (source detected)
+    overrides = {
+        k: v for k, v in (("num_classes", args.num_classes), ("img_size", args.img_size or None)) if v is not None
+    }
+    # vitlab names, an official checkpoint (source detected) or a `vitlab train` checkpoint
+    model = load_model(args.model, args.weights or None, **overrides)
     x = example_input(model, args.batch)
     out = Path(args.out)
     if args.format == "onnx":

@@ -1,6 +1,13 @@
 """Looking inside models: attention maps, attention collapse, head similarity, feature evolution, AFT biases
-and keys, external attention maps (``vitlab analyze``). Metrics are pure tensor functions in :mod:`.metrics`."""
+and keys, external attention maps.
 
+:func:`analyze` runs the analyses (:data:`ANALYSES`) on a model and writes their numbers (JSON) and figures
+(PNG); :func:`load_images` prepares its input; the metrics are pure tensor functions (:mod:`.metrics`).
+``vitlab analyze`` is the command line over this (:mod:`.cli`).
+"""
+
+from .analyses import ANALYSES, analyze, parse_what
+from .inputs import load_images
 from .metrics import (
     adjacent_similarity,
     cross_layer_similarity,
@@ -14,10 +21,14 @@ from .metrics import (
 )
 
 __all__ = [
+    "ANALYSES",
     "adjacent_similarity",
+    "analyze",
     "cross_layer_similarity",
     "feature_evolution",
     "head_similarity",
+    "load_images",
+    "parse_what",
     "query_attention",
     "similar_block_count",
     "similar_blocks",

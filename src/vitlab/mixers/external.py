@@ -49,7 +49,7 @@ class ExternalAttention(TokenMixer):
     """Single-head external attention, paper Algorithm 1.
 
     ``mk = Linear(dim → S)`` and ``mv = Linear(S → dim)`` are the memories
-    (``bias=False`` as the paper); ``aux["attn"]`` is the (B, N, S) normalised
+    (``bias=False`` as the paper); ``aux["memory_attn"]`` is the (B, N, S) normalised
     map. ``num_heads`` exists so that configs can pass it to every mixer; it must
     be 1 (``build("external", dim, num_heads=h > 1)`` gives the multi-head class).
     """
@@ -90,7 +90,7 @@ class ExternalAttention(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         attn = double_normalize(self.mk(x), token_dim=1, memory_dim=2, eps=self.eps)
         out = self.mv(self.attn_drop(attn))
-        return out, ({"attn": attn} if return_aux else {})
+        return out, ({"memory_attn": attn} if return_aux else {})
 
 
 class MultiHeadExternalAttention(TokenMixer):
@@ -100,7 +100,7 @@ class MultiHeadExternalAttention(TokenMixer):
     of width ``dim / num_heads``; every head uses the same ``mk`` (d_h → S) and
     ``mv`` (S → d_h) memories; softmax over tokens, ℓ1 over slots (eps 1e-9);
     heads are merged and ``proj`` maps coef·dim → dim. ``memory_size`` defaults
-    to 256 // coef (64 for coef 4). ``aux["attn"]`` is the (B, heads, N, S) map.
+    to 256 // coef (64 for coef 4). ``aux["memory_attn"]`` is the (B, heads, N, S) map.
     """
 
     def __init__(
@@ -143,7 +143,7 @@ class MultiHeadExternalAttention(TokenMixer):
         else:
             attn = double_normalize(self.mk(t), token_dim=1, memory_dim=-1)
             out = self.proj(self.mv(self.attn_drop(attn)).view(b, n, -1))
-        return self.proj_drop(out), ({"attn": attn.transpose(1, 2)} if return_aux else {})
+        return self.proj_drop(out), ({"memory_attn": attn.transpose(1, 2)} if return_aux else {})
 
     def _memories_folded(self, t: Tensor) -> tuple[Tensor, Tensor]:
         """Inference: ``mk``'s bias adds one constant per memory slot to the logits, which the softmax over the

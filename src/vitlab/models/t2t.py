@@ -45,7 +45,7 @@ class TokenExternalAttention(nn.Module):
     ``t = q_linear(x)``; ``α = DoubleNorm(t M_kᵀ)`` (softmax over tokens, ℓ1 over
     the S memory slots, eps 1e-9: paper Algorithm 1); ``out = t + proj(α M_vᵀ + b_v)``.
     As the official code: M_k has no bias, M_v has one, and the residual is taken
-    from the query because the width changes. ``aux["attn"]`` is the (B, N, S) map.
+    from the query because the width changes. ``aux["memory_attn"]`` is the (B, N, S) map.
     """
 
     def __init__(
@@ -71,7 +71,7 @@ class TokenExternalAttention(nn.Module):
         # inference: normalise the fresh logits in place (no autograd to keep them for)
         attn = double_normalize(self.mk(t), token_dim=1, memory_dim=2, inplace=not torch.is_grad_enabled())
         out = t + self.proj_drop(self.proj(self.mv(self.attn_drop(attn))))
-        return (out, {"attn": attn}) if return_aux else out
+        return (out, {"memory_attn": attn}) if return_aux else out
 
 
 class TokenSelfAttention(nn.Module):

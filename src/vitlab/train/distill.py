@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import load_checkpoint, model_from_checkpoint
+from ..checkpoint import load_checkpoint, load_model
 from ..data import resize, soft_target_cross_entropy
 
 
 def load_teacher(path: str | Path, device: torch.device | str = "cpu", ema: bool = False) -> nn.Module:
     """A frozen teacher in eval mode from any vitlab checkpoint (its model is rebuilt from the record)."""
     ckpt = load_checkpoint(path)
-    teacher = model_from_checkpoint(ckpt, ema=ema and bool(ckpt.get("ema")))
+    teacher = load_model(ckpt["model_name"], ckpt, ema=ema and bool(ckpt.get("ema")))
     return teacher.to(device).eval().requires_grad_(False)
 
 

@@ -57,7 +57,7 @@ def evaluate_checkpoint(
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
-    from ..checkpoint import check_model_name, load_checkpoint, model_from_checkpoint
+    from ..checkpoint import load_checkpoint, load_model
     from ..data import BatchLoader, load_dataset, make_transform
     from .engine import amp_dtype, evaluate, is_oom
 
@@ -66,8 +66,6 @@ def evaluate_checkpoint(
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     ckpt = load_checkpoint(path)
-    if model_name is not None:
-        check_model_name(ckpt, model_name)
     cfg = ckpt.get("config", {})
     spec = data or cfg.get("data", "mnist")
     train_size = int(ckpt.get("model_kwargs", {}).get("img_size") or 224)
@@ -76,7 +74,7 @@ def evaluate_checkpoint(
         raise ValueError(f"--img-size must be positive, got {sizes}")
     other = any(s != train_size for s in sizes)
     overrides = {"dynamic_img_size": True} if other and supports_dynamic_size(ckpt["model_name"]) else {}
-    model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    model = load_model(model_name or ckpt["model_name"], ckpt, ema=ema, **overrides)  # a --model is checked
     if other:  # AFT-full/local: interpolate the learned position biases to the new token count, as the table
         for m in model.modules():
             if isinstance(getattr(m, "resample", None), bool):
