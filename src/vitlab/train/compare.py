@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_checkpoint, model_from_checkpoint
+from ..checkpoint import load_checkpoint, load_model
 from ..io import write_csv_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
@@ -174,7 +174,7 @@ def train_case(config: dict[str, Any]) -> Prepared:
 
 def inference_case(checkpoint: str, batch: int = 256) -> Prepared:
     """Measured case: one eval-mode forward of a batch of inputs of the model's size."""
-    model = model_from_checkpoint(load_checkpoint(checkpoint)).eval()
+    model = load_model(checkpoint)
     c, h, w = model.meta["input_size"]
     x = torch.randn(batch, c, h, w)
 
