@@ -428,14 +428,10 @@ def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
 # ---------------------------------------------------------------- causal AFT-local: the O(T·s·d) band
 
 
-BAND_SPY = ("aft_full", "aft_local_causal", "aft_local_banded")
-
-
 class CoreSpy:
-    """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_causal / aft_local_banded: the band;
-    aft_local_causal calls aft_local_banded)."""
+    """Records which AFT core ran (aft_full: the dense O(N²) path, aft_local_banded: the band)."""
 
-    def __init__(self, monkeypatch, names=("aft_full", "aft_local_causal")):
+    def __init__(self, monkeypatch, names=("aft_full", "aft_local_banded")):
         self.calls = []
         for name in names:
             original = getattr(aft_mod, name)
@@ -478,7 +474,8 @@ def test_banded_core_is_the_paper_equation(n, window, outside, factorised):
     m = AFTLocal(c, n, window=window, outside=outside, bias_dim=4 if factorised else None, causal=True).double()
     randomise_bias(m, 1.0)
     band = local_bias_band(n, max(window, MIN_BLOCK), m.u, m.v, m.w)
-    y = aft_mod.aft_local_causal(q, k, v, band, window, outside == "zero", lambda t, g: None)  # no fallback
+    # bias rows lambda t, g: None: no fallback
+    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None, causal=True)
     ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
     assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
 
@@ -502,10 +499,10 @@ def test_banded_module_equals_dense_forward_and_gradients(kw, causal, monkeypatc
     torch.manual_seed(1)
     m = AFTLocal(24, 64 if causal else 50, causal=causal, **{"window": 7, **kw})
     randomise_bias(m, 0.5)
-    spy = CoreSpy(monkeypatch) if causal else CoreSpy(monkeypatch, BAND_SPY)
+    spy = CoreSpy(monkeypatch)
     x = torch.randn(2, 50, 24, requires_grad=True)
     y = m(x)
-    assert spy.calls == ["aft_local_causal" if causal else "aft_local_banded"]
+    assert spy.calls == ["aft_local_banded"]
     y_ref = dense_forward(m, x)
     assert torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6)
     g = torch.randn_like(y)
@@ -523,7 +520,7 @@ def test_build_causal_aft_local_takes_the_band_path(monkeypatch):
     for x, layout in ((torch.randn(2, 33, 24), None), (torch.randn(2, 21, 24), GRID)):  # shorter than max_len
         spy.calls.clear()
         out = m(x, layout)
-        assert spy.calls == ["aft_local_causal"]  # a sequence or a grid with a class token: 1-D token order
+        assert spy.calls == ["aft_local_banded"]  # a sequence or a grid with a class token: 1-D token order
         assert_rel(out, reference(m, x, layout), 1e-5)
     # no longer than the window, or a resampled bias: the dense path
     spy.calls.clear()
@@ -531,6 +528,47 @@ def test_build_causal_aft_local_takes_the_band_path(monkeypatch):
     build("aft_local", 24, max_len=40, window=5, resample=True)(torch.randn(2, 30, 24))
     assert spy.calls == ["aft_full", "aft_full"]
     assert "recompute=True" in repr(build("aft_local", 24, causal=True, max_len=40, recompute=True))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [0, 5, 16, 40])
+def test_forward_takes_the_path_uses_band_reports(causal, window, monkeypatch):
+    """AFTLocal decides its path in one place (``uses_band``): the forward runs that core and ``extra_flops`` counts
+    it, for token counts below, at and above the window and below and at max_len (others are resampled)."""
+    from vitlab.mixers.aft_banded import band_block, banded_flops
+
+    m = AFTLocal(8, 36, window=window, causal=causal, resample=True)
+    spy = CoreSpy(monkeypatch, ("aft_full", "aft_simple", "aft_local_banded"))
+    seen = set()
+    for n in (3, 5, 6, 16, 17, 30, 36, 40):
+        spy.calls.clear()
+        m(torch.randn(2, n, 8))
+        band = m.uses_band(n)
+        seen.add(band)
+        assert spy.calls == ["aft_local_banded" if band else "aft_simple" if window == 0 else "aft_full"]
+        dense = aft_mod.aft_simple_flops if window == 0 else aft_mod.aft_full_flops
+        assert m.extra_flops(2, n) == (banded_flops(2, n, 8, band_block(window), causal) if band else dense(2, n, 8))
+    assert seen == ({False} if window in (0, 40) else {True, False})
+
+
+@pytest.mark.parametrize(
+    "m",
+    [
+        AFTFull(8, 20, causal=True),
+        AFTFull(8, 20, bias_dim=None, causal=True),
+        AFTLocal(8, 20, window=4, causal=True),
+        AFTLocal(8, 20, window=4, outside="-inf", bias_dim=None, causal=True),
+    ],
+    ids=["full", "full-w", "local", "local-inf"],
+)
+def test_bias_row_is_a_row_of_the_position_bias(m):
+    """Incremental decoding weighs the prefix with ``bias_row(t)``: row t of the bias the forward uses."""
+    randomise_bias(m, 1.0)
+    with torch.no_grad():
+        for n in (7, 20):
+            w = m.position_bias(n)
+            for t in range(n):
+                torch.testing.assert_close(m.bias_row(t), w[t, : t + 1], rtol=1e-5, atol=1e-5)  # u vᵀ: fp32 round-off
 
 
 def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
@@ -542,7 +580,7 @@ def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
     m = AFTLocal(c, n, window=window, bias_dim=None, causal=True)
     randomise_bias(m, 1e3)
     band = local_bias_band(n, MIN_BLOCK, w=m.w)
-    y = aft_mod.aft_local_causal(q, k, v, band, window, True, partial(m._bias_rows, n))
+    y = aft_mod.aft_local_banded(q, k, v, band, window, True, partial(m._bias_rows, n), causal=True)
     ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
     assert counter.entries > 0  # the exact float64 fallback ran
     assert torch.isfinite(y).all()
@@ -607,7 +645,7 @@ def test_noncausal_module_takes_the_band_and_is_the_paper_equation(window, outsi
     n = 49 if layout is None else layout.num_prefix + layout.grid[0] * layout.grid[1]  # N = max_len
     m = AFTLocal(24, n, window=window, outside=outside, resample=True)
     randomise_bias(m, 0.5)
-    spy = CoreSpy(monkeypatch, BAND_SPY)
+    spy = CoreSpy(monkeypatch)
     x = torch.randn(2, n, 24)
     out = m(x, layout)
     assert spy.calls == ["aft_local_banded"]  # a grid with or without a class token: 1-D token order
@@ -617,7 +655,7 @@ def test_noncausal_module_takes_the_band_and_is_the_paper_equation(window, outsi
 def test_noncausal_dense_when_the_bias_is_not_the_table(monkeypatch):
     """N <= window, or N != max_len (resampled bias, 1-D or 2-D): the dense path; causal spans 2b keys."""
     m = AFTLocal(24, 36, window=5, resample=True)
-    spy = CoreSpy(monkeypatch, BAND_SPY)
+    spy = CoreSpy(monkeypatch)
     m(torch.randn(2, 5, 24))
     m(torch.randn(2, 30, 24))
     m(torch.randn(2, 26, 24), TokenLayout(grid=(5, 5), num_prefix=1))
@@ -625,7 +663,7 @@ def test_noncausal_dense_when_the_bias_is_not_the_table(monkeypatch):
     assert spy.calls == ["aft_full", "aft_full", "aft_full", "aft_local_banded"]
     spy.calls.clear()
     AFTLocal(24, 36, window=5, causal=True)(torch.randn(2, 30, 24))
-    assert spy.calls == ["aft_local_causal", "aft_local_banded"]
+    assert spy.calls == ["aft_local_banded"]
 
 
 @pytest.mark.parametrize("outside", ["zero", "-inf"])

@@ -21,17 +21,10 @@ import vitlab
 from vitlab.bench import models as bench
 from vitlab.layers import Block
 from vitlab.layers.patch_embed import PatchEmbed
-from vitlab.measure.flops import (
-    RELU6,
-    SIGMOID,
-    SOFTMAX,
-    count_flops,
-    count_macs,
-    flop_counter,
-    mixer_extra_flops,
-)
+from vitlab.measure.flops import count_flops, count_macs, flop_counter, mixer_extra_flops
 from vitlab.measure.gemm import measure_gemm
 from vitlab.mixers import (
+    MIXERS,
     AFTFull,
     AFTLocal,
     AFTSimple,
@@ -42,6 +35,7 @@ from vitlab.mixers import (
     ReAttention,
     RefinerAttention,
 )
+from vitlab.mixers.base import RELU6, SIGMOID, SOFTMAX
 from vitlab.models.tnt import TNTBlock
 
 # SPEC.md "Named configurations": MACs at 224 (the papers' "FLOPs" are MACs)
@@ -216,6 +210,51 @@ def test_extras_are_collected_per_block_of_a_model():
     t, c, depth = 1 + 8 * 8, 64, 4
     assert counts.extra_by_kind == {"AFT": depth * 11 * 3 * t * c}
     assert counts.flops == 2 * counts.macs + counts.extra_flops
+
+
+def _expected_extra(model, size, batch):
+    """Σ of the mixers' own ``extra_flops`` for the calls one forward makes: every block on the model's token
+    layout (Refined-ViT's chained map from block 1 on), every T2T token layer on its soft split's grid."""
+    layout = model.forward_intermediates(torch.empty(1, *size, device="meta"), return_aux=False)["layout"]
+    n = layout.num_prefix + layout.grid[0] * layout.grid[1]
+    by_label = {}
+    for i, blk in enumerate(model.blocks):
+        m = blk.mixer
+        got = m.extra_flops(batch, n, layout, with_attn_prev=m.uses_attn_prev and i > 0)
+        by_label[m.flops_label] = by_label.get(m.flops_label, 0) + got
+    t2t = getattr(model, "tokens_to_token", None)
+    for layer, (gh, gw) in zip(t2t.layers if t2t else (), t2t.grids(size[1:]) if t2t else ()):
+        m = layer.attn
+        by_label[m.flops_label] = by_label.get(m.flops_label, 0) + m.extra_flops(batch, gh * gw)
+    return by_label
+
+
+@pytest.mark.parametrize("kind", list(MIXERS))
+def test_model_flops_are_twice_the_macs_plus_the_mixers_own_extras(kind):
+    """For every registered mixer kind: FLOPs = 2 x MACs + Σ over the model's mixers of their ``extra_flops``."""
+    spec = (kind, {"num_heads": 1}) if kind == "external" else kind  # single-head EA: Algorithm 1
+    with torch.device("meta"):
+        model = vitlab.create_model("deit_mini", mixer=spec)
+    size = tuple(model.meta["input_size"])
+    counts = count_flops(model, size, batch=2)
+    assert counts.extra_by_kind == _expected_extra(model, size, 2)
+    assert counts.flops == 2 * counts.macs + counts.extra_flops and counts.extra_flops > 0
+    assert counts.macs == count_macs(model, size, batch=2).total
+
+
+@pytest.mark.parametrize(
+    "name, kw", [("refiner_vit_mini", {}), ("eamlp_mini", {}), ("eamlp_mini", {"token_mixer": "attention"})]
+)
+def test_model_flops_of_chained_maps_and_t2t_token_layers(name, kw):
+    """Refined-ViT's shared blocks (the previous map) and the T2T token layers' own mixers, in eval and training."""
+    with torch.device("meta"):
+        model = vitlab.create_model(name, **kw)
+    size = tuple(model.meta["input_size"])
+    for training in (False, True):
+        model.train(training)
+        counts = count_flops(model, size, batch=3)
+        assert counts.extra_by_kind == _expected_extra(model, size, 3)
+        assert counts.flops == 2 * counts.macs + counts.extra_flops
 
 
 # ----------------------------------------------------------------------------- GEMM yardstick, plan, targets

@@ -13,6 +13,9 @@ weights combine the keys with learned pair-wise position biases (paper Eq. 2)::
 * :class:`AFTSimple` -- no bias: ``Y_t = sigmoid(Q_t) * sum_t' softmax_t'(K)_t' V_t'``;
 * :class:`AFTConv`   -- heads with one key channel each and a shared ``k x k`` relative bias (Eq. 6).
 
+Causal modules also decode one token at a time from a state of the prefix (``init_state`` / ``step``:
+:class:`RunningSums`, :class:`PrefixCache`).
+
 The core functions (:func:`aft_full`, :func:`aft_local_banded`, :func:`aft_simple`, :func:`aft_conv`)
 take fp32 ``q, k, v`` and never form a ``(B, T, T, d)`` tensor: AFT-full/local
 are two matrix products with ``exp(w)``, AFT-simple is O(T·d), AFT-conv is a
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .aft_banded import MIN_BLOCK, banded_sums, local_bias_band
+from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
 from .base import TokenLayout, TokenMixer, check_divisible
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
@@ -68,7 +71,9 @@ def _exact_entries(k: Tensor, v: Tensor, bias_rows: BiasRows, b: Tensor, t: Tens
 
 
 def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
-    """``num / den`` (num (B, T, G, R), den (B, T, G)) with underflowed entries recomputed exactly."""
+    """``num / den`` (num (B, Tq, G, R), den (B, Tq, G) at Tq query positions) with underflowed entries recomputed
+    exactly (:func:`_exact_entries`) from the keys ``k`` (B, T, G), values ``v`` (B, T, G, R) and the bias rows
+    ``bias_rows(t, g)`` of query positions t."""
     # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
     y = num / den.clamp_min(_UNDERFLOW).unsqueeze(-1)
     if _data_checks_allowed(den) and den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
@@ -130,13 +135,6 @@ def aft_local_banded(
     num, den = banded_sums(k, v, w_band, window, outside_zero, causal)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
     return torch.sigmoid(q) * y.squeeze(-1)
-
-
-def aft_local_causal(
-    q: Tensor, k: Tensor, v: Tensor, w_band: Tensor, window: int, outside_zero: bool, bias_rows: BiasRows
-) -> Tensor:
-    """Causal AFT-local core: :func:`aft_local_banded` with ``causal=True`` (``w_band`` (nb, b, 2b))."""
-    return aft_local_banded(q, k, v, w_band, window, outside_zero, bias_rows, causal=True)
 
 
 def _causal_rows(n: int, t: Tensor) -> Tensor:
@@ -240,6 +238,110 @@ def aft_conv(
     return torch.sigmoid(q) * y.reshape(b, n, c)
 
 
+# --------------------------------------------------------------------------- elementwise FLOPs of the cores
+
+
+def aft_full_flops(batch: int, tokens: int, channels: int) -> int:
+    """AFT-full / AFT-local core (Eq. 2 as two products with ``e^w``, which are MACs): ``e^{K - max}`` and
+    ``e^{w - max}`` (max, subtract, exp: 3 per element), ``e^K ⊙ V`` 1, the division 1, ``sigmoid(Q)`` 3 and the
+    gate 1 per output element."""
+    return 9 * batch * tokens * channels + 3 * tokens * tokens
+
+
+def aft_simple_flops(batch: int, tokens: int, channels: int) -> int:
+    """AFT-simple core: softmax of K over the tokens 5, ``⊙ V`` 1, the sum over tokens 1, ``sigmoid(Q)`` 3 and
+    the gate 1 per element (the causal form: exp 3, ``⊙ V`` 1, two cumulative sums 2, divide 1, sigmoid 3, gate 1)."""
+    return 11 * batch * tokens * channels
+
+
+def aft_conv_flops(
+    batch: int, tokens: int, channels: int, heads: int, kernel: int, grid: tuple[int, int], global_context: bool = True
+) -> int:
+    """AFT-conv core besides its convolution and band-matrix products (MACs): ``e^{K - max}`` 3 per key,
+    ``e^K ⊙ V`` 1 per value, the kernel ``e^{w - m}`` 2 per tap, the row sums of the outside-window term 1 and
+    ``local + e^{-m} · outside`` 2 per grid element of the C + h channels, the prefix tokens' global sums
+    1 per token and channel, then divide 1, ``sigmoid(Q)`` 3 and the gate 1 per output element."""
+    width = channels + heads
+    cells = grid[0] * grid[1]
+    total = 3 * batch * tokens * heads + batch * tokens * channels + 2 * heads * kernel * kernel
+    if global_context:
+        total += 3 * batch * width * cells
+    total += batch * tokens * width  # prefix: the sum over all tokens
+    return total + 5 * batch * tokens * channels
+
+
+# --------------------------------------------------------------------------- incremental decoding (causal)
+
+# AFT-full/local decoding rescales its cache only when a key exceeds the running reference by this much (nats):
+# the cached terms stay <= e^20 (sums of T of them are far from fp32 overflow) and the O(t·d) rescale is rare
+RESCALE_MARGIN = 20.0
+
+
+class RunningSums:
+    """Decoding state of causal AFT-simple (and AFT-local without a bias): running per-channel sums
+    ``Σ e^{K_t'-m} V_t'`` and ``Σ e^{K_t'-m}`` with their running maximum m, O(d) state and work per step.
+    When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``."""
+
+    def __init__(self) -> None:
+        self.m = self.num = self.den = None
+
+    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
+        """Take in position t's key and value (B, C); its output before the projection."""
+        if self.m is None:
+            self.m, self.num, self.den = k, v, torch.ones_like(k)
+        else:
+            m = torch.maximum(self.m, k)
+            old, new = (self.m - m).exp(), (k - m).exp()
+            self.m, self.num, self.den = m, self.num * old + new * v, self.den * old + new
+        return torch.sigmoid(q) * self.num / self.den  # den >= 1: the maximal key contributes e^0
+
+
+class PrefixCache:
+    """Decoding state of causal AFT-full/local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (B, T, 2C) and the raw
+    K, V (for the exact fallback of :func:`_ratio`). m is a per-channel reference, raised (and the cache
+    rescaled) when a key exceeds it by more than :data:`RESCALE_MARGIN`. Position t's output is one weighted
+    sum over the cache with the bias row ``e^{w[t, :t+1] - max}`` (paper Eq. 2) of ``bias_row(t)``."""
+
+    def __init__(
+        self, bias_row: Callable[[int], Tensor], batch: int, max_len: int, channels: int, like: Tensor
+    ) -> None:
+        self.bias_row = bias_row
+        self.ctx = like.new_zeros(batch, max_len, 2 * channels, dtype=torch.float32)
+        self.k = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
+        self.v = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
+        self.m: Tensor | None = None
+
+    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
+        """Take in position t's key and value (B, C); its output before the projection."""
+        c = k.shape[-1]
+        if self.m is None:
+            self.m = k
+        elif bool((k > self.m + RESCALE_MARGIN).any()):  # rescale the cached terms to the new maximum
+            m = torch.maximum(self.m, k)
+            scale = (self.m - m).exp()[:, None]
+            self.ctx[:, :t, :c] *= scale
+            self.ctx[:, :t, c:] *= scale
+            self.m = m
+        ek = (k - self.m).exp()  # <= e^RESCALE_MARGIN
+        self.ctx[:, t, :c] = ek * v
+        self.ctx[:, t, c:] = ek
+        self.k[:, t], self.v[:, t] = k, v
+        row = self.bias_row(t)
+        weights = (row - row.max()).exp()  # (t + 1,), the row maximum is finite (w[t, t] is never excluded)
+        b = self.ctx.shape[0]
+        num, den = torch.bmm(weights.expand(b, 1, t + 1), self.ctx[:, : t + 1])[:, 0].chunk(2, -1)
+        # one query position; an underflowed entry is recomputed from the raw prefix with this row
+        prefix_k, prefix_v = self.k[:, : t + 1], self.v[:, : t + 1, :, None]
+        y = _ratio(num[:, None, :, None], den[:, None], prefix_k, prefix_v, lambda ti, g: row.expand(len(ti), -1))
+        return torch.sigmoid(q) * y[:, 0, :, 0]
+
+
+def _decode_step(mixer: AFTFull | AFTSimple, x: Tensor, t: int, state: RunningSums | PrefixCache) -> Tensor:
+    """One causal AFT position: project the new token, read the state, project back."""
+    q, k, v = (p.float() for p in mixer.qkv(x).chunk(3, -1))
+    return mixer.proj(state.advance(q, k, v, t).to(x.dtype))
+
+
 def _resample_tokens(t: Tensor, n: int, layout: TokenLayout, dim: int) -> Tensor:
     """Resample axis ``dim`` of a position table (length L) to ``n`` tokens; prefix rows are kept.
 
@@ -284,8 +386,11 @@ class AFTFull(TokenMixer):
         resample: accept other token counts by resampling ``u, v`` (or ``w``) to N (see
             :func:`_resample_tokens`). Without it, a non-causal model needs N == max_len.
 
-    ``return_aux=True`` gives ``aux["keys"]``: K, (B, N, hidden_dim).
+    ``return_aux=True`` gives ``aux["keys"]``: K, (B, N, hidden_dim). A causal mixer decodes incrementally
+    (:meth:`step`) from a cache of its prefix (:class:`PrefixCache`).
     """
+
+    flops_label = "AFT"
 
     def __init__(
         self,
@@ -328,6 +433,16 @@ class AFTFull(TokenMixer):
             f"causal={self.causal}, resample={self.resample}"
         )
 
+    @property
+    def biased(self) -> bool:
+        """Whether there is a position bias (AFT-local with window 0 has none: it is AFT-simple)."""
+        return self.u is not None or self.w is not None
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return (aft_full_flops if self.biased else aft_simple_flops)(batch, tokens, self.hidden_dim)
+
     def _fit(self, n: int, layout: TokenLayout) -> Callable[[Tensor, int], Tensor]:
         """How a table's token axis becomes n long: as is, prefix block (causal) or resampled."""
         if n == self.max_len:
@@ -356,9 +471,16 @@ class AFTFull(TokenMixer):
             w = fit(self.u.float(), 0) @ fit(self.v.float(), 0).T
         else:
             return None
-        return self._restrict(w)
+        pos = torch.arange(n, device=w.device)
+        return self._restrict(w, pos[:, None], pos[None])
 
-    def _restrict(self, w: Tensor) -> Tensor:
+    def bias_row(self, t: int) -> Tensor:
+        """Row ``w[t, :t+1]`` (fp32) of the bias: what causal position t weighs its prefix with."""
+        row = self.u[t].float() @ self.v[: t + 1].float().T if self.u is not None else self.w[t, : t + 1].float()
+        return self._restrict(row, t, torch.arange(t + 1, device=row.device))
+
+    def _restrict(self, w: Tensor, t: Tensor | int, tk: Tensor) -> Tensor:
+        """The bias ``w`` of query positions ``t`` and key positions ``tk`` (broadcast) as the model uses it."""
         return w
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
@@ -373,6 +495,14 @@ class AFTFull(TokenMixer):
         w = self.position_bias(k.shape[1], layout)
         return aft_simple(q, k, v, self.causal) if w is None else aft_full(q, k, v, w, self.causal)
 
+    def init_state(self, batch: int, max_len: int, like: Tensor) -> RunningSums | PrefixCache:
+        if not self.biased:
+            return RunningSums()
+        return PrefixCache(self.bias_row, batch, max_len, self.hidden_dim, like)
+
+    def step(self, x: Tensor, t: int, state: RunningSums | PrefixCache) -> Tensor:
+        return _decode_step(self, x, t, state)
+
 
 class AFTLocal(AFTFull):
     """AFT-local: AFT-full with ``w[t, t']`` kept for ``|t - t'| < window`` (paper §3.2).
@@ -383,10 +513,9 @@ class AFTLocal(AFTFull):
     Default window 32 (paper's best on Enwik8, Table 5). The window is in token order (|t - t'|), whatever
     the layout.
 
-    Sequences longer than the window whose bias is a block of the stored table (causal:
-    ``window < N <= max_len``; non-causal: ``window < N == max_len``) take the O(N·s·d) path
-    :func:`aft_local_banded` (only the band of pairs inside the window is formed; same outputs as the dense
-    O(N² d) path the other cases take: shorter sequences, and the resampled bias of ``resample=True``).
+    Sequences longer than the window whose bias is a block of the stored table (:meth:`uses_band`) take the
+    O(N·s·d) path :func:`aft_local_banded` (only the band of pairs inside the window is formed; same outputs as
+    the dense O(N² d) path the other cases take: shorter sequences, and the resampled bias of ``resample=True``).
     ``recompute=True`` keeps only that core's inputs for the backward pass and recomputes its intermediates
     there (activation checkpointing, as flash attention recomputes its map): less memory in training, one
     more core forward per step. Other arguments as :class:`AFTFull`.
@@ -428,24 +557,32 @@ class AFTLocal(AFTFull):
             return lambda t, dim: t
         return super()._fit(n, layout)
 
-    def _restrict(self, w: Tensor) -> Tensor:
-        n = w.shape[0]
-        pos = torch.arange(n, device=w.device)
-        far = (pos[:, None] - pos[None]).abs() >= self.window
+    def _restrict(self, w: Tensor, t: Tensor | int, tk: Tensor) -> Tensor:
+        far = (t - tk).abs() >= self.window
         return w.masked_fill(far, 0.0 if self.outside == "zero" else float("-inf"))
+
+    def uses_band(self, tokens: int) -> bool:
+        """Whether N = ``tokens`` takes the O(N·s·d) band path: N longer than the window, and the band needs
+        ``w[:N, :N]`` of the table as is, whatever the layout: causal ``N <= max_len`` (the top-left block) or
+        ``N == max_len``. Other N take the dense path, where ``_fit`` resamples (or rejects) the bias."""
+        return 0 < self.window < tokens <= self.max_len and (self.causal or tokens == self.max_len)
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        if self.uses_band(tokens):
+            return banded_flops(batch, tokens, self.hidden_dim, band_block(self.window), self.causal)
+        return super().extra_flops(batch, tokens, layout)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
         n = k.shape[1]
-        # the band needs w[:N, :N] of the table as is, whatever the layout: causal N <= max_len (top-left block)
-        # or N == max_len; other N are resampled (or rejected) by _fit on the dense path
-        if self.window == 0 or not self.window < n <= self.max_len or not (self.causal or n == self.max_len):
+        if not self.uses_band(n):
             return super()._core(q, k, v, layout)
-        band = local_bias_band(n, max(self.window, MIN_BLOCK), self.u, self.v, self.w, self.causal).float()
-        core = aft_local_causal if self.causal else aft_local_banded
-        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._bias_rows, n))
+        band = local_bias_band(n, band_block(self.window), self.u, self.v, self.w, self.causal).float()
+        args = (q, k, v, band, self.window, self.outside == "zero", partial(self._bias_rows, n), self.causal)
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(core, *args, use_reentrant=False)
-        return core(*args)
+            return checkpoint(aft_local_banded, *args, use_reentrant=False)
+        return aft_local_banded(*args)
 
     def _bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
         """Full rows ``w[t, :]`` (m, n), the future excluded when causal; only underflowed entries need them."""
@@ -458,8 +595,11 @@ class AFTLocal(AFTFull):
 class AFTSimple(TokenMixer):
     """AFT-simple (paper §3.2): ``Y_t = sigmoid(Q_t) * Σ_t' softmax_t'(K)_t' V_t'``, O(T·d), any N.
 
-    ``causal=True`` restricts the sum to t' <= t. ``return_aux=True`` gives ``aux["keys"]`` (B, N, hidden).
+    ``causal=True`` restricts the sum to t' <= t (and decodes incrementally from running sums,
+    :class:`RunningSums`). ``return_aux=True`` gives ``aux["keys"]`` (B, N, hidden).
     """
+
+    flops_label = "AFT"
 
     def __init__(self, dim: int, hidden_dim: int | None = None, causal: bool = False, qkv_bias: bool = True) -> None:
         super().__init__(dim)
@@ -477,6 +617,17 @@ class AFTSimple(TokenMixer):
             y = aft_simple(q.float(), k.float(), v.float(), self.causal)
         out = self.proj(y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return aft_simple_flops(batch, tokens, self.hidden_dim)
+
+    def init_state(self, batch: int, max_len: int, like: Tensor) -> RunningSums:
+        return RunningSums()
+
+    def step(self, x: Tensor, t: int, state: RunningSums) -> Tensor:
+        return _decode_step(self, x, t, state)
 
 
 class AFTConv(TokenMixer):
@@ -496,6 +647,7 @@ class AFTConv(TokenMixer):
 
     needs_grid = True
     eps = 1e-8
+    flops_label = "AFT"
 
     def __init__(
         self, dim: int, num_heads: int, kernel_size: int = 11, qkv_bias: bool = True, outside: str = "zero"
@@ -534,6 +686,13 @@ class AFTConv(TokenMixer):
             self.gamma.float()[:, None, None] * (w - mean) * torch.rsqrt(var + self.eps)
             + self.beta.float()[:, None, None]
         )
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """:func:`aft_conv_flops` on the layout's grid (without one, N x 1)."""
+        grid = layout.grid if layout is not None and layout.grid is not None else (tokens, 1)
+        return aft_conv_flops(batch, tokens, self.dim, self.num_heads, self.kernel_size, grid, self.outside == "zero")
 
     def effective_kernel(self) -> Tensor:
         """``exp(w) - 1`` per head (h, s, s): the relative weight the paper plots (Fig. 1)."""

@@ -29,6 +29,11 @@ from torch import Tensor
 MIN_BLOCK = 16  # smaller blocks only add per-block overhead
 
 
+def band_block(window: int) -> int:
+    """The block size b of the band for a window s: b >= s, and at least :data:`MIN_BLOCK`."""
+    return max(window, MIN_BLOCK)
+
+
 def _span(causal: bool) -> int:
     """Blocks of keys a query block meets: i-1, i (causal) or i-1, i, i+1."""
     return 2 if causal else 3
@@ -124,3 +129,17 @@ def banded_sums(
         out = out + (-shift.clamp_min(0)).exp() * far[:, None]
     num, den = out.view(nb * block, bsz, 2 * c)[:n].transpose(0, 1).split(c, -1)
     return num, den
+
+
+def banded_flops(batch: int, tokens: int, channels: int, block: int, causal: bool = True) -> int:
+    """Elementwise FLOPs of AFT-local on its band (:func:`vitlab.mixers.aft.aft_local_banded`; the band products
+    are MACs): ``e^{w - max}`` 3 per band entry (``nb`` blocks of ``b x 2b``, non-causal ``b x 3b``),
+    ``e^{K - max}`` 3 and ``e^K ⊙ V`` 1 per element, the prefix of the pairs outside the window (block sums,
+    cumulative sum, scale, add) 6 per output element of numerator and denominator together, then divide 1,
+    ``sigmoid(Q)`` 3 and the gate 1. Non-causal also: the third band product's add 2 per output element, and per
+    block the suffix's reversed cumulative sum and its add to the prefix (2 per block and element of the 2C
+    channels)."""
+    nb = -(-tokens // block)
+    if causal:
+        return 15 * batch * tokens * channels + 6 * nb * block * block
+    return 17 * batch * tokens * channels + 4 * batch * nb * channels + 9 * nb * block * block

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import TokenLayout, TokenMixer, check_divisible, merge_heads
+from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, merge_heads
 
 
 def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False) -> Tensor:
@@ -27,6 +27,12 @@ def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False) -> T
     # half-precision logits are normalised in fp32, as SDPA's kernels do
     low = logits.dtype in (torch.float16, torch.bfloat16)
     return logits.softmax(dim=-1, dtype=torch.float32 if low else None).to(q.dtype)
+
+
+def attention_softmax_flops(batch: int, heads: int, queries: int, keys: int) -> int:
+    """Elementwise FLOPs of ``softmax(Q Kᵀ · s)``: the scale (1) and the softmax (5) per map element (the
+    products are MACs)."""
+    return (1 + SOFTMAX) * batch * heads * queries * keys
 
 
 class HeadMix(nn.Conv2d):
@@ -52,8 +58,11 @@ class Attention(TokenMixer):
     ``out = proj(concat_h softmax(Q_h K_hᵀ · s) V_h)``, ``s = qk_scale or d_h^-1/2``.
     The fast path is SDPA; ``return_aux=True`` (or ``fused=False``) takes the
     explicit path, which returns the same output and the map ``aux["attn"]``.
-    ``causal=True`` masks keys after the query (for autoregressive models).
+    ``causal=True`` masks keys after the query (for autoregressive models); a causal mixer decodes
+    incrementally from a key/value cache (:meth:`step`).
     """
+
+    flops_label = "attention softmax"
 
     def __init__(
         self,
@@ -94,3 +103,21 @@ class Attention(TokenMixer):
             aux["attn"] = attn
             out = self.attn_drop(attn) @ v
         return self.proj_drop(self.proj(merge_heads(out))), aux
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return attention_softmax_flops(batch, self.num_heads, tokens, tokens)
+
+    def init_state(self, batch: int, max_len: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """The key and value cache, (B, H, max_len, d_h) each."""
+        shape = (batch, self.num_heads, max_len, self.dim // self.num_heads)
+        return like.new_zeros(shape), like.new_zeros(shape)
+
+    def step(self, x: Tensor, t: int, state: tuple[Tensor, Tensor]) -> Tensor:
+        """Causal attention at position t: the new query against the cached keys and values of positions <= t."""
+        keys, values = state
+        q, k, v = self.qkv_heads(x[:, None])  # (B, H, 1, d_h)
+        keys[:, :, t : t + 1], values[:, :, t : t + 1] = k, v
+        out = F.scaled_dot_product_attention(q, keys[:, :, : t + 1], values[:, :, : t + 1], scale=self.scale)
+        return self.proj(merge_heads(out))[:, 0]

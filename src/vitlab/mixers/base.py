@@ -12,12 +12,17 @@ the way (``"attn"``: the (B, H, N, N) self-attention map it multiplied V with,
 slots, ``"carry"``: the map handed to the next block for Refined-ViT's shared
 attention, AFT's ``"keys"``...). Asking for aux never changes ``out``: attention
 switches from SDPA to its explicit path, which computes the same function.
+
+Mixers also describe themselves: :meth:`ElementwiseFlops.extra_flops` is the
+elementwise work a MAC counter does not see (:mod:`vitlab.measure.flops` sums it
+over a model), and causal mixers decode one token at a time through
+:meth:`TokenMixer.init_state` / :meth:`TokenMixer.step` (:mod:`vitlab.lm.decode`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +47,42 @@ class TokenLayout:
 
 MixerOutput = Tensor | tuple[Tensor, dict[str, Tensor]]
 
+# FLOPs per element of the elementwise steps ``extra_flops`` counts: a softmax is max, subtract, exp, sum and
+# divide; a sigmoid 3; ReLU6 2 (a BatchNorm: batchnorm_flops)
+SOFTMAX, SIGMOID, RELU6 = 5, 3, 2
 
-class TokenMixer(nn.Module):
-    """Base class: input checks and the ``return_aux`` convention.
+
+def batchnorm_flops(training: bool) -> int:
+    """FLOPs per element of a BatchNorm: 2 in eval mode (its running statistics), 5 in training."""
+    return 5 if training else 2
+
+
+class ElementwiseFlops:
+    """A token mixer's FLOPs outside its matrix products, which a MAC counter does not see.
+
+    Convention: matrix products and convolutions are MACs (counted from shapes by
+    :mod:`vitlab.measure.flops`, which reports ``FLOPs = 2 x MACs + extra_flops``). ``extra_flops`` counts
+    one FLOP per elementwise add, multiply, divide, compare or exponential of one forward call on ``batch``
+    sequences of ``tokens`` tokens laid out as ``layout``: a softmax costs :data:`SOFTMAX` per element, a
+    sigmoid :data:`SIGMOID`, ReLU6 :data:`RELU6`, a BatchNorm :func:`batchnorm_flops` in the mode the
+    mixer is in now. Token-wise LayerNorm, GELU and the blocks' residual adds are not counted (as the papers'
+    own counts). ``with_attn_prev``: the call receives the previous block's map (Refined-ViT's chain).
+
+    The default is no such work: 0, and no ``flops_label`` (the mixer is left out of per-label totals).
+    """
+
+    #: the label of these FLOPs in per-label totals (the mixers of one family share it); None = none counted
+    flops_label: ClassVar[str | None] = None
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return 0
+
+
+class TokenMixer(ElementwiseFlops, nn.Module):
+    """Base class: input checks, the ``return_aux`` convention, and the defaults of the self-descriptions
+    (:class:`ElementwiseFlops`, incremental decoding).
 
     Subclasses implement ``mix(x, layout, attn_prev, return_aux) -> (out, aux)``.
     """
@@ -75,6 +113,16 @@ class TokenMixer(nn.Module):
     def mix(
         self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool
     ) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def init_state(self, batch: int, max_len: int, like: Tensor) -> Any:
+        """Incremental decoding of a causal mixer: the state before the first token of ``batch`` sequences of at
+        most ``max_len`` tokens (on ``like``'s device). Mixers that can decode override this and :meth:`step`."""
+        raise ValueError(f"no incremental decoding for {type(self).__name__}")
+
+    def step(self, x: Tensor, t: int, state: Any) -> Tensor:
+        """The output (B, C) at position ``t`` for its input ``x`` (B, C), reading (and updating in place) the
+        ``state`` of positions < t: position t of the causal forward on the whole sequence."""
         raise NotImplementedError
 
     def check_input(self, x: Tensor, layout: TokenLayout | None) -> TokenLayout:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import TokenLayout, TokenMixer, can_fold, check_divisible
+from .base import SOFTMAX, TokenLayout, TokenMixer, can_fold, check_divisible
 
 
 def double_normalize(
@@ -45,6 +45,12 @@ def double_normalize(
     return attn.to(logits.dtype)
 
 
+def double_norm_flops(maps: int, tokens: int, slots: int) -> int:
+    """Elementwise FLOPs of :func:`double_normalize` on ``maps`` (tokens x slots) logits: softmax over the
+    tokens (5 per element), then ℓ1 over the slots (sum 1, divide 1 per element, + eps once per row)."""
+    return maps * ((SOFTMAX + 2) * tokens * slots + tokens)
+
+
 class ExternalAttention(TokenMixer):
     """Single-head external attention, paper Algorithm 1.
 
@@ -53,6 +59,8 @@ class ExternalAttention(TokenMixer):
     map. ``num_heads`` exists so that configs can pass it to every mixer; it must
     be 1 (``build("external", dim, num_heads=h > 1)`` gives the multi-head class).
     """
+
+    flops_label = "external attention norm"
 
     def __init__(
         self,
@@ -76,6 +84,11 @@ class ExternalAttention(TokenMixer):
         self.mv = nn.Linear(memory_size, dim, bias=bias)
         self.attn_drop = nn.Dropout(attn_drop)
         self.reset_parameters()
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return double_norm_flops(batch, tokens, self.memory_size)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -102,6 +115,8 @@ class MultiHeadExternalAttention(TokenMixer):
     heads are merged and ``proj`` maps coef·dim → dim. ``memory_size`` defaults
     to 256 // coef (64 for coef 4). ``aux["memory_attn"]`` is the (B, heads, N, S) map.
     """
+
+    flops_label = "external attention norm"
 
     def __init__(
         self,
@@ -130,6 +145,11 @@ class MultiHeadExternalAttention(TokenMixer):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(dim * coef, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        return double_norm_flops(batch * self.num_heads, tokens, self.memory_size)
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         b, n, _ = x.shape

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .attention import Attention, HeadMix, attention_map
-from .base import TokenLayout, can_fold, fold_bn, merge_heads
+from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
+from .base import TokenLayout, batchnorm_flops, can_fold, fold_bn, merge_heads
 
 
 class ReAttention(Attention):
@@ -31,6 +31,8 @@ class ReAttention(Attention):
     ``out = proj(merge_h(A'_h V_h))``. ``aux["attn"]`` is ``A'``. A previous
     block's map (``attn_prev``) is ignored, as in the official code.
     """
+
+    flops_label = "re-attention maps"
 
     def __init__(
         self,
@@ -47,6 +49,14 @@ class ReAttention(Attention):
         self.reatten_matrix = HeadMix(num_heads, num_heads)
         self.var_norm = nn.BatchNorm2d(num_heads)
         self.reatten_scale = self.scale if transform_scale else 1.0
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """The softmax, then per map element the head mix's bias, the BatchNorm and the scale (when not 1)."""
+        maps = batch * self.num_heads * tokens * tokens
+        extra = (1 + batchnorm_flops(self.var_norm.training) + (1 if self.reatten_scale != 1.0 else 0)) * maps
+        return attention_softmax_flops(batch, self.num_heads, tokens, tokens) + extra
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Attention, HeadMix, attention_map
-from .base import TokenLayout, can_fold, check_divisible, fold_bn, merge_heads, split_heads
+from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
+from .base import RELU6, TokenLayout, batchnorm_flops, can_fold, check_divisible, fold_bn, merge_heads, split_heads
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
 OFFICIAL_KEY_PREFIXES: dict[str, str] = {
@@ -211,6 +211,24 @@ class DistributedLocalAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, expansion={self.expansion}, kernel_size={self.kernel_size}"
 
+    def map_flops(self, batch: int, n: int) -> int:
+        """Elementwise FLOPs on ``batch`` sets of (N, N) maps (expansion, conv and reduction are MACs): with
+        ``official_extras``, BatchNorm + ReLU6 after the expansion and after the depth-wise conv, BatchNorm
+        after the reduction, and the identity shortcut; none without."""
+        if not self.residual:
+            return 0
+        maps = batch * n * n
+        hidden = self.num_heads * self.expansion
+        bn = batchnorm_flops(self.training)
+        total = 0
+        if self.expand is not None:
+            total += (bn + RELU6) * hidden * maps
+        if self.local is not None:
+            total += (bn + RELU6) * hidden * maps
+        if self.reduce is not None:
+            total += bn * self.out_heads * maps
+        return total + self.out_heads * maps  # + the input map
+
 
 class RefinerAttention(Attention):
     """Multi-head attention with refined maps (Refined-ViT's token mixer).
@@ -242,6 +260,7 @@ class RefinerAttention(Attention):
     """
 
     uses_attn_prev = True
+    flops_label = "refiner maps"
 
     def __init__(
         self,
@@ -280,6 +299,25 @@ class RefinerAttention(Attention):
             )
         use_bn = official_extras if adapt_bn is None else adapt_bn
         self.adapt_bn = nn.BatchNorm2d(self.value_heads) if refine and use_bn else None
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """A normal block: the softmax (and ``+ s · attn_prev``); a refined map: the refiner's elementwise work,
+        ``adapt_bn`` and (shared block) the scale."""
+        maps = batch * self.num_heads * tokens * tokens
+        total = 0
+        if not self.share:
+            total += attention_softmax_flops(batch, self.num_heads, tokens, tokens)
+            if self.residual_attention and with_attn_prev:
+                total += 2 * maps  # + s · attn_prev
+        if self.refiner is not None and (with_attn_prev or not self.share):
+            total += self.refiner.map_flops(batch, tokens)
+            if self.adapt_bn is not None:
+                total += batchnorm_flops(self.adapt_bn.training) * batch * self.value_heads * tokens * tokens
+            if self.share:
+                total += batch * self.value_heads * tokens * tokens  # · s
+        return total
 
     def refine_map(self, attn: Tensor, scale: float = 1.0) -> Tensor:
         """``scale · adapt_bn(DLA(attn))`` (without ``adapt_bn`` unless enabled), in ``attn``'s dtype."""

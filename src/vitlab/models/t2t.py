@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Mlp, sinusoid_1d
-from ..mixers.attention import attention_map
-from ..mixers.base import TokenLayout
-from ..mixers.external import double_normalize
+from ..mixers.attention import attention_map, attention_softmax_flops
+from ..mixers.base import ElementwiseFlops, TokenLayout
+from ..mixers.external import double_norm_flops, double_normalize
 from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 # (kernel, stride, padding) of each soft split; T2T-ViT's strides 4·2·2 give a 14x14 grid at 224 px
@@ -39,7 +39,7 @@ def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-class TokenExternalAttention(nn.Module):
+class TokenExternalAttention(ElementwiseFlops, nn.Module):
     """EAMLP's token-layer attention: single-head external attention that narrows ``in_dim → out_dim``.
 
     ``t = q_linear(x)``; ``α = DoubleNorm(t M_kᵀ)`` (softmax over tokens, ℓ1 over
@@ -47,6 +47,8 @@ class TokenExternalAttention(nn.Module):
     As the official code: M_k has no bias, M_v has one, and the residual is taken
     from the query because the width changes. ``aux["memory_attn"]`` is the (B, N, S) map.
     """
+
+    flops_label = "external attention norm"
 
     def __init__(
         self, in_dim: int, out_dim: int, memory_size: int = 128, attn_drop: float = 0.0, proj_drop: float = 0.0
@@ -66,6 +68,12 @@ class TokenExternalAttention(nn.Module):
         self.mv.weight.copy_(self.mk.weight.t())
         nn.init.zeros_(self.mv.bias)
 
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """The double normalisation, and the residual ``t + ...`` (1 per output element)."""
+        return double_norm_flops(batch, tokens, self.mk.out_features) + batch * tokens * self.q_linear.out_features
+
     def forward(self, x: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         t = self.q_linear(x)
         # inference: normalise the fresh logits in place (no autograd to keep them for)
@@ -74,13 +82,15 @@ class TokenExternalAttention(nn.Module):
         return (out, {"memory_attn": attn}) if return_aux else out
 
 
-class TokenSelfAttention(nn.Module):
+class TokenSelfAttention(ElementwiseFlops, nn.Module):
     """The original T2T-ViT token-layer attention (``token_transformer.py``): one head, ``in_dim → out_dim``.
 
     ``q, k, v = qkv(x)`` each ``out_dim`` wide; ``out = v + proj(softmax(q kᵀ·s) v)``.
     The scale is ``in_dim^-1/2`` (the official code takes the head width from the
     *input* width) and the residual comes from ``v`` because the width changes.
     """
+
+    flops_label = "attention softmax"
 
     def __init__(
         self, in_dim: int, out_dim: int, qkv_bias: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0
@@ -91,6 +101,12 @@ class TokenSelfAttention(nn.Module):
         self.attn_drop = nn.Dropout(attn_drop)
         self.proj = nn.Linear(out_dim, out_dim)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """The one-head softmax, and the residual ``v + ...`` (1 per output element)."""
+        return attention_softmax_flops(batch, 1, tokens, tokens) + batch * tokens * self.proj.out_features
 
     def forward(self, x: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
