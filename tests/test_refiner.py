@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import assert_close_to_golden, load_golden
+from vitlab.convert import rename_keys
 from vitlab.mixers import Attention, DistributedLocalAttention, RefinerAttention, build
-from vitlab.mixers.refiner import SameDepthwiseConv2d, official_key
+from vitlab.mixers.refiner import SameDepthwiseConv2d
 
 # ----------------------------------------------------------------------------- naive float64 reference
 
@@ -76,9 +77,13 @@ def softmax_maps(b, h, n, seed=0):
 
 
 def load_official(name: str, **kw) -> tuple[RefinerAttention, dict]:
+    """An official ``Refined_Attention`` golden state, renamed by the checkpoint converter as block 0's mixer."""
     g = load_golden(name)
     m = RefinerAttention(32, num_heads=4, official_extras=True, **kw).eval()
-    m.load_state_dict({official_key(k): v for k, v in g.state().items()})
+    converted = rename_keys({f"blocks.0.attn.{k}": v for k, v in g.state().items()}, "refiner")
+    prefix = "blocks.0.mixer."
+    assert all(k.startswith(prefix) for k in converted)
+    m.load_state_dict({k.removeprefix(prefix): v for k, v in converted.items()})
     return m, g
 
 

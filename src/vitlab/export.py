@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -55,13 +54,6 @@ def example_input(model: nn.Module, batch: int = 2, img_size: int | Sequence[int
     if img_size is not None:
         h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     return torch.randn(batch, chans, h, w)
-
-
-def patch_multiple(model: nn.Module) -> int:
-    """The input side must be a multiple of this (the patch size)."""
-    embed = getattr(model, "patch_embed", None) or getattr(model, "pixel_embed", None)
-    size = getattr(embed, "patch_size", (1, 1))
-    return math.lcm(*size)
 
 
 def supports_dynamic_size(model: nn.Module) -> bool:

@@ -16,7 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .transforms import _rand
+
+def uniform(n: int, g: torch.Generator | None) -> Tensor:
+    """``n`` draws of U(0, 1) from ``g`` on the generator's device (the CPU without one): the per-sample
+    parameters of every random transform come from here."""
+    return torch.rand(n, generator=g, device=g.device if g is not None else "cpu")
 
 
 def _gray(x: Tensor) -> Tensor:
@@ -196,13 +200,13 @@ class RandAugment:
         B = x.shape[0]
         for _ in range(self.num_ops):
             # draw everything up front so the stream of random numbers never depends on the images
-            op = (_rand(B, g) * len(self.ops)).long().clamp(max=len(self.ops) - 1)
-            on = _rand(B, g) < self.prob
+            op = (uniform(B, g) * len(self.ops)).long().clamp(max=len(self.ops) - 1)
+            on = uniform(B, g) < self.prob
             mag = self.magnitude + self.magnitude_std * torch.randn(B, generator=g, device=op.device)
             if self.magnitude_std <= 0:
                 mag.fill_(self.magnitude)
             mag = (mag.clamp(0, 10) / 10).to(x)
-            sign = torch.where(_rand(B, g) < 0.5, -1.0, 1.0).to(x)
+            sign = torch.where(uniform(B, g) < 0.5, -1.0, 1.0).to(x)
             out = x.clone()
             a, t = _eye(mag)
             geo = torch.zeros_like(on)

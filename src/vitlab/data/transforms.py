@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .augment import RandAugment, uniform
+
 Size = int | tuple[int, int]
 Transform = Callable[..., Tensor]
 _MODES = ("nearest", "bilinear", "bicubic")
@@ -35,10 +37,6 @@ def _check_mode(mode: str) -> str:
     if mode not in _MODES:
         raise ValueError(f"interpolation must be one of {_MODES}, got {mode!r}")
     return mode
-
-
-def _rand(n: int, g: torch.Generator | None) -> Tensor:
-    return torch.rand(n, generator=g, device=g.device if g is not None else "cpu")
 
 
 def _noise_like(x: Tensor, g: torch.Generator | None) -> Tensor:
@@ -75,16 +73,16 @@ def sample_boxes(
     one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks).
     Returns ``(top, left, h, w, ok)`` as long tensors and a bool mask of success.
     """
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * _rand(n * attempts, g).view(n, attempts))
+    area = height * width * (scale[0] + (scale[1] - scale[0]) * uniform(n * attempts, g).view(n, attempts))
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(lo + (hi - lo) * _rand(n * attempts, g).view(n, attempts))
+    aspect = torch.exp(lo + (hi - lo) * uniform(n * attempts, g).view(n, attempts))
     w = torch.sqrt(area * aspect).round().long()
     h = torch.sqrt(area / aspect).round().long()
     fits = (w > 0) & (h > 0) & ((w < width) & (h < height) if strict else (w <= width) & (h <= height))
     first = fits.int().argmax(1, keepdim=True)  # first True (or 0 when none)
     h, w, ok = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(1)
-    top = (_rand(n, g) * (height - h + 1).clamp(min=1)).long()
-    left = (_rand(n, g) * (width - w + 1).clamp(min=1)).long()
+    top = (uniform(n, g) * (height - h + 1).clamp(min=1)).long()
+    left = (uniform(n, g) * (width - w + 1).clamp(min=1)).long()
     return top, left, h, w, ok
 
 
@@ -109,8 +107,8 @@ class RandomCrop:
         (th, tw), p = self.size, self.padding
         if H + 2 * p < th or W + 2 * p < tw:
             raise ValueError(f"RandomCrop: crop {self.size} is larger than the padded image {(H + 2 * p, W + 2 * p)}")
-        top = (_rand(B, g) * (H + 2 * p - th + 1)).long().to(x.device)
-        left = (_rand(B, g) * (W + 2 * p - tw + 1)).long().to(x.device)
+        top = (uniform(B, g) * (H + 2 * p - th + 1)).long().to(x.device)
+        left = (uniform(B, g) * (W + 2 * p - tw + 1)).long().to(x.device)
         # one gather over the flattened padded image (much faster than 3-D advanced indexing)
         rows = top[:, None] + torch.arange(th, device=x.device)
         cols = left[:, None] + torch.arange(tw, device=x.device)
@@ -160,7 +158,7 @@ class RandomHorizontalFlip:
         self.p = p
 
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
-        flip = (_rand(x.shape[0], g) < self.p).to(x.device).view(-1, 1, 1, 1)
+        flip = (uniform(x.shape[0], g) < self.p).to(x.device).view(-1, 1, 1, 1)
         return torch.where(flip, x.flip(-1), x)
 
     def __repr__(self) -> str:
@@ -228,7 +226,7 @@ class RandomErasing:
         _check_batch(x, "RandomErasing")
         B, _, H, W = x.shape
         top, left, h, w, ok = sample_boxes(B, H, W, self.scale, self.ratio, g, strict=True)
-        ok &= _rand(B, g) < self.p
+        ok &= uniform(B, g) < self.p
         box = [t.to(x.device) for t in (top, left, h, w)]
         mask = box_mask(*box, H, W) & ok.to(x.device).view(-1, 1, 1, 1)
         fill = _noise_like(x, g) if self.mode == "pixel" else torch.full_like(x, self.value)
@@ -276,8 +274,6 @@ def make_transform(
     Normalize, RandomErasing(erase_prob). eval: Resize(img_size), Normalize.
     Set ``hflip=0`` for data where mirroring changes meaning (digits, text).
     """
-    from .augment import RandAugment
-
     steps: list[Transform] = []
     if train and rrc_scale is not None:
         steps.append(RandomResizedCrop(img_size, rrc_scale, rrc_ratio, interpolation))

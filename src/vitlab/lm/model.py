@@ -19,8 +19,6 @@ Conventions:
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import math
 from typing import Any
 
@@ -31,6 +29,7 @@ from torch import Tensor, nn
 from ..layers import Block
 from ..mixers import build
 from ..mixers.base import TokenLayout
+from ..registry import Registry
 
 MixerSpec = str | tuple[str, dict[str, Any]] | list
 KINDS = ("aft_local", "aft_simple", "aft_full", "attention")
@@ -240,7 +239,7 @@ _ENWIK8 = {"vocab_size": 256, "max_len": 1024, "dropout": 0.1}
 _TINY = {"vocab_size": 256, "max_len": 256, "dim": 32, "depth": 2, "dropout": 0.0}
 
 # name -> (CausalLM arguments, where it comes from)
-LM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+_ROWS: dict[str, tuple[dict[str, Any], str]] = {
     # CIFAR-10 (paper Table 2; factorised bias d' = 64, window 256)
     "aft_local_256_cifar": (
         {**_CIFAR, "dim": 256, "depth": 24, "mixer": ("aft_local", {"window": 256, "bias_dim": 64})},
@@ -291,10 +290,14 @@ LM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def list_lms(pattern: str = "*") -> list[str]:
-    import fnmatch
+LMS: Registry[tuple[dict[str, Any], str]] = Registry("LM config", lambda row: (CausalLM, row[0]), rows=_ROWS)
+#: the named configurations (read-only): name -> (CausalLM arguments, where it comes from)
+LM_CONFIGS = LMS.rows
 
-    return sorted(n for n in LM_CONFIGS if fnmatch.fnmatch(n, pattern))
+
+def list_lms(pattern: str = "*") -> list[str]:
+    """Named LM configs matching the shell-style ``pattern``, sorted."""
+    return LMS.names(pattern)
 
 
 def lm_config(name: str, **overrides: Any) -> dict[str, Any]:
@@ -302,21 +305,14 @@ def lm_config(name: str, **overrides: Any) -> dict[str, Any]:
 
     Besides the constructor arguments, ``window`` and ``bias_dim`` override the mixer's options.
     """
-    if name not in LM_CONFIGS:
-        close = difflib.get_close_matches(name, LM_CONFIGS, n=3, cutoff=0.4)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown LM config {name!r}{hint} Known: {', '.join(LM_CONFIGS)}")
-    cfg = dict(LM_CONFIGS[name][0])
-    kind, opts = parse_mixer(overrides.pop("mixer", cfg["mixer"]))
+    table_args = LMS.get(name)[0]
+    kind, opts = parse_mixer(overrides.pop("mixer", table_args["mixer"]))
     for key in ("window", "bias_dim"):
         if key in overrides:
             if kind not in ("aft_local", "aft_full") or (key == "window" and kind != "aft_local"):
                 raise ValueError(f"option {key} does not apply to the {kind} mixer")
             opts[key] = overrides.pop(key)
-    unknown = sorted(set(overrides) - set(inspect.signature(CausalLM).parameters))
-    if unknown:
-        raise ValueError(f"CausalLM has no option {', '.join(unknown)}")
-    return {**cfg, **overrides, "mixer": (kind, opts)}
+    return LMS.arguments(name, {**overrides, "mixer": (kind, opts)})[1]
 
 
 def create_lm(name: str, **overrides: Any) -> CausalLM:

@@ -6,9 +6,9 @@ configs choose a mixer per block.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 
+from ..registry import unknown_name_error
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .attention import Attention, attention_map
 from .base import TokenLayout, TokenMixer
@@ -38,9 +38,7 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
     official multi-head external attention (:class:`MultiHeadExternalAttention`).
     """
     if kind not in MIXERS:
-        close = difflib.get_close_matches(kind, MIXERS, n=3, cutoff=0.4)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown mixer kind {kind!r}{hint} Known kinds: {', '.join(MIXERS)}")
+        raise unknown_name_error("mixer kind", kind, MIXERS)
     cls = MIXERS[kind]
     if kind == "external" and kw.get("num_heads", 1) > 1:
         cls = MultiHeadExternalAttention

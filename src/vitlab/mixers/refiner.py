@@ -42,14 +42,6 @@ OFFICIAL_KEY_PREFIXES: dict[str, str] = {
 }
 
 
-def official_key(key: str) -> str:
-    """Rename one official ``Refined_Attention`` state-dict key to the vitlab one (others unchanged)."""
-    for old, new in OFFICIAL_KEY_PREFIXES.items():
-        if key.startswith(old):
-            return new + key[len(old) :]
-    return key
-
-
 def _positive_int(name: str, what: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: {what} must be a positive integer, got {value!r}")
@@ -255,8 +247,8 @@ class RefinerAttention(Attention):
     The released Refined-ViT models alternate ``RefinerAttention(refine=False,
     residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
     official_extras=True)`` (odd blocks), each block passing ``aux["carry"]`` on as
-    the next block's ``attn_prev``. Official ``Refined_Attention`` checkpoints load
-    after renaming keys with :func:`official_key`.
+    the next block's ``attn_prev``. Official ``Refined_Attention`` weights load
+    after :func:`vitlab.convert.rename_keys` (source ``"refiner"``).
     """
 
     uses_attn_prev = True

@@ -1,4 +1,4 @@
-"""Every named model as a row of a table (see SPEC.md "Named configurations").
+"""Every named vision model as a row of a table, registered in :mod:`vitlab.models.registry`.
 
 Parameter/MAC targets are for 1000 classes at the default input size. The
 ``*_mini`` rows are small variants of each family (patch 4, 32 px input) for
@@ -329,7 +329,7 @@ _rows.append(
     )
 )
 
-# --- TNT (official non-legacy Huawei code; the frozen unused outer_tokens is not created: SPEC Decision 4) ------
+# --- TNT (official non-legacy Huawei code; its frozen outer_tokens, zeros that nothing reads, is not created) ---
 TNT_SRC = "huawei-noah/Efficient-AI-Backbones tnt_pytorch/tnt.py"
 TNT_SIZES = {"ti": (192, 12, 3, 2, 6.08, 1.40), "s": (384, 24, 6, 4, 23.77, 5.22), "b": (640, 40, 10, 4, 65.43, 14.05)}
 

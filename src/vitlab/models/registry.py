@@ -1,25 +1,23 @@
-"""Named model configurations: a table of rows, one constructor per architecture."""
+"""The registry of named vision models: :class:`ModelConfig` rows (written in :mod:`vitlab.models.configs`),
+one constructor per architecture."""
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import importlib
-import inspect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from ..registry import Registry
+from .t2t import T2TViT
+from .tnt import TNT
+from .vit import VisionTransformer
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# architecture -> "module:Class", imported on first use
-ARCHITECTURES = {
-    "vit": "vitlab.models.vit:VisionTransformer",
-    "tnt": "vitlab.models.tnt:TNT",
-    "t2t": "vitlab.models.t2t:T2TViT",
-}
+ARCHITECTURES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "tnt": TNT, "t2t": T2TViT}
 
 
 @dataclass(frozen=True)
@@ -32,7 +30,7 @@ class ModelConfig:
     paper: str
     source: str
     params_m: float | None = None  # expected parameters (M), 1000 classes at the default size
-    macs_g: float | None = None  # expected MACs (G) at the default size, where a paper or SPEC gives them
+    macs_g: float | None = None  # expected MACs (G) at the default size, where a paper gives them
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     notes: str = ""
@@ -59,57 +57,35 @@ class ModelConfig:
         }
 
 
-_REGISTRY: dict[str, ModelConfig] = {}
+def architecture(arch: str) -> type[nn.Module]:
+    return ARCHITECTURES[arch]
+
+
+MODELS: Registry[ModelConfig] = Registry(
+    "model", lambda cfg: (architecture(cfg.arch), cfg.kwargs), listed_by="vitlab.list_models()"
+)
 
 
 def register(*configs: ModelConfig) -> None:
     for cfg in configs:
-        if cfg.name in _REGISTRY:
-            raise ValueError(f"model {cfg.name!r} registered twice")
         if cfg.arch not in ARCHITECTURES:
             raise ValueError(f"model {cfg.name!r}: unknown architecture {cfg.arch!r}")
-        _REGISTRY[cfg.name] = cfg
-
-
-def _ensure_loaded() -> None:
-    if not _REGISTRY:
-        importlib.import_module("vitlab.models.configs")
+        MODELS.register(cfg.name, cfg)
 
 
 def list_models(pattern: str = "*") -> list[str]:
     """Registered model names matching the shell-style ``pattern``, sorted."""
-    _ensure_loaded()
-    return sorted(n for n in _REGISTRY if fnmatch.fnmatch(n, pattern))
+    return MODELS.names(pattern)
 
 
 def get_config(name: str) -> ModelConfig:
-    _ensure_loaded()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=5, cutoff=0.5)
-        hint = f"; closest: {', '.join(close)}" if close else ""
-        raise ValueError(f"unknown model {name!r}{hint} (vitlab.list_models() lists all {len(_REGISTRY)})")
-    return _REGISTRY[name]
-
-
-def architecture(arch: str) -> type[nn.Module]:
-    module, cls = ARCHITECTURES[arch].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return MODELS.get(name)
 
 
 def create_model(name: str, **overrides: Any) -> nn.Module:
     """Build the named model; ``overrides`` replace config arguments (num_classes, img_size, in_chans,
     drop_path_rate, ...). The model carries ``model.meta`` (paper, source, input size, mean/std)."""
+    model = MODELS.create(name, **overrides)
     cfg = get_config(name)
-    cls = architecture(cfg.arch)
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    unknown = sorted(set(overrides) - accepted)
-    if unknown:
-        raise ValueError(
-            f"{name}: unknown option(s) {', '.join(unknown)}; {cls.__name__} accepts: {', '.join(sorted(accepted))}"
-        )
-    model = cls(**{**cfg.kwargs, **overrides})
-    meta = cfg.meta()
-    if "img_size" in overrides or "in_chans" in overrides:
-        meta["input_size"] = ModelConfig(name, cfg.arch, {**cfg.kwargs, **overrides}, "", "").input_size
-    model.meta = meta
+    model.meta = dataclasses.replace(cfg, kwargs={**cfg.kwargs, **overrides}).meta()  # input size as built
     return model
