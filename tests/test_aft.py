@@ -717,7 +717,7 @@ def test_bad_input_raises():
         AFTLocal(24, 16, outside="inf")
     with pytest.raises(ValueError, match="max_len"):
         AFTFull(24, 0)
-    with pytest.raises(ValueError, match="no option"):
+    with pytest.raises(ValueError, match="unknown option"):
         build("aft_simple", 24, max_len=16)
 
 

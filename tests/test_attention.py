@@ -142,7 +142,7 @@ def test_qk_scale_and_build():
     assert build("attention", 32, num_heads=4).scale == pytest.approx(8**-0.5)
     with pytest.raises(ValueError, match="unknown mixer kind"):
         build("atention", 32)
-    with pytest.raises(ValueError, match="has no option"):
+    with pytest.raises(ValueError, match="unknown option"):
         build("attention", 32, heads=4)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..registry import unknown_name_error
+from ..registry import check_options, unknown_name_error
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .attention import Attention, attention_map
 from .base import TokenLayout, TokenMixer
@@ -44,11 +44,7 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
         cls = MultiHeadExternalAttention
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
     kw = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **kw}
-    unknown = sorted(set(kw) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"mixer {kind!r} ({cls.__name__}) has no option {', '.join(unknown)}; accepted: {', '.join(accepted)}"
-        )
+    check_options(f"mixer {kind!r}", kw, cls)
     return cls(dim, **kw)
 
 

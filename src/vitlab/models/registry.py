@@ -9,13 +9,11 @@ from typing import Any
 
 from torch import nn
 
+from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
 from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "tnt": TNT, "t2t": T2TViT}
 
