@@ -60,15 +60,19 @@ def _band_masks(
 ) -> tuple[Tensor, Tensor]:
     """Which band pairs carry their bias (|t - t'| < window; causal: 0 <= t - t'), and the bias of the others
     (nb, b, 2b or 3b): 0 for pairs outside the window (``outside_zero``), -inf for the future, padding and the
-    -inf ablation. Padding queries (``t >= n``, discarded) keep their padding keys: their rows stay finite."""
-    t, tk = band_positions(n, block, device, causal)
-    lag = t - tk
-    seen = (tk >= 0) & ((tk < n) | (t >= n))
-    if causal:
-        seen &= lag >= 0
-    inside = seen & (lag.abs() < window)
-    far = seen & ~inside & outside_zero
-    fill = torch.full(inside.shape, float("-inf"), device=device).masked_fill(far, 0.0)
+    -inf ablation. Padding queries (``t >= n``, discarded) keep their padding keys: their rows stay finite.
+
+    Built as ordinary tensors even when first asked for under ``torch.inference_mode()`` (an evaluation
+    loop): the cache outlives that context, and autograd refuses to save inference tensors for backward."""
+    with torch.inference_mode(False):
+        t, tk = band_positions(n, block, device, causal)
+        lag = t - tk
+        seen = (tk >= 0) & ((tk < n) | (t >= n))
+        if causal:
+            seen &= lag >= 0
+        inside = seen & (lag.abs() < window)
+        far = seen & ~inside & outside_zero
+        fill = torch.full(inside.shape, float("-inf"), device=device).masked_fill(far, 0.0)
     return inside, fill
 
 

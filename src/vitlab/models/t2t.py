@@ -299,7 +299,8 @@ class T2TViT(Classifier):
             return self.pos_embed
         key = (num_tokens, self.pos_embed.device, self.pos_embed.dtype)
         if self._table_cache[0] != key:  # one entry: evaluation at one other size recomputes nothing
-            self._table_cache = (key, sinusoid_1d(num_tokens, self.embed_dim)[None].to(self.pos_embed))
+            with torch.inference_mode(False):  # an ordinary tensor: the cache outlives an evaluation loop
+                self._table_cache = (key, sinusoid_1d(num_tokens, self.embed_dim)[None].to(self.pos_embed))
         return self._table_cache[1]
 
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
