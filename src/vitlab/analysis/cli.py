@@ -3,9 +3,9 @@
 Every analysis writes ``<out>/<name>.json`` (the numbers) and ``<out>/<name>.png`` (the figure):
 
 - ``attention``: the attention maps of one query token (class token or a patch), per block and head;
-- ``collapse``: DeepViT's cross-layer similarity of attention maps (SPEC §5.1) and its "#similar blocks";
+- ``collapse``: DeepViT's cross-layer similarity of attention maps (DeepViT §3) and its "#similar blocks";
 - ``heads``: the similarity between the heads of each block (DeepViT: "below 30%");
-- ``evolution``: how similar the token features of consecutive blocks are (Refiner, seed 000 Fig. 2/4);
+- ``evolution``: how similar the token features of consecutive blocks are (Refiner paper Figs. 2 and 4);
 - ``aft_bias``: AFT-conv's learned relative position weights ``exp(w) - 1`` per layer and head (AFT Fig. 1);
 - ``aft_keys``: AFT's keys as feature maps over the image (AFT Figs. 9-12);
 - ``external``: external attention of the patches to memory slots, per head (EA Fig. 5).
@@ -294,7 +294,7 @@ class Collapse(Analysis):
         similar = [self.blocks[k] for k in metrics.similar_blocks(sim, t)]
         return {
             "definition": "M[p, q] = mean over heads h, tokens t and images of cos(A^p[h, :, t], A^q[h, :, t]), "
-            "the cosine between attention columns of blocks p and q (DeepViT, SPEC §5.1)",
+            "the cosine between attention columns of blocks p and q (DeepViT §3)",
             "similar_blocks_definition": "blocks whose similarity with the previous attention block is > threshold",
             "blocks": self.blocks,
             "similarity": to_json(sim),
@@ -392,7 +392,7 @@ class FeatureEvolution(Analysis):
     def result(self):
         return {
             "definition": "s[k] = mean over patch tokens n and images of cos(X^{k-1}_n, X^k_n), X^k the output of "
-            "block k (Refiner, seed 000 Fig. 2/4); near 1 = the features barely change",
+            "block k (Refiner paper Figs. 2 and 4); near 1 = the features barely change",
             "blocks": list(range(1, len(self.mean.value) + 1)),
             "similarity": to_json(self.mean.value),
         }
