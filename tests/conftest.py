@@ -53,7 +53,7 @@ def load_golden(name: str) -> Golden:
 
 
 def assert_close_to_golden(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
-    """Within ``rtol`` of the reference output's largest magnitude (the golden README's bound)."""
+    """Within ``rtol`` of the reference output's largest magnitude (docs/testing.md, Tolerances)."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     scale = expected.abs().max().item()
     err = (actual.detach().float() - expected.float()).abs().max().item()

@@ -1,7 +1,7 @@
-"""AFT against the community implementations' golden vectors (shared/golden/aft_*.npz).
+"""AFT against the community implementations' golden vectors (``aft_*.npz``, see docs/testing.md).
 
 No official AFT code exists; these references compute the paper's equations for full, simple and local
-(see golden/README.md). Their parameter names are mapped to ours here. AFT-conv has no trustworthy
+(docs/testing.md). Their parameter names are mapped to ours here. AFT-conv has no trustworthy
 reference (test_aft.py checks it against the paper's Eq. 6 directly).
 """
 

@@ -1,6 +1,6 @@
-"""vitlab bench: MAC counts against SPEC.md, the TNT paper's per-block complexity formulas, the analytic FLOPs
-of the mixers, the GEMM yardstick, a tiny CLI run, and the inference fast paths added for speed (each must compute
-the same function as the reference path it replaces).
+"""vitlab bench: MAC counts against the targets of docs/models.md, the TNT paper's per-block complexity formulas, the
+analytic FLOPs of the mixers, the GEMM yardstick, a tiny CLI run, and the inference fast paths added for speed (each
+must compute the same function as the reference path it replaces).
 
 The parameter formula Params_TNT = 12cc + mcd + 12dd is checked term by term in tests/test_tnt.py
 (test_block_params_formula); FLOPs_TNT for TNT-S dims is in tests/test_tnt.py too. Here: FLOPs_T on the generic
@@ -38,7 +38,7 @@ from vitlab.mixers import (
 from vitlab.mixers.base import RELU6, SIGMOID, SOFTMAX
 from vitlab.models.tnt import TNTBlock
 
-# SPEC.md "Named configurations": MACs at 224 (the papers' "FLOPs" are MACs)
+# MAC targets at 224 from the official configurations (docs/models.md; the papers' "FLOPs" are MACs)
 SPEC_GMACS = {
     "deit_tiny_patch16_224": 1.25,
     "deit_small_patch16_224": 4.60,
@@ -49,7 +49,7 @@ SPEC_GMACS = {
 }
 
 
-# ----------------------------------------------------------------------------- MACs against SPEC
+# -------------------------------------------------------------------------- MACs against the targets
 
 
 @pytest.mark.parametrize("name, spec", SPEC_GMACS.items())

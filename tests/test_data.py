@@ -1,4 +1,4 @@
-"""vitlab.data: real datasets (shared/data, embedded MNIST), bad files, loader determinism/sharding, transforms."""
+"""vitlab.data: real datasets (VITLAB_SHARED, embedded MNIST), bad files, loader determinism/sharding, transforms."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def test_impossible_overrides_are_clear_errors(overrides, match):
 
 @pytest.mark.parametrize("name", [n for n in ALL if get_config(n).params_m])
 def test_parameter_count_matches_spec(name):
-    """Every full-size config within 1 % of SPEC.md's count (built on the meta device: no memory, no init cost)."""
+    """Every full-size config within 1 % of its target count, docs/models.md (meta device: no memory, no init cost)."""
     with torch.device("meta"):
         model = vitlab.create_model(name)
     target = get_config(name).params_m * 1e6

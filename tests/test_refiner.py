@@ -154,7 +154,7 @@ def test_shared_paper_form_matches_naive_loops():
 
 @pytest.mark.parametrize("k", [3, 5, 4])
 def test_dla_is_attention_over_locally_aggregated_values(k):
-    """Seed 000 §2.3: with a kernel along the key axis only, Σ_j A*_ij v_j = Σ_j A_ij Σ_a w_a v_{j-a+⌊k/2⌋}."""
+    """Refiner §2.3: with a kernel along the key axis only, Σ_j A*_ij v_j = Σ_j A_ij Σ_a w_a v_{j-a+⌊k/2⌋}."""
     torch.manual_seed(k)
     h, n, d = 3, 7, 4
     dla = DistributedLocalAttention(h, expansion=1, kernel_size=k, reduction=False).double()

@@ -311,7 +311,7 @@ def test_registered_params(name, d, c, blocks, se):
     n = count(model)
     assert n == tnt_params(d, c, 16, 12, tuple(blocks), se)
     assert n / 1e6 == pytest.approx(get_config(name).params_m, rel=0.01)
-    assert not any(k.endswith("outer_tokens") for k in model.state_dict())  # SPEC Decision 4
+    assert not any(k.endswith("outer_tokens") for k in model.state_dict())  # docs/semantics.md, Decision T2
 
 
 @pytest.mark.parametrize(
@@ -324,7 +324,7 @@ def test_registered_params(name, d, c, blocks, se):
     ],
 )
 def test_params_targets(name, spec):
-    """SPEC table (6.08 / 23.77 / 65.43M) and paper Table 12 (TNT-S + SE 24.7M), within 1%."""
+    """Official-code counts (6.08 / 23.77 / 65.43M, docs/models.md) and paper Table 12 (TNT-S + SE 24.7M), within 1%."""
     with torch.device("meta"):
         assert count(vitlab.create_model(name)) / 1e6 == pytest.approx(spec, rel=0.01)
 
@@ -343,7 +343,7 @@ def test_params_targets(name, spec):
     ],
 )
 def test_macs_targets(name, spec, tol):
-    """Paper Table 1 / SPEC MACs at 224 (within 1%) and Table 5's partial-TNT FLOPs."""
+    """Paper Table 1 MACs at 224 (within 1%) and Table 5's partial-TNT FLOPs."""
     with torch.device("meta"):
         model = vitlab.create_model(name)
         with FlopCounterMode(display=False) as fc:

@@ -38,7 +38,7 @@ def _check_maps(maps: Tensor, what: str, square: bool = False) -> None:
 
 
 def cross_layer_similarity(maps: Sequence[Tensor] | Tensor) -> Tensor:
-    """DeepViT's cross-layer similarity of attention maps, averaged: ``(L, L)``.
+    """DeepViT's cross-layer similarity of attention maps (DeepViT §3), averaged: ``(L, L)``.
 
     ``M^{p,q}_{h,t} = A^p_{h,:,t}ᵀ A^q_{h,:,t} / (‖A^p_{h,:,t}‖ ‖A^q_{h,:,t}‖)``: the cosine between
     the columns of token t (how t contributes to every output token) in layers p and q, for
@@ -102,7 +102,7 @@ def head_similarity(maps: Tensor) -> Tensor:
 
 
 def feature_evolution(tokens: Sequence[Tensor], num_prefix: int = 0) -> Tensor:
-    """How much token features change from block to block (Refiner Fig. 2/4): ``(L - 1,)``.
+    """How much token features change from block to block (Refiner paper Figs. 2 and 4): ``(L - 1,)``.
 
     Entry k-1 is ``mean_{b,n} cos(X^{k-1}_{b,n}, X^k_{b,n})``: the cosine between the feature of
     token n at the outputs of consecutive blocks k-1 and k, averaged over tokens and images.

@@ -135,8 +135,8 @@ KEY_RULES: dict[str, list[Rule]] = {
 
 #: tensors of the reference that no computation uses: regex -> reason
 DROPS: dict[str, dict[str, str]] = {
-    "tnt_huawei": {r"^outer_tokens$": "frozen, unused zero tensor of the official TNT (SPEC Decision 4)"},
-    "tnt_timm": {r"^outer_tokens$": "frozen, unused zero tensor of the official TNT (SPEC Decision 4)"},
+    "tnt_huawei": {r"^outer_tokens$": "frozen, unused tensor of the official TNT (docs/semantics.md, Decision T2)"},
+    "tnt_timm": {r"^outer_tokens$": "frozen, unused tensor of the official TNT (docs/semantics.md, Decision T2)"},
     "eamlp": {r"^pos_embed$": "fixed sinusoid table (requires_grad=False); vitlab recomputes it for the input size"},
 }
 

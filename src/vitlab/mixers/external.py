@@ -9,7 +9,7 @@ instead of to each other: ``out = M_v(DoubleNorm(M_k(F)))``, linear in N
     α_ij = α̂_ij / Σ_k α̂_ik                    ℓ1 over the memory slots j
     out = α M_v
 
-vitlab Decision 5: single-head as Algorithm 1 (memories without bias, eps 1e-9
+docs/semantics.md, Decisions E1/E2: single-head as Algorithm 1 (memories without bias, eps 1e-9
 in the ℓ1 step, ``M_v`` initialised as ``M_kᵀ``); multi-head as the official
 EAMLP code (query widened ``coef``× with ``coef``× as many heads, one ``M_k`` /
 ``M_v`` pair shared by all heads, memories with bias, output projection).

@@ -5,7 +5,7 @@ learnable head-mixing matrix ``Θ ∈ R^{H×H}`` and ``Norm`` = BatchNorm. The m
 of the H heads are mixed into H new maps, so deep blocks whose maps have
 collapsed onto each other get fresh ones from the other heads' maps.
 
-Implemented as the official code (dvit_repo ``ReAttention``, vitlab Decision 2):
+Implemented as the official code (dvit_repo ``ReAttention``; docs/semantics.md, Decision D1):
 ``Θᵀ`` is a 1×1 ``Conv2d(H, H)`` over the head axis (its weight ``W[g, h]`` is
 ``Θ[h, g]``) **with a bias**, applied after softmax and attention dropout;
 ``Norm`` is ``BatchNorm2d(H)`` over the ``(B, H, N, N)`` maps (heads are the

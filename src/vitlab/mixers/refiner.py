@@ -14,7 +14,7 @@ and the refined maps multiply V. With a kernel that is non-zero only along the
 key axis, ``Σ_j A*_ij v_j = Σ_j A_ij Σ_a w_a v_{j-a+⌊k/2⌋}``: attention over
 locally aggregated values, hence the name.
 
-vitlab Decision 1: the defaults are the paper's linear operation;
+docs/semantics.md, Decision R1: the defaults are the paper's linear operation;
 ``official_extras=True`` adds what the official code (Refiner_ViT ``DLA``) has
 -- BatchNorm + ReLU6 after expansion and after the depth-wise conv, BatchNorm
 after reduction, an identity shortcut -- and, through ``adapt_bn``, the extra

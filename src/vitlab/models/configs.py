@@ -1,4 +1,5 @@
-"""Every named vision model as a row of a table, registered in :mod:`vitlab.models.registry`.
+"""Every named vision model as a row of a table, registered in :mod:`vitlab.models.registry` (where each
+number comes from: docs/models.md).
 
 Parameter/MAC targets are for 1000 classes at the default input size. The
 ``*_mini`` rows are small variants of each family (patch 4, 32 px input) for
@@ -52,7 +53,7 @@ REFINER_NORMAL = ("refiner", dict(refine=False, residual_attention=True))
 REFINER_SHARED = ("refiner", dict(share=True, official_extras=True))
 REFINER_OFFICIAL = dict(mlp_ratio=3.0, stem_channels=(32, 64, 128), residual_scale=0.5, ls_init=(None, 1e-5))
 DEEPVIT_OFFICIAL = dict(mlp_ratio=3.0, stem_channels=(64, 64), residual_scale=0.5)
-# seed 000 Table 2: a 3x3 convolution directly on the heads' attention maps (no expansion, no reduction)
+# Refiner paper Table 2: a 3x3 convolution directly on the heads' attention maps (no expansion, no reduction)
 DLA_ONLY = ("refiner", dict(expansion=1, reduction=False))
 
 _rows: list[ModelConfig] = []
@@ -90,7 +91,7 @@ for depth, params, params_re in ((16, 24.42, 24.43), (24, 36.26, 36.26), (32, 48
         vit(
             f"vit_{depth}b_dla",
             REFINER,
-            "seed 000 Table 2: ViT + 3x3 conv on attention maps",
+            "Refiner paper Table 2: ViT + 3x3 conv on attention maps",
             params,
             mixer=DLA_ONLY,
             **deep,
@@ -100,7 +101,7 @@ _rows += [
     vit(
         "vit_base_dla",
         REFINER,
-        "seed 000 Table 2: ViT-B + 3x3 conv on attention maps",
+        "Refiner paper Table 2: ViT-B + 3x3 conv on attention maps",
         86.57,
         embed_dim=768,
         depth=12,
@@ -329,7 +330,7 @@ _rows.append(
     )
 )
 
-# --- TNT (official non-legacy Huawei code; its frozen outer_tokens, zeros that nothing reads, is not created) ---
+# --- TNT (official non-legacy Huawei code, no frozen unused outer_tokens: docs/semantics.md, Decision T2) ------
 TNT_SRC = "huawei-noah/Efficient-AI-Backbones tnt_pytorch/tnt.py"
 TNT_SIZES = {"ti": (192, 12, 3, 2, 6.08, 1.40), "s": (384, 24, 6, 4, 23.77, 5.22), "b": (640, 40, 10, 4, 65.43, 14.05)}
 

@@ -28,7 +28,7 @@ class ModelConfig:
     paper: str
     source: str
     params_m: float | None = None  # expected parameters (M), 1000 classes at the default size
-    macs_g: float | None = None  # expected MACs (G) at the default size, where a paper gives them
+    macs_g: float | None = None  # expected MACs (G) at the default size, where known (docs/models.md)
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     notes: str = ""

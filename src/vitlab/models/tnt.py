@@ -4,7 +4,7 @@ An image is cut into ``n`` patches ("visual sentences"); each patch is cut again
 into ``m`` "visual words". Every TNT block runs an inner transformer over the
 ``m`` words of each patch (shared by all patches), adds the flattened words into
 their sentence token, then runs the outer transformer over the ``n + 1``
-sentence tokens (seed 001, eqs. 9.1-9.4)::
+sentence tokens (TNT paper §2.2)::
 
     Y'_l = Y_{l-1} + MSA(LN(Y_{l-1}));   Y_l = Y'_l + MLP(LN(Y'_l))          (inner, per patch)
     Z^i_{l-1} += LN(FC(LN(Vec(Y^i_l))))                                    (fusion, class token excluded)
@@ -25,7 +25,7 @@ Both transformers are the library's pre-norm :class:`~vitlab.layers.Block` with 
 :class:`~vitlab.mixers.Attention` mixer; the official separate ``qk`` and ``v``
 Linears are our fused ``qkv`` (rows ``[q | k | v]``), see
 :mod:`vitlab.convert` (sources ``tnt_huawei``, ``tnt_timm``). The official frozen, unused ``outer_tokens``
-tensor is not created (SPEC Decision 4), so TNT-S/B have 23.77M / 65.43M parameters.
+tensor is not created (docs/semantics.md, Decision T2), so TNT-S/B have 23.77M / 65.43M parameters.
 """
 
 from __future__ import annotations
