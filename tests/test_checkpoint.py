@@ -98,7 +98,7 @@ def test_plain_weights_errors(tmp_path):
         load_model(tmp_path / "missing.pt")
     with pytest.raises(ValueError, match="not a vitlab checkpoint"):
         load_model(path)  # plain weights say nothing about the model: a name is needed
-    with pytest.raises(ValueError, match="unknown model 'deit_mimi'; closest: deit_mini"):
+    with pytest.raises(ValueError, match="unknown model 'deit_mimi'; did you mean one of the closest: deit_mini"):
         load_model("deit_mimi")
     with pytest.raises(ValueError, match="--ema needs a checkpoint"):
         load_model("deit_mini", ema=True)

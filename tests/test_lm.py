@@ -371,7 +371,7 @@ def test_bad_input():
         m(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="did you mean"):
         create_lm("aft_local_cifar")
-    with pytest.raises(ValueError, match="no option"):
+    with pytest.raises(ValueError, match="unknown option"):
         create_lm("tiny_aft_local", mixer=("aft_local", {"windw": 3}))
     with pytest.raises(ValueError, match="every CausalLM mixer is causal"):
         create_lm("tiny_aft_local", mixer=("aft_local", {"window": 3, "causal": False}))
