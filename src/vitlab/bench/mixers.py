@@ -41,6 +41,7 @@ from ..measure.sweep import (
     csv_list,
     fmt_mem,
     fmt_time,
+    options,
     require_at_least,
     require_positive_items,
     run_sweep,
@@ -53,7 +54,6 @@ from .report import (
     figure_grid,
     legend_entries,
     log_axes,
-    options,
     print_written,
     pyplot,
     report_doc,
@@ -558,21 +558,32 @@ def run(args: argparse.Namespace) -> int:
     )
     results, elapsed = timed_sweep(lambda: run_plan(plan, args, budget), info)
     targets = mixer_targets(results) if args.targets else []
-    text = table(results, args.batch)
-    if targets:
-        text += "\n" + mixer_targets_text(targets) + "\n"
-    text += busy_note(results)
+    text = report_text(results, targets, args.batch)
     print("\n" + text)
     config = options(args, CONFIG)
     config.update(mem_budget_bytes=budget, sweeps=args.sweeps, targets=args.targets, quick=args.quick)
     doc = report_doc("vitlab.bench-mixers/1", elapsed, info, config, cases=results, targets=targets)
+    write_report(args, results, doc, text)
+    return 0
+
+
+def report_text(results: list[dict[str, Any]], targets: list[dict[str, Any]], main_batch: int) -> str:
+    """The table, the targets' verdicts, and a note when the machine was busy."""
+    text = table(results, main_batch)
+    if targets:
+        text += "\n" + mixer_targets_text(targets) + "\n"
+    return text + busy_note(results)
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]], doc: dict[str, Any], text: str) -> None:
+    """mixers.json, mixers.txt and mixers.png in ``args.out``."""
     json_path, png_path, txt_path = args.out / "mixers.json", args.out / "mixers.png", args.out / "mixers.txt"
     write_json(json_path, doc)
     write_text(txt_path, text)
+    info = doc["machine"]
     title = (
         f"token mixers, dim {args.dim}, batch {args.batch}, torch {info['torch']}, {args.threads} threads, "
         f"{info['cpu']}"
     )
     plot(results, png_path, args.batch, title)
-    print_written((json_path, png_path, txt_path), elapsed)
-    return 0
+    print_written((json_path, png_path, txt_path), doc["elapsed_s"])

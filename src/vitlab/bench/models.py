@@ -65,6 +65,7 @@ from ..measure.sweep import (
     csv_list,
     fmt_mem,
     fmt_time,
+    options,
     require_at_least,
     require_positive_items,
     run_sweep,
@@ -72,7 +73,7 @@ from ..measure.sweep import (
     write_json,
     write_text,
 )
-from .report import figure_grid, log_axes, options, print_written, report_doc, save_figure, timed_sweep
+from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 from .targets import UTILISATION, UTILISATION_SETTING, model_targets, model_targets_text
 
 DTYPES = ("fp32", "bf16")

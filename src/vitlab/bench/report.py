@@ -7,7 +7,6 @@ atomically. The loop over the cases and the file writers themselves are :mod:`vi
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -28,11 +27,6 @@ def timed_sweep(run: Callable[[], list[Result]], machine: dict[str, Any]) -> tup
     elapsed = time.perf_counter() - t0
     machine["loadavg_start"], machine["loadavg_end"] = load0, os.getloadavg()
     return results, elapsed
-
-
-def options(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
-    """The options ``names`` as the run used them (the report's configuration)."""
-    return {name: getattr(args, name) for name in names}
 
 
 def report_doc(

@@ -29,7 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
-from ..measure.sweep import require_at_least, require_positive_items, run_sweep, with_wall_time, write_json, write_text
+from ..measure.sweep import (
+    options,
+    require_at_least,
+    require_positive_items,
+    run_sweep,
+    with_wall_time,
+    write_json,
+    write_text,
+)
 from .targets import PAPER, TARGET_T, judge, verdict_lines
 
 # benchmark model -> (named config, extra mixer options)
@@ -236,9 +244,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "settings": {
-            k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")
-        },
+        "settings": options(args, ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
         "seconds": time.time() - start,
         "results": results,

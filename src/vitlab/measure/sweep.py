@@ -1,10 +1,11 @@
 """The skeleton every benchmark sweep shares.
 
-A sweep is a list of cases (dicts of parameters, :class:`Plan`) measured one after the other, each in fresh processes
-(:class:`vitlab.measure.process.CaseRunner`), with one progress line per case; its report is a JSON
-document with every measurement and a text summary, each written atomically. This module holds those
-common steps -- comma-separated option lists and their checks, the loop with its progress lines, the
-formatting of times and memory for people, the report files -- and nothing about what is measured.
+A sweep is a list of cases (dicts of parameters, :class:`Plan`) measured one after the other, each in
+fresh processes (:class:`vitlab.measure.process.CaseRunner`), with one progress line per case; its report
+is a JSON document with every measurement and a text summary, each written atomically. This module holds
+those common steps -- comma-separated option lists and their checks, the case plan, the loop with its
+progress lines, the formatting of times and memory for people, the report files -- and nothing about what
+is measured.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def require_positive_items(args: argparse.Namespace, names: Iterable[str]) -> No
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {values}")
 
 
-# --------------------------------------------------------------------------- running
+# --------------------------------------------------------------------------- the cases
 
 
 @dataclass
@@ -81,6 +82,9 @@ class Plan:
         if role not in found["roles"]:
             found["roles"].append(role)
         return found
+
+
+# --------------------------------------------------------------------------- running
 
 
 def run_sweep(
@@ -125,6 +129,11 @@ def _three_digits(x: float) -> str:
 
 
 # --------------------------------------------------------------------------- report files
+
+
+def options(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
+    """The options ``names`` as the run used them (the report's configuration)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def write_json(path: Path, doc: Any, indent: int = 1) -> Path:
