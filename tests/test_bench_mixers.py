@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from vitlab.bench import mixers as bench
+from vitlab.bench import targets
 from vitlab.cli import main as cli_main
 from vitlab.measure import process as measure
 from vitlab.measure.process import MB, CaseSpec, Timing, run_case, time_callable
-from vitlab.mixers import AFTFull, TokenMixer
+from vitlab.mixers import AFTFull
 
 # --------------------------------------------------------------------------- measuring helpers
 
@@ -95,7 +96,6 @@ def test_aft_full_direct_is_paper_eq2():
     torch.testing.assert_close(bench.aft_full_direct(q, k, v, w), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.skipif(AFTFull.mix is TokenMixer.mix, reason="AFTFull is still a placeholder (aft.py not landed)")
 def test_naive_aft_full_equals_the_mixer():
     torch.manual_seed(0)
     aft = AFTFull(16, max_len=12)
@@ -132,18 +132,11 @@ def _args(*flags: str, **kw) -> argparse.Namespace:
     return args
 
 
-def test_run_plan_skips_over_budget_and_placeholders_without_running(monkeypatch):
-    class Placeholder(TokenMixer):
-        pass
-
-    monkeypatch.setitem(bench.MIXERS, "placeholder", Placeholder)
+def test_run_plan_skips_over_budget_without_running():
     args = _args(mixers="attention", tokens="16", dim=32, batch=2, dtypes="fp32", modes="forward")
-    args.mixers = ["attention", "placeholder"]
     plan = bench.plan_cases(args, budget=10**9)
-    results = bench.run_plan(plan, args, budget=1)  # nothing fits in one byte
-    by = {r["mixer"]: r for r in results}
-    assert by["placeholder"]["status"] == "not_implemented"
-    assert by["attention"]["status"] == "skipped" and "needs ~" in by["attention"]["reason"]
+    (result,) = bench.run_plan(plan, args, budget=1)  # nothing fits in one byte
+    assert result["status"] == "skipped" and "needs ~" in result["reason"]
 
 
 def test_default_run_includes_the_target_cases():
@@ -176,21 +169,21 @@ def _ok(mixer, T, median, delta, mode="forward", batch=8):
 def test_aft_full_target_extrapolates_the_direct_form_in_batch():
     fast = _ok("aft_full", 1024, 0.1, 50 * MB)
     naive = [_ok("aft_full_naive", 1024, 2.0, 4000 * MB, batch=4), _ok("aft_full_naive", 1024, 1.0, 2000 * MB, batch=2)]
-    t = bench.target_aft_full([fast, *naive])
+    t = targets.target_aft_full([fast, *naive])
     assert t["status"] == "PASS"
     assert t["measured"]["speedup"] == pytest.approx(40.0) and t["measured"]["memory_ratio"] == pytest.approx(160.0)
     assert "extrapolated linearly to 8" in t["detail"]
-    slow = bench.target_aft_full([_ok("aft_full", 1024, 1.0, 50 * MB), *naive])
+    slow = targets.target_aft_full([_ok("aft_full", 1024, 1.0, 50 * MB), *naive])
     assert slow["status"] == "FAIL"  # 4x faster only
-    assert bench.target_aft_full([fast])["status"] == "N/A"
+    assert targets.target_aft_full([fast])["status"] == "N/A"
 
 
 def test_linear_target_slope():
     lin = [_ok("aft_simple", t, 0.0, 1000 * t) for t in (64, 256, 1024, 4096)]
     quad = [_ok("aft_conv", t, 0.0, 10 * t * t) for t in (256, 1024, 4096)]
-    assert bench.target_linear(lin, "aft_simple")["measured"]["slopes"]["forward"] == pytest.approx(1.0)
-    assert bench.target_linear(lin, "aft_simple")["status"] == "PASS"
-    assert bench.target_linear(quad, "aft_conv")["status"] == "FAIL"
+    assert targets.target_linear(lin, "aft_simple")["measured"]["slopes"]["forward"] == pytest.approx(1.0)
+    assert targets.target_linear(lin, "aft_simple")["status"] == "PASS"
+    assert targets.target_linear(quad, "aft_conv")["status"] == "FAIL"
 
 
 def test_attention_target_ratios():
@@ -200,10 +193,10 @@ def test_attention_target_ratios():
         _ok("attention", 1024, 1.0, 1),
         _ok("attention_explicit", 1024, 1.5, 1),
     ]
-    t = bench.target_attention(rs)
+    t = targets.target_attention(rs)
     assert t["status"] == "PASS" and t["measured"]["speedup"][1024] == pytest.approx(1.5)
     rs[3] = _ok("attention_explicit", 1024, 1.1, 1)
-    assert bench.target_attention(rs)["status"] == "FAIL"
+    assert targets.target_attention(rs)["status"] == "FAIL"
 
 
 @pytest.mark.parametrize("mixer", ["aft_conv", "attention_explicit"])

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count
 
 import vitlab
 from vitlab.bench import models as bench
+from vitlab.bench import targets
 from vitlab.layers import Block
 from vitlab.layers.patch_embed import PatchEmbed
 from vitlab.measure.flops import count_flops, count_macs, flop_counter, mixer_extra_flops
@@ -284,11 +285,11 @@ def _fake(model: str, util: float) -> dict:
 
 def test_targets_pass_fail_and_missing():
     results = [_fake("deit_small_patch16_224", 0.9), _fake("deit_tiny_patch16_224", 0.5)]
-    rows = {t["model"]: t for t in bench.evaluate_targets(results, threads=2)}
+    rows = {t["model"]: t for t in targets.model_targets(results, threads=2)}
     assert rows["deit_small_patch16_224"]["status"] == "PASS"
     assert rows["deit_tiny_patch16_224"]["status"] == "FAIL"
     assert rows["tnt_s_patch16_224"]["status"] == "N/A" and "note" not in rows["tnt_s_patch16_224"]
-    assert "note" in bench.evaluate_targets(results, threads=4)[0]
+    assert "note" in targets.model_targets(results, threads=4)[0]
 
 
 def test_derive_pairs_each_call_with_its_probe():

@@ -414,6 +414,7 @@ def test_recomputed_core_gives_the_same_outputs_and_gradients():
 
 def test_bench_case_and_ratios():
     from vitlab.lm import bench
+    from vitlab.lm import targets as lm_targets
 
     step = bench.prepare_case("aft_local_rc", T=64, layers=1, dim=32, batch=1)
     step.fn()
@@ -444,9 +445,9 @@ def test_bench_case_and_ratios():
         ("aft_local", 0.5, 2.0),
         ("transformer", 1.0, 1.0),
     ]
-    v = bench.targets(rows)["aft_local"]
+    v = lm_targets.judge(rows)["aft_local"]
     assert v["mem_met"] and v["speed_met"]
-    text = "\n".join(bench.verdict_lines(bench.targets(rows), rows))
+    text = "\n".join(lm_targets.verdict_lines(lm_targets.judge(rows), rows))
     assert "0.25x" in text and "4.00x" in text  # against the flash Transformer (no attention dropout)
 
 

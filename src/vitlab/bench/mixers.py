@@ -19,51 +19,67 @@ are measured:
 
 Cases whose memory, estimated from their shapes, exceeds the budget are
 skipped and say how much they would need. The "targets" section checks the
-project's performance claims on the measured figures.
+project's performance claims on the measured figures (:mod:`vitlab.bench.targets`).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import os
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from vitlab.measure.process import (
-    GB,
-    MB,
-    PRELOAD,
-    CaseRunner,
-    CaseSkipped,
-    CaseSpec,
-    Prepared,
+from ..measure.machine import machine_info, mem_available, usable_cores
+from ..measure.process import GB, MB, PRELOAD, CaseRunner, CaseSkipped, CaseSpec, Prepared, warm_process
+from ..measure.sweep import (
+    Plan,
     csv_list,
     fmt_mem,
     fmt_time,
-    machine_info,
-    warm_process,
+    options,
+    require_at_least,
+    require_positive_items,
+    run_sweep,
+    with_wall_time,
+    write_json,
+    write_text,
 )
-from vitlab.mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
+from ..mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
+from .report import (
+    figure_grid,
+    legend_entries,
+    log_axes,
+    print_written,
+    pyplot,
+    report_doc,
+    save_figure,
+    timed_sweep,
+)
+from .targets import (
+    AFT_TARGET_T,
+    ATTN_TOKENS,
+    LINEAR_MODES,
+    LINEAR_TOKENS,
+    TARGET_BATCH,
+    TARGET_DIM,
+    mixer_targets,
+    mixer_targets_text,
+)
 
 REFERENCES = ("aft_full_naive", "attention_explicit")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("forward", "train")
-CASE_TARGET = "vitlab.bench.mixers:prepare_case"
-
-# the issue's setting for the targets
-TARGET_DIM, TARGET_BATCH = 256, 8
-AFT_TARGET_T = 1024
-LINEAR_TOKENS = (64, 256, 1024, 4096)
-LINEAR_FIT_MIN_T = 256  # below this, fixed per-call buffers dominate the few MB a case needs
-ATTN_TOKENS = (197, 1024)  # the target also uses any larger T the sweep ran
+# what tells cases apart, and the options of prepare_case
+CASE_KEY = ("mixer", "T", "dtype", "mode", "batch", "dim")
+CASE_PARAMS = ("mixer", "T", "dtype", "mode", "batch", "dim", "heads", "window", "kernel")
+# the options a report records
+CONFIG = ("mixers", "tokens", "dim", "batch", "dtypes", "modes", "heads", "window", "kernel")
+CONFIG += ("repeats", "warmup", "max_time", "threads", "timeout")
 
 DEFAULT_TOKENS = (64, 256, 1024)
 # the default run's sweep, on top of the targets' cases: (dtypes, modes, tokens); a few minutes here
@@ -97,12 +113,6 @@ class AFTFullNaive(TokenMixer):
         if w is None:
             raise ValueError("AFTFullNaive needs an AFTFull with a position bias")
         return self.aft.proj(aft_full_direct(q, k, v, w.to(q.dtype))), {}
-
-
-def is_implemented(kind: str) -> bool:
-    """False while a mixer family is still a placeholder (its ``mix`` is the base class's)."""
-    cls = {"aft_full_naive": AFTFull, "attention_explicit": Attention}.get(kind) or MIXERS[kind]
-    return cls.mix is not TokenMixer.mix
 
 
 def mixer_kwargs(kind: str, dim: int, tokens: int, heads: int, window: int, kernel: int) -> dict[str, Any]:
@@ -234,28 +244,6 @@ def estimate_bytes(c: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------- the plan
 
 
-@dataclass
-class Plan:
-    cases: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    _index: dict[tuple, dict[str, Any]] = field(default_factory=dict)
-
-    def add(self, role: str, **c: Any) -> dict[str, Any]:
-        key = case_key(c)
-        if key in self._index:
-            case = self._index[key]
-        else:
-            case = self._index[key] = {**c, "roles": []}
-            self.cases.append(case)
-        if role not in case["roles"]:
-            case["roles"].append(role)
-        return case
-
-
-def case_key(c: dict[str, Any]) -> tuple:
-    return (c["mixer"], c["T"], c["dtype"], c["mode"], c["batch"], c["dim"])
-
-
 def default_heads(dim: int) -> int:
     """Heads of width 64 where the width allows, else one head."""
     return max(1, dim // 64) if dim % 64 == 0 else 1
@@ -263,7 +251,7 @@ def default_heads(dim: int) -> int:
 
 def plan_cases(args: argparse.Namespace, budget: int) -> Plan:
     """The targets' cases first (pairs that are compared run back to back), then the sweep."""
-    plan = Plan()
+    plan = Plan(CASE_KEY)
     common = {"window": args.window, "kernel": args.kernel}
     if args.targets:
         plan_targets(plan, budget, common)
@@ -294,7 +282,7 @@ def plan_targets(plan: Plan, budget: int, common: dict[str, Any]) -> None:
     for b in naive_batches(budget, tgt):
         plan.add("target:aft_full", mixer="aft_full_naive", T=AFT_TARGET_T, mode="forward", batch=b, **tgt)
     for mixer in ("aft_simple", "aft_conv"):
-        for mode in MODES:
+        for mode in LINEAR_MODES:
             for t in LINEAR_TOKENS:
                 plan.add("target:linear", mixer=mixer, T=t, mode=mode, batch=TARGET_BATCH, **tgt)
     for t in ATTN_TOKENS:  # each pair back to back: the machine's load changes over minutes
@@ -321,35 +309,34 @@ def naive_batches(budget: int, tgt: dict[str, Any]) -> list[int]:
 
 
 def run_plan(plan: Plan, args: argparse.Namespace, budget: int) -> list[dict[str, Any]]:
-    results = []
-    n = len(plan.cases)
+    """Every case of ``plan`` in fresh processes, one progress line each; over-budget cases are skipped."""
     width = max(len(c["mixer"]) for c in plan.cases)
     with CaseRunner(args.isolation, args.timeout, (*PRELOAD, __name__)) as runner:
-        for i, c in enumerate(plan.cases, 1):
-            est = estimate_bytes(c)
-            r: dict[str, Any] = {**c, "est_bytes": est, "loadavg_1m": os.getloadavg()[0]}
-            label = f"[{i:>{len(str(n))}}/{n}] {c['mixer']:<{width}} T={c['T']:<5} {c['dtype']} {c['mode']:<7} B={c['batch']}"
-            print(label, end=" : ", flush=True)
-            if not is_implemented(c["mixer"]):
-                r.update(status="not_implemented", reason="not implemented yet (placeholder)")
-            elif est > budget:
-                r.update(status="skipped", reason=f"needs ~{est / GB:.1f} GB > budget {budget / GB:.1f} GB")
-            else:
-                params = {k: c[k] for k in ("mixer", "T", "dtype", "mode", "batch", "dim", "heads", "window", "kernel")}
-                spec = CaseSpec(
-                    CASE_TARGET,
-                    params,
-                    warmup=args.warmup,
-                    repeats=args.repeats,
-                    max_time=args.max_time,
-                    threads=args.threads,
-                )
-                t0 = time.perf_counter()
-                r.update(runner.run(spec))
-                r["wall_s"] = time.perf_counter() - t0
-            print(describe(r), flush=True)
-            results.append(r)
-    return results
+        return run_sweep(
+            plan.cases,
+            lambda c: measure_case(runner, c, args, budget),
+            lambda c: f"{c['mixer']:<{width}} T={c['T']:<5} {c['dtype']} {c['mode']:<7} B={c['batch']}",
+            describe,
+        )
+
+
+def measure_case(runner: CaseRunner, c: dict[str, Any], args: argparse.Namespace, budget: int) -> dict[str, Any]:
+    """One case's result row: the case, its memory estimate, the load, and what the runner measured."""
+    est = estimate_bytes(c)
+    r: dict[str, Any] = {**c, "est_bytes": est, "loadavg_1m": os.getloadavg()[0]}
+    if est > budget:
+        r.update(status="skipped", reason=f"needs ~{est / GB:.1f} GB > budget {budget / GB:.1f} GB")
+        return r
+    spec = CaseSpec(
+        prepare_case,
+        {k: c[k] for k in CASE_PARAMS},
+        warmup=args.warmup,
+        repeats=args.repeats,
+        max_time=args.max_time,
+        threads=args.threads,
+    )
+    r.update(with_wall_time(lambda: runner.run(spec)))
+    return r
 
 
 def describe(r: dict[str, Any]) -> str:
@@ -360,141 +347,6 @@ def describe(r: dict[str, Any]) -> str:
         f"{fmt_time(t['median'])} (IQR {fmt_time(t['iqr'])}, n={t['n']}) | "
         f"peak {fmt_mem(m['peak'])}, +{fmt_mem(m['delta'])} over baseline"
     )
-
-
-# --------------------------------------------------------------------------- targets
-
-
-def find(results: list[dict[str, Any]], **kw: Any) -> dict[str, Any] | None:
-    """The ok result matching ``kw`` (None if absent or not ok)."""
-    for r in results:
-        if r["status"] == "ok" and all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
-
-
-def extrapolate(points: list[tuple[int, float]], to: int) -> tuple[float, str]:
-    """Value at batch ``to`` from (batch, value) points: as measured, linear through two, or proportional."""
-    points = sorted(points, reverse=True)
-    (b1, y1) = points[0]
-    if b1 == to:
-        return y1, f"measured at batch {to}"
-    if len(points) > 1:
-        b2, y2 = points[1]
-        return y1 + (to - b1) * (y1 - y2) / (b1 - b2), f"measured at batch {b1} and {b2}, extrapolated linearly to {to}"
-    return y1 * to / b1, f"measured at batch {b1}, scaled x{to / b1:g}"
-
-
-def target_aft_full(results: list[dict[str, Any]]) -> dict[str, Any]:
-    name = f"AFT-full vs the direct (B, T, T, d) form, T={AFT_TARGET_T}, d={TARGET_DIM}, batch {TARGET_BATCH}, fp32 forward"
-    sel = {"T": AFT_TARGET_T, "dtype": "fp32", "mode": "forward", "dim": TARGET_DIM}
-    fast = find(results, mixer="aft_full", batch=TARGET_BATCH, **sel)
-    naive = [
-        r
-        for r in results
-        if r["mixer"] == "aft_full_naive" and r["status"] == "ok" and all(r[k] == v for k, v in sel.items())
-    ]
-    if fast is None or not naive:
-        return na(name, "aft_full or aft_full_naive did not run at this setting")
-    t_naive, how = extrapolate([(r["batch"], r["time_s"]["median"]) for r in naive], TARGET_BATCH)
-    m_naive, _ = extrapolate([(r["batch"], r["mem"]["delta"]) for r in naive], TARGET_BATCH)
-    speed, mem = t_naive / fast["time_s"]["median"], m_naive / max(fast["mem"]["delta"], 1)
-    ok = speed >= 5 and mem >= 20
-    return {
-        "name": name,
-        "status": "PASS" if ok else "FAIL",
-        "measured": {
-            "speedup": speed,
-            "memory_ratio": mem,
-            "aft_full_s": fast["time_s"]["median"],
-            "naive_s": t_naive,
-            "aft_full_delta_bytes": fast["mem"]["delta"],
-            "naive_delta_bytes": m_naive,
-            "naive_batches": sorted(r["batch"] for r in naive),
-        },
-        "need": "speedup >= 5, memory (peak - baseline) ratio >= 20",
-        "detail": f"{speed:.1f}x faster (need >= 5), {mem:.0f}x less peak memory (need >= 20); "
-        f"aft_full {fmt_time(fast['time_s']['median'])} +{fmt_mem(fast['mem']['delta'])}, "
-        f"direct form {fmt_time(t_naive)} +{fmt_mem(m_naive)} ({how})",
-    }
-
-
-def loglog_slope(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of log y against log x."""
-    xs, ys = [math.log(x) for x, _ in points], [math.log(max(y, 1.0)) for _, y in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-
-
-def target_linear(results: list[dict[str, Any]], mixer: str, limit: float = 1.2) -> dict[str, Any]:
-    name = f"{mixer} memory linear in T (d={TARGET_DIM}, batch {TARGET_BATCH}, fp32)"
-    slopes, top, parts = {}, {}, []
-    for mode in MODES:
-        pts = sorted(
-            (r["T"], r["mem"]["delta"])
-            for r in results
-            if r["status"] == "ok"
-            and r["mixer"] == mixer
-            and r["mode"] == mode
-            and r["dtype"] == "fp32"
-            and r["batch"] == TARGET_BATCH
-            and r["dim"] == TARGET_DIM
-            and r["T"] >= LINEAR_FIT_MIN_T
-        )
-        if len(pts) < 2:
-            continue
-        slopes[mode] = loglog_slope(pts)
-        top[mode] = loglog_slope(pts[-2:])  # a T² term shows first between the largest sizes
-        parts.append(
-            f"{mode} slope {slopes[mode]:.2f} over T={','.join(str(t) for t, _ in pts)} "
-            f"({', '.join(fmt_mem(m) for _, m in pts)}; {top[mode]:.2f} between the last two)"
-        )
-    if not slopes:
-        return na(name, f"fewer than two {mixer} sizes with T >= {LINEAR_FIT_MIN_T} ran")
-    ok = all(s <= limit for s in slopes.values())
-    return {
-        "name": name,
-        "status": "PASS" if ok else "FAIL",
-        "measured": {"slopes": slopes, "slopes_last_two": top},
-        "need": f"log-log slope of (peak - baseline) vs T <= {limit} (1 = linear, 2 = quadratic)",
-        "detail": "; ".join(parts) + f" (need <= {limit})",
-    }
-
-
-def target_attention(results: list[dict[str, Any]]) -> dict[str, Any]:
-    name = f"attention (SDPA) vs explicit softmax(QK^T)V, d={TARGET_DIM}, batch {TARGET_BATCH}, fp32 forward"
-    ratios, parts, ok = {}, [], True
-    for t in sorted({r["T"] for r in results if r["T"] >= 1024} | set(ATTN_TOKENS)):
-        sel = {"T": t, "dtype": "fp32", "mode": "forward", "batch": TARGET_BATCH, "dim": TARGET_DIM}
-        fast, slow = find(results, mixer="attention", **sel), find(results, mixer="attention_explicit", **sel)
-        if fast is None or slow is None:
-            continue
-        ratios[t] = slow["time_s"]["median"] / fast["time_s"]["median"]
-        need = 0.95 if t < 1024 else 1.2
-        ok &= ratios[t] >= need
-        parts.append(f"T={t}: {ratios[t]:.2f}x (need >= {need})")
-    if 197 not in ratios or not any(t >= 1024 for t in ratios):
-        return na(name, "attention / attention_explicit did not run at T=197 and a T >= 1024")
-    return {
-        "name": name,
-        "status": "PASS" if ok else "FAIL",
-        "measured": {"speedup": ratios},
-        "need": "no slower at T=197 (ratio >= 0.95, timing noise), clearly faster at T >= 1024 (ratio >= 1.2)",
-        "detail": "explicit/SDPA time " + ", ".join(parts),
-    }
-
-
-def na(name: str, why: str) -> dict[str, Any]:
-    return {"name": name, "status": "N/A", "detail": why}
-
-
-def evaluate_targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        target_aft_full(results),
-        target_linear(results, "aft_simple"),
-        target_linear(results, "aft_conv"),
-        target_attention(results),
-    ]
 
 
 # --------------------------------------------------------------------------- reporting
@@ -511,32 +363,13 @@ def mixer_rank(kind: str) -> float:
 
 def table(results: list[dict[str, Any]], main_batch: int) -> str:
     """One block per (mode, dtype, dim): a row per mixer, a column per T; cells 'time / peak - baseline'."""
-    abbrev = {"skipped": "skipped", "not_implemented": "n/i", "error": "ERROR"}
-    lines = []
     groups = sorted(
         {(r["mode"], r["dtype"], r["dim"]) for r in results},
         key=lambda g: (MODES.index(g[0]), list(DTYPES).index(g[1]), g[2]),
     )
-    for mode, dtype, dim in groups:
-        rs = [r for r in results if (r["mode"], r["dtype"], r["dim"]) == (mode, dtype, dim)]
-        tokens = sorted({r["T"] for r in rs})
-        rows: dict[str, dict[int, str]] = {}
-        for r in sorted(rs, key=lambda r: (mixer_rank(r["mixer"]), -r["batch"])):
-            row = r["mixer"] + ("" if r["batch"] == main_batch else f" (B={r['batch']})")
-            if r["status"] == "ok":
-                cell = f"{fmt_time(r['time_s']['median'])} / {fmt_mem(r['mem']['delta'])}"
-            else:
-                cell = abbrev.get(r["status"], r["status"])
-            rows.setdefault(row, {})[r["T"]] = cell
-        w0 = max(len(k) for k in rows) + 2
-        w = max(19, *(len(c) + 2 for cells in rows.values() for c in cells.values()))
-        lines.append(
-            f"{mode}, {dtype}, dim {dim}, batch {main_batch} unless said: median time / peak - baseline memory"
-        )
-        lines.append("mixer".ljust(w0) + "".join(f"T={t}".rjust(w) for t in tokens))
-        for row, cells in rows.items():
-            lines.append(row.ljust(w0) + "".join(cells.get(t, "-").rjust(w) for t in tokens))
-        lines.append("")
+    lines = []
+    for group in groups:
+        lines += table_block([r for r in results if (r["mode"], r["dtype"], r["dim"]) == group], group, main_batch)
     reasons = sorted(
         {
             f"{r['mixer']} T={r['T']} {r['dtype']} {r['mode']} B={r['batch']}: {r['status']} ({r.get('reason')})"
@@ -549,33 +382,51 @@ def table(results: list[dict[str, Any]], main_batch: int) -> str:
     return "\n".join(lines)
 
 
-def targets_text(targets: list[dict[str, Any]]) -> str:
-    return "\n".join(["targets:"] + [f"  [{t['status']}] {t['name']}\n         {t['detail']}" for t in targets])
+def table_block(rs: list[dict[str, Any]], group: tuple[str, str, int], main_batch: int) -> list[str]:
+    """The lines of one (mode, dtype, dim) block of :func:`table`, a blank line last."""
+    abbrev = {"skipped": "skipped", "not_implemented": "n/i", "error": "ERROR"}
+    mode, dtype, dim = group
+    tokens = sorted({r["T"] for r in rs})
+    rows: dict[str, dict[int, str]] = {}
+    for r in sorted(rs, key=lambda r: (mixer_rank(r["mixer"]), -r["batch"])):
+        row = r["mixer"] + ("" if r["batch"] == main_batch else f" (B={r['batch']})")
+        if r["status"] == "ok":
+            cell = f"{fmt_time(r['time_s']['median'])} / {fmt_mem(r['mem']['delta'])}"
+        else:
+            cell = abbrev.get(r["status"], r["status"])
+        rows.setdefault(row, {})[r["T"]] = cell
+    w0 = max(len(k) for k in rows) + 2
+    w = max(19, *(len(c) + 2 for cells in rows.values() for c in cells.values()))
+    return [
+        f"{mode}, {dtype}, dim {dim}, batch {main_batch} unless said: median time / peak - baseline memory",
+        "mixer".ljust(w0) + "".join(f"T={t}".rjust(w) for t in tokens),
+        *(row.ljust(w0) + "".join(cells.get(t, "-").rjust(w) for t in tokens) for row, cells in rows.items()),
+        "",
+    ]
 
 
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable"))
-    except (OSError, StopIteration):
-        return None
+def busy_note(results: list[dict[str, Any]]) -> str:
+    """A warning when the load average exceeded the cores during the run (else empty)."""
+    load = [r["loadavg_1m"] for r in results]
+    cores = usable_cores()
+    if max(load) <= cores:
+        return ""
+    return (
+        f"\nnote: the machine was busy (1-min load average {min(load):.1f} to {max(load):.1f} on {cores} cores "
+        f"during the run): timings are inflated and noisy; memory figures are not affected.\n"
+    )
 
 
 def plot(results: list[dict[str, Any]], path: Path, main_batch: int, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Median time (top) and peak - baseline memory (bottom) against T, a column per mode, log-log."""
     ok = [r for r in results if r["status"] == "ok" and r["batch"] == main_batch]
     modes = [m for m in MODES if any(r["mode"] == m for r in ok)] or list(MODES)
     mixers = sorted({r["mixer"] for r in ok}, key=mixer_rank)
-    colors = plt.get_cmap("tab20" if len(mixers) > 10 else "tab10")
-    styles = {"fp32": "-", "bf16": "--"}
-    fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 9), squeeze=False)
+    colors = pyplot().get_cmap("tab20" if len(mixers) > 10 else "tab10")
+    fig, axes = figure_grid(2, len(modes), 4.5)
     for j, mode in enumerate(modes):
         for i, mixer in enumerate(mixers):
-            for dtype, style in styles.items():
+            for dtype, style in {"fp32": "-", "bf16": "--"}.items():
                 rs = sorted(
                     (r for r in ok if (r["mixer"], r["mode"], r["dtype"]) == (mixer, mode, dtype)), key=lambda r: r["T"]
                 )
@@ -593,34 +444,31 @@ def plot(results: list[dict[str, Any]], path: Path, main_batch: int, title: str)
                 axes[1, j].plot(ts, [max(r["mem"]["delta"], 1) / MB for r in rs], **kw)
         axes[0, j].set_title(f"{mode}: median time")
         axes[1, j].set_title(f"{mode}: peak - baseline memory")
-        axes[0, j].set_ylabel("ms")
-        axes[1, j].set_ylabel("MiB")
-        for ax in axes[:, j]:
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("tokens T")
-            ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    for ax in axes.flat[1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="center right", fontsize=8)
+        log_axes(axes[0, j], "tokens T", "ms", x_base=2)
+        log_axes(axes[1, j], "tokens T", "MiB", x_base=2)
+    fig.legend(*legend_entries(axes), loc="center right", fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.82, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # --------------------------------------------------------------------------- command line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    kinds = [*MIXERS, *REFERENCES]
     parser.epilog = "Without options: the cases the targets need, then every mixer over " + "; ".join(
         f"T = {','.join(map(str, t))} in {'/'.join(d)} {' and '.join(m)}" for d, m, t in DEFAULT_SWEEPS
     )
+    add_selection_arguments(parser)
+    opt = parser.add_argument_group("mixer options")
+    opt.add_argument("--heads", type=int, help="attention heads (default dim/64, head width 64)")
+    opt.add_argument("--window", type=int, default=32, help="AFT-local window s (default 32)")
+    opt.add_argument("--kernel", type=int, default=11, help="AFT-conv kernel size (default 11)")
+    add_measuring_arguments(parser)
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    kinds = [*MIXERS, *REFERENCES]
     sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
     sel.add_argument("--mixers", type=csv_list(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
     sel.add_argument(
@@ -633,10 +481,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sel.add_argument("--quick", action="store_true", help="a tiny run (3 mixers, T=16,64, dim 32, batch 2, 1 repeat)")
     sel.add_argument("--targets-only", action="store_true", help="only the cases the targets need")
     sel.add_argument("--with-targets", action="store_true", help="add the targets' cases to a chosen sweep")
-    opt = parser.add_argument_group("mixer options")
-    opt.add_argument("--heads", type=int, help="attention heads (default dim/64, head width 64)")
-    opt.add_argument("--window", type=int, default=32, help="AFT-local window s (default 32)")
-    opt.add_argument("--kernel", type=int, default=11, help="AFT-conv kernel size (default 11)")
+
+
+def add_measuring_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("measuring")
     how.add_argument("--repeats", type=int, help="timed calls per case (default 5; 1 with --quick)")
     how.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
@@ -686,21 +533,22 @@ def resolve(args: argparse.Namespace) -> None:
     if not (chosen or args.quick or args.targets_only):
         args.sweeps = [tuple(map(list, sweep)) for sweep in DEFAULT_SWEEPS]
     args.targets = args.targets_only or args.with_targets or not (chosen or args.quick)
-    for name in ("dim", "batch", "repeats", "threads", "window", "kernel"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if any(t < 1 for t in args.tokens):
-        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    require_at_least(args, ("dim", "batch", "repeats", "threads", "window", "kernel"))
+    require_positive_items(args, ("tokens",))
     if args.heads is not None and (args.heads < 1 or args.dim % args.heads):
         raise ValueError(f"--heads must divide --dim={args.dim}, got {args.heads}")
 
 
+def memory_budget(gb: float) -> int:
+    """``gb`` in bytes, at most 60 % of the memory available now."""
+    avail = mem_available()
+    budget = int(gb * GB)
+    return budget if avail is None else min(budget, int(0.6 * avail))
+
+
 def run(args: argparse.Namespace) -> int:
     resolve(args)
-    avail = mem_available()
-    budget = int(args.mem_budget * GB)
-    if avail is not None:
-        budget = min(budget, int(0.6 * avail))
+    budget = memory_budget(args.mem_budget)
     plan = plan_cases(args, budget)
     args.out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info(args.threads), "isolation": args.isolation}
@@ -708,59 +556,34 @@ def run(args: argparse.Namespace) -> int:
         f"vitlab bench-mixers: {len(plan.cases)} cases, each in a fresh process ({args.isolation}); "
         f"torch {info['torch']}, {args.threads} threads, {info['cpu']}; memory budget {budget / GB:.1f} GB"
     )
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    results = run_plan(plan, args, budget)
-    elapsed = time.perf_counter() - t0
-    info["loadavg_start"], info["loadavg_end"] = load0, os.getloadavg()
-    targets = evaluate_targets(results) if args.targets else []
-    text = table(results, args.batch)
-    if targets:
-        text += "\n" + targets_text(targets) + "\n"
-    load = [r["loadavg_1m"] for r in results]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if max(load) > cores:
-        text += (
-            f"\nnote: the machine was busy (1-min load average {min(load):.1f} to {max(load):.1f} on {cores} cores "
-            f"during the run): timings are inflated and noisy; memory figures are not affected.\n"
-        )
+    results, elapsed = timed_sweep(lambda: run_plan(plan, args, budget), info)
+    targets = mixer_targets(results) if args.targets else []
+    text = report_text(results, targets, args.batch)
     print("\n" + text)
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "mixers",
-            "tokens",
-            "dim",
-            "batch",
-            "dtypes",
-            "modes",
-            "heads",
-            "window",
-            "kernel",
-            "repeats",
-            "warmup",
-            "max_time",
-            "threads",
-            "timeout",
-        )
-    }
+    config = options(args, CONFIG)
     config.update(mem_budget_bytes=budget, sweeps=args.sweeps, targets=args.targets, quick=args.quick)
-    doc = {
-        "schema": "vitlab.bench-mixers/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "elapsed_s": elapsed,
-        "machine": info,
-        "config": config,
-        "cases": results,
-        "targets": targets,
-    }
+    doc = report_doc("vitlab.bench-mixers/1", elapsed, info, config, cases=results, targets=targets)
+    write_report(args, results, doc, text)
+    return 0
+
+
+def report_text(results: list[dict[str, Any]], targets: list[dict[str, Any]], main_batch: int) -> str:
+    """The table, the targets' verdicts, and a note when the machine was busy."""
+    text = table(results, main_batch)
+    if targets:
+        text += "\n" + mixer_targets_text(targets) + "\n"
+    return text + busy_note(results)
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]], doc: dict[str, Any], text: str) -> None:
+    """mixers.json, mixers.txt and mixers.png in ``args.out``."""
     json_path, png_path, txt_path = args.out / "mixers.json", args.out / "mixers.png", args.out / "mixers.txt"
-    json_path.write_text(json.dumps(doc, indent=1, default=str))
-    txt_path.write_text(text)
+    write_json(json_path, doc)
+    write_text(txt_path, text)
+    info = doc["machine"]
     title = (
         f"token mixers, dim {args.dim}, batch {args.batch}, torch {info['torch']}, {args.threads} threads, "
         f"{info['cpu']}"
     )
     plot(results, png_path, args.batch, title)
-    print(f"wrote {json_path}, {png_path}, {txt_path} ({elapsed:.0f} s)")
-    return 0
+    print_written((json_path, png_path, txt_path), doc["elapsed_s"])

@@ -44,47 +44,55 @@ own policy for comparison. The memory pass always uses a tight allocator.
 
 ``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
 2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
-EAMLP-14 >= 75 %, Refined-ViT-S >= 60 %.
+EAMLP-14 >= 75 %, Refined-ViT-S >= 60 % (:mod:`vitlab.bench.targets`).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..measure.process import (
-    MB,
-    PRELOAD,
-    CaseRunner,
-    CaseSpec,
-    Prepared,
+from ..io import write_csv_atomic
+from ..measure.machine import machine_info
+from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, Timing, warm_process
+from ..measure.sweep import (
+    Plan,
     csv_list,
     fmt_mem,
     fmt_time,
-    machine_info,
-    warm_process,
+    options,
+    require_at_least,
+    require_positive_items,
+    run_sweep,
+    with_wall_time,
+    write_json,
+    write_text,
 )
+from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
+from .targets import UTILISATION, UTILISATION_SETTING, model_targets, model_targets_text
 
 DTYPES = ("fp32", "bf16")
 MODES = ("infer", "train")
-CASE_TARGET = "vitlab.bench.models:prepare_case"
-
-# (model, minimum utilisation) at fp32 inference, batch 8, 224 px, 2 threads
-TARGETS: dict[str, float] = {
-    "deit_small_patch16_224": 0.85,
-    "deit_tiny_patch16_224": 0.70,
-    "tnt_s_patch16_224": 0.75,
-    "deepvit_s": 0.75,
-    "eamlp_14": 0.75,
-    "refiner_vit_s": 0.60,
+# what a case is (with the options of the passes: prepare_case's arguments)
+CASE_KEYS = ("model", "batch", "img_size", "dtype", "mode", "compile")
+# the options a report records
+CONFIG = ("models", "batch", "img_size", "dtypes", "modes", "compile", "threads", "repeats", "warmup")
+CONFIG += ("omp_wait_policy", "allocator", "max_time", "gemm_rounds", "targets")
+DEFINITIONS = {
+    "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
+    "model_flops": "2 x macs",
+    "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
+    "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
+    "probed right after that call in the same process",
+    "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
+    "gemm_flops_per_s": "median of the GEMM probes next to the timed calls",
+    "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes",
 }
-TARGET_SETTING = {"batch": 8, "img_size": 224, "dtype": "fp32", "mode": "infer", "compile": False}
-TARGET_THREADS = 2
 
 
 # --------------------------------------------------------------------------- one case (runs in the child process)
@@ -121,7 +129,6 @@ def prepare_case(
     (:func:`vitlab.measure.profile.profile_call`).
     """
     import torch
-    import torch.nn.functional as F
 
     from ..measure.gemm import measure_gemm
 
@@ -131,37 +138,8 @@ def prepare_case(
     if gemm:
         info["gemm"] = measure_gemm(dtype, rounds=gemm_rounds).as_dict()
     net = build(model, img_size)
-    size = tuple(net.meta["input_size"])
-    x = torch.randn(batch, *size)
-    bf16 = dtype == "bf16"
-    if mode == "infer":
-        net.eval()
-        if bf16:
-            net, x = net.to(torch.bfloat16), x.to(torch.bfloat16)
-        fwd = torch.compile(net) if compile else net
-
-        def step() -> None:
-            with torch.inference_mode():
-                fwd(x)
-
-        reset = None
-    else:
-        net.train()
-        fwd = torch.compile(net) if compile else net
-        labels = torch.randint(0, getattr(net, "num_classes", 1000) or 1, (batch,))
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)  # every step allocates its gradients, as training does
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                out = fwd(x)
-                loss = F.cross_entropy(out if isinstance(out, torch.Tensor) else out[0], labels)
-            loss.backward()
-            opt.step()
-
-        def reset() -> None:
-            opt.zero_grad(set_to_none=True)
-
+    x = torch.randn(batch, *tuple(net.meta["input_size"]))
+    step, reset = (inference_step if mode == "infer" else training_step)(net, x, dtype == "bf16", compile)
     calls: list[list[float]] = []
 
     def timed_step() -> None:
@@ -184,6 +162,47 @@ def prepare_case(
     info["loadavg"] = os.getloadavg()
     info["calls"] = calls  # filled in as the calls run (info is written out after the timed calls)
     return Prepared(timed_step, info, reset)
+
+
+def inference_step(net: Any, x: Any, bf16: bool, compile: bool) -> tuple[Callable[[], None], None]:
+    """One forward pass in eval mode under ``torch.inference_mode()``; bf16 converts the model and the input."""
+    import torch
+
+    net.eval()
+    if bf16:
+        net, x = net.to(torch.bfloat16), x.to(torch.bfloat16)
+    fwd = torch.compile(net) if compile else net
+
+    def step() -> None:
+        with torch.inference_mode():
+            fwd(x)
+
+    return step, None
+
+
+def training_step(net: Any, x: Any, bf16: bool, compile: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Forward, cross-entropy, backward and an AdamW step in train mode (bf16: CPU autocast, fp32 weights),
+    and the reset that frees the gradients a step leaves."""
+    import torch
+    import torch.nn.functional as F
+
+    net.train()
+    fwd = torch.compile(net) if compile else net
+    labels = torch.randint(0, getattr(net, "num_classes", 1000) or 1, (x.shape[0],))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)  # every step allocates its gradients, as training does
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = fwd(x)
+            loss = F.cross_entropy(out if isinstance(out, torch.Tensor) else out[0], labels)
+        loss.backward()
+        opt.step()
+
+    def reset() -> None:
+        opt.zero_grad(set_to_none=True)
+
+    return step, reset
 
 
 # --------------------------------------------------------------------------- static facts (parent process)
@@ -214,20 +233,11 @@ def model_facts(name: str, img_size: int | None, batch: int) -> dict[str, Any]:
 
 
 def plan_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cases: list[dict[str, Any]] = []
-    seen: dict[tuple, dict[str, Any]] = {}
-
-    def add(role: str, **c: Any) -> None:
-        key = tuple(c[k] for k in ("model", "batch", "img_size", "dtype", "mode", "compile"))
-        if key not in seen:
-            seen[key] = {**c, "roles": []}
-            cases.append(seen[key])
-        if role not in seen[key]["roles"]:
-            seen[key]["roles"].append(role)
-
+    """The targets' cases first, then every model over every chosen setting."""
+    plan = Plan(CASE_KEYS)
     if args.targets:
-        for name in TARGETS:
-            add("target", model=name, **TARGET_SETTING)
+        for name in UTILISATION:
+            plan.add("target", model=name, **UTILISATION_SETTING)
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     for name in args.models:
         for mode in args.modes:
@@ -235,38 +245,41 @@ def plan_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for comp in compiles:
                     for size in args.img_size or [None]:
                         for b in args.batch:
-                            add("sweep", model=name, batch=b, img_size=size, dtype=dtype, mode=mode, compile=comp)
-    return cases
+                            plan.add("sweep", model=name, batch=b, img_size=size, dtype=dtype, mode=mode, compile=comp)
+    return plan.cases
 
 
 # --------------------------------------------------------------------------- running
 
 
 def run_plan(cases: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    results = []
-    facts_cache: dict[tuple, dict[str, Any]] = {}
+    """Every case in fresh processes, one progress line each; then the utilisation against the run's best GEMM."""
+    facts = {key: model_facts(*key) for key in dict.fromkeys(map(facts_key, cases))}
     width = max(len(c["model"]) for c in cases)
+
+    def label(c: dict[str, Any]) -> str:
+        compiled = " compiled" if c["compile"] else ""
+        return (
+            f"{c['model']:<{width}} {c['mode']:<5} {c['dtype']} B={c['batch']:<3} "
+            f"{facts[facts_key(c)]['img_size']}px{compiled}"
+        )
+
+    def measure(c: dict[str, Any]) -> dict[str, Any]:
+        r: dict[str, Any] = {**c, **facts[facts_key(c)]}
+        params = {**{k: c[k] for k in CASE_KEYS}, "img_size": r["img_size"]}
+        r.update(with_wall_time(lambda: run_case(runner, params, args)))
+        derive(r)
+        return r
+
     with CaseRunner(args.isolation, args.timeout, (*PRELOAD, "vitlab.models", __name__)) as runner:
-        for i, c in enumerate(cases, 1):
-            key = (c["model"], c["img_size"], c["batch"])
-            if key not in facts_cache:
-                facts_cache[key] = model_facts(*key)
-            r: dict[str, Any] = {**c, **facts_cache[key]}
-            label = (
-                f"[{i:>{len(str(len(cases)))}}/{len(cases)}] {c['model']:<{width}} {c['mode']:<5} {c['dtype']} "
-                f"B={c['batch']:<3} {r['img_size']}px{' compiled' if c['compile'] else ''}"
-            )
-            print(label, end=" : ", flush=True)
-            params = {k: c[k] for k in ("model", "batch", "img_size", "dtype", "mode", "compile")}
-            params["img_size"] = r["img_size"]
-            t0 = time.perf_counter()
-            r.update(run_case(runner, params, args))
-            r["wall_s"] = time.perf_counter() - t0
-            derive(r)
-            print(describe(r), flush=True)
-            results.append(r)
+        results = run_sweep(cases, measure, label, describe)
     add_run_utilisation(results)
     return results
+
+
+def facts_key(c: dict[str, Any]) -> tuple[str, int | None, int]:
+    """What a case's static facts (:func:`model_facts`) depend on: the model, the input size, the batch."""
+    return c["model"], c["img_size"], c["batch"]
 
 
 def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -278,7 +291,7 @@ def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespac
     passes = [("memory", {**params, "gemm": False})] if not args.no_memory else []
     passes.append(("time", {**params, "gemm": True, "gemm_rounds": args.gemm_rounds, "profile": args.profile}))
     for name, p in passes:
-        res = runner.run(CaseSpec(CASE_TARGET, p, passes=(name,), **common))
+        res = runner.run(CaseSpec(prepare_case, p, passes=(name,), **common))
         if res["status"] != "ok":
             return {**res, "pass": name}
         if name == "memory":
@@ -293,8 +306,6 @@ def derive(r: dict[str, Any]) -> None:
     """Throughput, latency, achieved FLOP/s and utilisation of an ok result (in place)."""
     if r["status"] != "ok":
         return
-    from ..measure.process import Timing
-
     calls = r["info"].get("calls") or []
     timed = calls[1:] if len(calls) > 1 else calls  # the first is the setup's warm call
     if timed:  # the model calls alone, without the GEMM probes that follow them
@@ -308,18 +319,13 @@ def derive(r: dict[str, Any]) -> None:
     r["achieved_flops_per_s"] = model_flops / t
     gemm = r["info"].get("gemm")
     probes = [c[1] for c in timed if c[1]]
-    r["gemm_flops_per_s"] = _median(probes) if probes else gemm["flops_per_s"] if gemm else None
+    r["gemm_flops_per_s"] = statistics.median(probes) if probes else gemm["flops_per_s"] if gemm else None
     if probes:
         r["util_calls"] = [model_flops / c[0] / c[1] for c in timed if c[1]]
-        r["util"] = _median(r["util_calls"])
+        r["util"] = statistics.median(r["util_calls"])
     else:
         r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
     r["loadavg"] = r["info"].get("loadavg")
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
 
 
 def add_run_utilisation(results: list[dict[str, Any]]) -> None:
@@ -346,38 +352,6 @@ def describe(r: dict[str, Any]) -> str:
         f"{fmt_time(r['time_s']['iqr'])}, n={r['time_s']['n']}){mem}, util {util} of "
         f"{r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s GEMM, load {r['loadavg'][0]:.1f}"
     )
-
-
-# --------------------------------------------------------------------------- targets
-
-
-def evaluate_targets(results: list[dict[str, Any]], threads: int) -> list[dict[str, Any]]:
-    out = []
-    for name, need in TARGETS.items():
-        r = next((r for r in results if r["model"] == name and "target" in r.get("roles", [])), None)
-        row = {"model": name, "need": need, "setting": {**TARGET_SETTING, "threads": threads}}
-        if r is None or r["status"] != "ok" or r.get("util") is None:
-            row.update(status="N/A", detail=r.get("reason", "did not run") if r else "did not run")
-        else:
-            row.update(
-                status="PASS" if r["util"] >= need else "FAIL",
-                util=r["util"],
-                util_run=r.get("util_run"),
-                detail=f"{100 * r['util']:.1f} % (need >= {100 * need:.0f} %): "
-                f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s of {r['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s GEMM, "
-                f"{r['throughput']:.2f} img/s, load {r['loadavg'][0]:.1f}",
-            )
-        if threads != TARGET_THREADS:
-            row["note"] = f"targets are for {TARGET_THREADS} threads; this run used {threads}"
-        out.append(row)
-    return out
-
-
-def targets_text(targets: list[dict[str, Any]]) -> str:
-    lines = ["targets (fp32 inference, batch 8, 224 px; utilisation = 2 x MACs per second / GEMM rate):"]
-    for t in targets:
-        lines.append(f"  [{t['status']}] {t['model']:<24} {t['detail']}")
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -470,66 +444,101 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
 
 
-def write_csv(results: list[dict[str, Any]], path: Path) -> None:
-    rows = [flat_row(r) for r in results]
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def plot(results: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
-    """``throughput.png`` (img/s against input resolution) and ``memory.png`` (peak - baseline against tokens)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``throughput.png`` (img/s against input resolution) and ``memory.png`` (peak - baseline against tokens),
+    a panel per (mode, dtype), a line per model and batch."""
     ok = [r for r in results if r["status"] == "ok"]
     groups = sorted({(r["mode"], r["dtype"]) for r in ok}, key=lambda g: (MODES.index(g[0]), DTYPES.index(g[1])))
     groups = groups or [("infer", "fp32")]
-    paths = []
-    specs = (
-        ("throughput.png", "img_size", "input resolution (px)", lambda r: r["throughput"], "images / s"),
-        (
-            "memory.png",
-            "tokens",
-            "tokens per image",
-            lambda r: max(r["mem"]["delta"], 1) / MB if r.get("mem") else None,
-            "peak - baseline (MiB)",
-        ),
-    )
-    for fname, xkey, xlabel, yfun, ylabel in specs:
-        cols = min(2, len(groups))
-        rows = -(-len(groups) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
-        for ax in axes.flat[len(groups) :]:
-            ax.set_visible(False)
-        for ax, (mode, dtype) in zip(axes.flat, groups):
-            lines: dict[str, list[tuple[float, float]]] = {}
-            for r in ok:
-                if (r["mode"], r["dtype"]) != (mode, dtype) or r.get(xkey) is None or yfun(r) is None:
-                    continue
-                label = f"{r['model']} B={r['batch']}" + (" compiled" if r["compile"] else "")
-                lines.setdefault(label, []).append((r[xkey], yfun(r)))
-            for label, pts in sorted(lines.items()):
-                pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=label)
-            ax.set_title(f"{mode}, {dtype}")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.set_yscale("log")
-            ax.grid(True, which="both", alpha=0.3)
-            if lines:
-                ax.legend(fontsize=7)
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        path = out / fname
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+    return [
+        plot_panels(ok, groups, out / "throughput.png", ("img_size", "input resolution (px)"), THROUGHPUT, title),
+        plot_panels(ok, groups, out / "memory.png", ("tokens", "tokens per image"), MEMORY, title),
+    ]
+
+
+# what a figure plots of a result (None: not measured), and its axis label
+THROUGHPUT = (lambda r: r["throughput"], "images / s")
+MEMORY = (lambda r: max(r["mem"]["delta"], 1) / MB if r.get("mem") else None, "peak - baseline (MiB)")
+
+
+def plot_panels(
+    ok: list[dict[str, Any]],
+    groups: list[tuple[str, str]],
+    path: Path,
+    x: tuple[str, str],
+    y: tuple[Callable[[dict[str, Any]], float | None], str],
+    title: str,
+) -> Path:
+    """One figure at ``path``: a panel per (mode, dtype) of ``groups``, ``y`` against the result field ``x``."""
+    (xkey, xlabel), (value, ylabel) = x, y
+    cols = min(2, len(groups))
+    fig, axes = figure_grid(-(-len(groups) // cols), cols, 4.6)
+    for ax in axes.flat[len(groups) :]:
+        ax.set_visible(False)
+    for ax, (mode, dtype) in zip(axes.flat, groups):
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in ok:
+            if (r["mode"], r["dtype"]) != (mode, dtype) or r.get(xkey) is None or value(r) is None:
+                continue
+            label = f"{r['model']} B={r['batch']}" + (" compiled" if r["compile"] else "")
+            lines.setdefault(label, []).append((r[xkey], value(r)))
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=4, label=label)
+        ax.set_title(f"{mode}, {dtype}")
+        log_axes(ax, xlabel, ylabel)
+        if lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
+    """``profile_<case>.txt`` for every profiled case; prints each one's summary by kind of work."""
+    from ..measure.profile import profile_text, with_yardstick
+
+    paths = {}
+    for r in results:
+        prof = (r.get("info") or {}).get("profile") if r["status"] == "ok" else None
+        if not prof:
+            continue
+        passes = 3 if r["mode"] == "train" else 1
+        prof = r["info"]["profile"] = with_yardstick(
+            prof, r.get("gemm_flops_per_s"), passes * r["count"]["model_flops"]
+        )
+        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px" + (
+            "_compiled" if r["compile"] else ""
+        )
+        text = profile_text(name, prof)
+        paths[f"profile {name}"] = write_text(out / f"profile_{name}.txt", text)
+        print("\n" + "\n".join(text.splitlines()[:10]))
     return paths
+
+
+def report_text(results: list[dict[str, Any]], targets: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """The table, the targets' verdicts, and the load the figures were taken under."""
+    text = table(results)
+    if targets:
+        text += "\n\n" + model_targets_text(targets)
+    policy, allocator = info["omp_wait_policy"], info["allocator"]
+    return text + (
+        f"\n\nload average {info['loadavg_start'][0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
+        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}, allocator {allocator}: on a shared "
+        "machine, timings and utilisation move with the load"
+    )
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]], doc: dict[str, Any], text: str) -> None:
+    """bench.json, bench.csv, bench.txt, a profile_*.txt per profiled case, throughput.png and memory.png."""
+    profiles = write_profiles(results, args.out)  # adds each profile's yardstick figures to the results
+    paths = {"json": args.out / "bench.json", "csv": args.out / "bench.csv", "txt": args.out / "bench.txt", **profiles}
+    write_json(paths["json"], doc)
+    write_csv_atomic(paths["csv"], [flat_row(r) for r in results])
+    write_text(paths["txt"], text)
+    info = doc["machine"]
+    pngs = plot(results, args.out, f"vitlab bench, torch {info['torch']}, {args.threads} threads, {info['cpu']}")
+    print_written([*paths.values(), *pngs], doc["elapsed_s"])
 
 
 # --------------------------------------------------------------------------- command line
@@ -564,6 +573,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gemm-rounds", type=int, default=5, help="timed rounds per GEMM shape (default 5)")
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass (faster)")
+    add_run_arguments(p)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Profiling, targets, the case processes' environment, and where the report goes."""
     p.add_argument(
         "--profile",
         action="store_true",
@@ -606,15 +620,11 @@ def resolve(args: argparse.Namespace) -> None:
         raise ValueError("name at least one model (vitlab models lists them) or pass --targets")
     for name in args.models:
         get_config(name)  # ValueError naming the closest known names
-    for opt in ("threads", "repeats", "gemm_rounds"):
-        if getattr(args, opt) < 1:
-            raise ValueError(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(args, opt)}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    require_at_least(args, ("threads", "repeats", "gemm_rounds"))
+    require_at_least(args, ("warmup",), 0)
     if any(b < 1 for b in args.batch):
         raise ValueError(f"--batch sizes must be >= 1, got {args.batch}")
-    if args.img_size and any(s < 1 for s in args.img_size):
-        raise ValueError(f"--img-size must be positive, got {args.img_size}")
+    require_positive_items(args, ("img_size",))
 
 
 def apply_wait_policy(choice: str | None) -> str | None:
@@ -637,88 +647,18 @@ def run(args: argparse.Namespace) -> int:
         f"{info['cpu']}; OMP_WAIT_POLICY={policy or 'unset (libgomp: active)'}; allocator {args.allocator}; "
         f"load {os.getloadavg()[0]:.1f}"
     )
-    load0 = os.getloadavg()
-    t0 = time.perf_counter()
-    results = run_plan(cases, args)
-    elapsed = time.perf_counter() - t0
-    info["loadavg_start"], info["loadavg_end"] = load0, os.getloadavg()
-    targets = evaluate_targets(results, args.threads) if args.targets else []
-    text = table(results)
-    if targets:
-        text += "\n\n" + targets_text(targets)
-    text += (
-        f"\n\nload average {load0[0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
-        f"({info['cpu_count']} CPUs), OMP_WAIT_POLICY={policy or 'unset'}, allocator {args.allocator}: on a shared "
-        "machine, timings and utilisation move with the load"
-    )
+    results, elapsed = timed_sweep(lambda: run_plan(cases, args), info)
+    targets = model_targets(results, args.threads) if args.targets else []
+    text = report_text(results, targets, {**info, "allocator": args.allocator})
     print("\n" + text)
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "models",
-            "batch",
-            "img_size",
-            "dtypes",
-            "modes",
-            "compile",
-            "threads",
-            "repeats",
-            "warmup",
-            "omp_wait_policy",
-            "allocator",
-            "max_time",
-            "gemm_rounds",
-            "targets",
-        )
-    }
-    doc = {
-        "schema": "vitlab.bench-models/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "elapsed_s": elapsed,
-        "machine": info,
-        "config": config,
-        "definitions": {
-            "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
-            "model_flops": "2 x macs",
-            "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
-            "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
-            "probed right after that call in the same process",
-            "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
-            "gemm_flops_per_s": "median of the GEMM probes next to the timed calls",
-            "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes",
-        },
-        "cases": results,
-        "targets": targets,
-    }
-    profiles = write_profiles(results, args.out)  # adds each profile's yardstick figures to the results
-    paths = {"json": args.out / "bench.json", "csv": args.out / "bench.csv", "txt": args.out / "bench.txt", **profiles}
-    paths["json"].write_text(json.dumps(doc, indent=1, default=str))
-    write_csv(results, paths["csv"])
-    paths["txt"].write_text(text + "\n")
-    title = f"vitlab bench, torch {info['torch']}, {args.threads} threads, {info['cpu']}"
-    pngs = plot(results, args.out, title)
-    print(f"wrote {', '.join(str(p) for p in [*paths.values(), *pngs])} ({elapsed:.0f} s)")
+    doc = report_doc(
+        "vitlab.bench-models/1",
+        elapsed,
+        info,
+        options(args, CONFIG),
+        definitions=DEFINITIONS,
+        cases=results,
+        targets=targets,
+    )
+    write_report(args, results, doc, text)
     return 0
-
-
-def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
-    """``profile_<case>.txt`` for every profiled case; prints each one's summary by kind of work."""
-    from ..measure.profile import profile_text, with_yardstick
-
-    paths = {}
-    for r in results:
-        prof = (r.get("info") or {}).get("profile") if r["status"] == "ok" else None
-        if not prof:
-            continue
-        passes = 3 if r["mode"] == "train" else 1
-        prof = r["info"]["profile"] = with_yardstick(
-            prof, r.get("gemm_flops_per_s"), passes * r["count"]["model_flops"]
-        )
-        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px" + (
-            "_compiled" if r["compile"] else ""
-        )
-        text = profile_text(name, prof)
-        paths[f"profile {name}"] = out / f"profile_{name}.txt"
-        paths[f"profile {name}"].write_text(text + "\n")
-        print("\n" + "\n".join(text.splitlines()[:10]))
-    return paths

@@ -12,16 +12,15 @@ timed steps over ``--rounds`` interleaved runs: other processes only add time) a
 after a warm-up step of a tiny model (so: weights, gradients, optimizer state and activations; the paper's
 GB/GPU counts the same things).
 
-Ratios are taken against the Transformer of the same run and T, measured side by side. Targets (issue):
-AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step (paper: 12.8 / 30.4 GB =
-0.42x, 1.67 / 1.36 it/s = 1.23x).
+Ratios are taken against the Transformer of the same run and T, measured side by side. Targets
+(:mod:`vitlab.lm.targets`): AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step
+(paper: 12.8 / 30.4 GB = 0.42x, 1.67 / 1.36 it/s = 1.23x).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -30,8 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
+from ..measure.sweep import (
+    options,
+    require_at_least,
+    require_positive_items,
+    run_sweep,
+    with_wall_time,
+    write_json,
+    write_text,
+)
+from .targets import PAPER, TARGET_T, judge, verdict_lines
 
-CASE_TARGET = "vitlab.lm.bench:prepare_case"
 # benchmark model -> (named config, extra mixer options)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "aft_local": ("aft_local_256_cifar", {}),
@@ -41,11 +49,6 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "transformer_flash": ("transformer_cifar", {"attn_drop": 0.0}),
 }
 BASELINE = "transformer"
-PAPER = {
-    "aft_local": {"mem": 12.8 / 30.4, "speed": 1.67 / 1.36},
-    "aft_simple": {"mem": 9.5 / 30.4, "speed": 2.15 / 1.36},
-}
-TARGET_T, TARGET_MEM, TARGET_SPEED = 3072, 0.6, 1.0
 
 
 def prepare_case(
@@ -118,33 +121,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: L=1, d=64, T = 256 and 512")
 
 
-def run_cases(args: argparse.Namespace, log=print) -> list[dict[str, Any]]:
+def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every model at every T, ``args.rounds`` times, each in a fresh process, one progress line each."""
     models = list(dict.fromkeys([*args.models, *(["transformer_flash"] if args.flash else [])]))
     if BASELINE not in models:
         models.append(BASELINE)
-    results = []
     # side by side: for each T, every model once per round
-    cases = [(t, k, m) for t in args.tokens for k in range(args.rounds) for m in models]
+    cases = [
+        {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch, "round": k}
+        for t in args.tokens
+        for k in range(args.rounds)
+        for m in models
+    ]
     with CaseRunner("forkserver", args.timeout, (*PRELOAD, __name__)) as runner:
-        for i, (t, k, m) in enumerate(cases, 1):
-            params = {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch}
-            spec = CaseSpec(CASE_TARGET, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
-            log(f"[{i}/{len(cases)}] {m:<20} T={t:<5} L={args.layers} d={args.dim} B={args.batch} : ", end="")
-            t0 = time.perf_counter()
-            r = {
-                **params,
-                "round": k,
-                "loadavg_1m": os.getloadavg()[0],
-                **runner.run(spec),
-                "wall_s": time.perf_counter() - t0,
-            }
-            if r["status"] == "ok":
-                r["mem_mb"] = (r["mem"]["peak"] - (r["info"]["rss_before_model"] or r["mem"]["import"])) / MB
-                log(f"{r['time_s']['median']:.2f} s/step (best {r['time_s']['min']:.2f}), {r['mem_mb']:.0f} MB")
-            else:
-                log(f"{r['status']}: {r.get('reason')}")
-            results.append(r)
-    return results
+        return run_sweep(
+            cases,
+            lambda c: measure_case(runner, c, args),
+            lambda c: f"{c['model']:<20} T={c['T']:<5} L={c['layers']} d={c['dim']} B={c['batch']}",
+            describe,
+        )
+
+
+def measure_case(runner: CaseRunner, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One training step's time and memory: peak RSS - RSS before the model was built (``mem_mb``)."""
+    params = {k: v for k, v in case.items() if k != "round"}
+    spec = CaseSpec(prepare_case, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
+    r = {**case, "loadavg_1m": os.getloadavg()[0], **with_wall_time(lambda: runner.run(spec))}
+    if r["status"] == "ok":
+        r["mem_mb"] = (r["mem"]["peak"] - (r["info"]["rss_before_model"] or r["mem"]["import"])) / MB
+    return r
+
+
+def describe(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return f"{r['status']}: {r.get('reason')}"
+    return f"{r['time_s']['median']:.2f} s/step (best {r['time_s']['min']:.2f}), {r['mem_mb']:.0f} MB"
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,44 +204,6 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def targets(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The issue's targets for each AFT-local variant measured at T = 3072 (vs the SDPA Transformer)."""
-    out = {}
-    for r in rows:
-        if r["model"].startswith("aft_local") and r["T"] == TARGET_T:
-            out[r["model"]] = {
-                "mem_ratio": r["mem_ratio"],
-                "mem_target": TARGET_MEM,
-                "mem_met": r["mem_ratio"] <= TARGET_MEM,
-                "speed_ratio": r["speed_ratio"],
-                "speed_met": r["speed_ratio"] > TARGET_SPEED,
-            }
-    return out
-
-
-def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
-    if not verdict:
-        return [f"Targets not checked: no AFT-local and Transformer pair at T = {TARGET_T}."]
-    lines = []
-    for model, v in verdict.items():
-        lines.append(
-            f"Target at T={TARGET_T}, {model}: memory {v['mem_ratio']:.2f}x the Transformer's (<= {TARGET_MEM}x: "
-            f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
-            f"{'met' if v['speed_met'] else 'NOT met'})."
-        )
-    flash = next((r for r in rows if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
-    if flash:
-        for model in verdict:
-            mine = next(r for r in rows if r["model"] == model and r["T"] == TARGET_T)
-            lines.append(
-                f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
-                f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x."
-            )
-    p = PAPER["aft_local"]
-    lines.append(f"Paper (8 x V100, batch 32): {p['mem']:.2f}x memory, {p['speed']:.2f}x speed.")
-    return lines
-
-
 def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
     lines = [
         f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T; "
@@ -250,18 +223,20 @@ def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def resolve(args: argparse.Namespace) -> None:
+    """``--quick``'s settings; every size must be positive."""
     if args.quick:
         args.layers, args.dim, args.tokens, args.repeats = 1, 64, [256, 512], 1
-    for name in ("layers", "dim", "batch", "repeats", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if any(t < 1 for t in args.tokens):
-        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+    require_at_least(args, ("layers", "dim", "batch", "repeats", "rounds"))
+    require_positive_items(args, ("tokens",))
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
     start = time.time()
-    results = run_cases(args, log=lambda s, end="\n": print(s, end=end, flush=True))
+    results = run_cases(args)
     rows = ratios(summarise(results))
-    verdict = targets(rows)
+    verdict = judge(rows)
     md = table(rows, args.layers, args.dim, args.batch)
     md += "\n\n" + "\n".join(verdict_lines(verdict, rows))
     print()
@@ -269,16 +244,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "settings": {
-            k: getattr(args, k) for k in ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")
-        },
+        "settings": options(args, ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
         "seconds": time.time() - start,
         "results": results,
         "ratios": rows,
         "targets": verdict,
     }
-    (out / "lm_bench.json").write_text(json.dumps(report, indent=2))
-    (out / "lm_bench.md").write_text(md + "\n")
+    write_json(out / "lm_bench.json", report, indent=2)
+    write_text(out / "lm_bench.md", md)
     print(f"\nwrote {out / 'lm_bench.json'} and {out / 'lm_bench.md'}")
     return 0 if all(r["status"] == "ok" for r in results) else 1

@@ -86,11 +86,3 @@ def measure_gemm(
         "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], rounds=rounds, round_time=round_time) for s in shapes
     }
     return GemmRate(max(by_shape.values()), dtype, torch.get_num_threads(), by_shape, time.perf_counter() - t0)
-
-
-def gemm_case(dtype: str = "fp32", rounds: int = 5, round_time: float = 0.05):
-    """A :mod:`vitlab.measure.process` case: measures the GEMM rate in a fresh process (the rate is in ``info``)."""
-    from .process import Prepared
-
-    rate = measure_gemm(dtype, rounds=rounds, round_time=round_time)
-    return Prepared(lambda: None, {"gemm": rate.as_dict()})

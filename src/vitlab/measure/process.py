@@ -4,7 +4,8 @@
   and summarises the wall times robustly (median and inter-quartile range).
 * :class:`CaseRunner` (or :func:`run_case`) runs a benchmark case in **fresh
   processes**, so its peak resident memory is its own (no allocator caches or
-  earlier peaks of other cases). A case is named by ``"package.module:function"``;
+  earlier peaks of other cases). A case is its setup function (module-level, so
+  that the fresh process can import it; or its path ``"package.module:function"``);
   the function receives the case's parameters, does the setup (builds the model,
   allocates the inputs) and returns the callable to measure (or a
   :class:`Prepared`). Two passes, each in its own process:
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -49,7 +50,7 @@ MB = 1024 * 1024
 GB = 1024 * MB
 
 
-# --------------------------------------------------------------------------- shared by the benchmark tools
+# --------------------------------------------------------------------------- the case process
 
 
 def warm_process() -> None:
@@ -66,67 +67,6 @@ def warm_process() -> None:
     y = lin(x).exp()
     y.backward(torch.ones_like(y))  # the same call as a train case makes
     (torch.ones(256, 256) @ torch.ones(256, 256)).sum().item()
-
-
-def machine_info(threads: int | None = None) -> dict[str, Any]:
-    """What the figures were measured on: versions, CPU model, cores (and those this process may use), memory."""
-    import platform
-
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem_total = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem_total = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemTotal"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "threads": threads,
-        "mem_total_bytes": mem_total,
-    }
-
-
-def fmt_time(s: float) -> str:
-    return f"{s:.3g} s" if s >= 0.9995 else f"{_three_digits(s * 1e3)} ms"
-
-
-def fmt_mem(b: float) -> str:
-    return f"{b / GB:.2f} GB" if b >= 999.5 * MB else f"{_three_digits(b / MB)} MB"
-
-
-def _three_digits(x: float) -> str:
-    """3 significant digits without exponent notation (x < 1000)."""
-    return f"{x:.0f}" if x >= 99.95 else f"{x:.3g}"
-
-
-def csv_list(kind: type, choices: Iterable[str] | None = None) -> Callable[[str], list]:
-    """An argparse type: a comma-separated list of ``kind``, each one of ``choices`` when given."""
-
-    def parse(text: str) -> list:
-        items = [kind(x) for x in text.split(",") if x.strip()]
-        if choices is not None:
-            bad = [x for x in items if x not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {', '.join(map(str, bad))}; choose from {', '.join(choices)}"
-                )
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        return items
-
-    return parse
 
 
 # --------------------------------------------------------------------------- memory of this process

@@ -1,0 +1,56 @@
+"""The targets of ``vitlab lm bench`` and the paper's figures they are read against.
+
+AFT-local must need at most 0.6x the memory of the Transformer baseline of the same run at T = 3072 and
+take less time per training step. The paper (Table 2, CIFAR-10, 8 x V100, batch 32) reports 12.8 / 30.4 GB
+= 0.42x the memory and 1.67 / 1.36 it/s = 1.23x the speed for AFT-local, 9.5 / 30.4 GB and 2.15 / 1.36 it/s
+for AFT-simple.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the paper's ratios against its Transformer: memory, and speed (iterations per second)
+PAPER = {
+    "aft_local": {"mem": 12.8 / 30.4, "speed": 1.67 / 1.36},
+    "aft_simple": {"mem": 9.5 / 30.4, "speed": 2.15 / 1.36},
+}
+TARGET_T, TARGET_MEM, TARGET_SPEED = 3072, 0.6, 1.0
+
+
+def judge(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The verdict for each AFT-local variant measured at T = 3072 (against the SDPA Transformer)."""
+    out = {}
+    for r in rows:
+        if r["model"].startswith("aft_local") and r["T"] == TARGET_T:
+            out[r["model"]] = {
+                "mem_ratio": r["mem_ratio"],
+                "mem_target": TARGET_MEM,
+                "mem_met": r["mem_ratio"] <= TARGET_MEM,
+                "speed_ratio": r["speed_ratio"],
+                "speed_met": r["speed_ratio"] > TARGET_SPEED,
+            }
+    return out
+
+
+def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    if not verdict:
+        return [f"Targets not checked: no AFT-local and Transformer pair at T = {TARGET_T}."]
+    lines = []
+    for model, v in verdict.items():
+        lines.append(
+            f"Target at T={TARGET_T}, {model}: memory {v['mem_ratio']:.2f}x the Transformer's (<= {TARGET_MEM}x: "
+            f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
+            f"{'met' if v['speed_met'] else 'NOT met'})."
+        )
+    flash = next((r for r in rows if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
+    if flash:
+        for model in verdict:
+            mine = next(r for r in rows if r["model"] == model and r["T"] == TARGET_T)
+            lines.append(
+                f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
+                f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x."
+            )
+    p = PAPER["aft_local"]
+    lines.append(f"Paper (8 x V100, batch 32): {p['mem']:.2f}x memory, {p['speed']:.2f}x speed.")
+    return lines
