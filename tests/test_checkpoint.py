@@ -102,3 +102,66 @@ def test_plain_weights_errors(tmp_path):
         load_model("deit_mimi")
     with pytest.raises(ValueError, match="--ema needs a checkpoint"):
         load_model("deit_mini", ema=True)
+
+
+# ------------------------------------------------------------------------------------------ checksum, NaN weights
+def test_checksum_written_and_verified(run_dir, tmp_path):
+    folder, model, _ = run_dir
+    ckpt = load_checkpoint(folder)
+    assert ckpt["version"] == 2 and ckpt["checksum"]["algo"] == "crc32"
+    assert len(ckpt["checksum"]["tensors"]) == 2 * len(model.state_dict())  # model and EMA weights
+    # the same contents saved again carry the same checksum; a changed tensor or value another one
+    raw = torch.load(folder / "last.pt", weights_only=True)
+    for key, value, same in (("epoch", 3, True), ("epoch", 4, False)):
+        save_checkpoint({**raw, key: value}, tmp_path / "again.pt")
+        again = load_checkpoint(tmp_path / "again.pt")["checksum"]
+        assert (again == ckpt["checksum"]) is same
+    # a file whose contents changed after saving: one line naming the first tensor that differs
+    bias = raw["model"]["head.bias"]
+    raw["model"]["head.bias"] = bias + 1
+    torch.save(raw, tmp_path / "edited.pt")
+    for load in (load_checkpoint, load_model):
+        with pytest.raises(
+            ValueError, match=r"edited\.pt is corrupt: tensor model/head\.bias differs from the checksum"
+        ):
+            load(tmp_path / "edited.pt")
+    raw["model"]["head.bias"] = bias
+    raw["epoch"] = 9
+    torch.save(raw, tmp_path / "epoch.pt")
+    with pytest.raises(ValueError, match=r"is corrupt: its recorded values .* differ"):
+        load_checkpoint(tmp_path / "epoch.pt")
+    del raw["checksum"]
+    torch.save(raw, tmp_path / "dropped.pt")
+    with pytest.raises(ValueError, match="is corrupt: its checksum is missing"):
+        load_checkpoint(tmp_path / "dropped.pt")
+
+
+def test_checkpoints_without_checksum_still_load(run_dir, tmp_path):
+    """Version 1 (before checksums) and checkpoints edited by other tools and re-saved without one."""
+    folder, model, _ = run_dir
+    raw = torch.load(folder / "last.pt", weights_only=True)
+    del raw["checksum"]
+    raw["version"] = 1
+    torch.save(raw, tmp_path / "v1.pt")
+    same_function(load_model(tmp_path / "v1.pt"), model)
+
+
+def test_non_finite_weights_warn_with_their_names(tmp_path):
+    from vitlab.convert.safeload import NonFiniteWeightsWarning
+
+    model = trained()
+    state = model.state_dict()
+    state["head.weight"][0, 0] = float("nan")
+    state["pos_embed"][0, 0, 0] = float("inf")
+    save_checkpoint({"model_name": "deit_mini", "model_kwargs": KWARGS, "model": state}, tmp_path / "nan.pt")
+    with pytest.warns(
+        NonFiniteWeightsWarning,
+        match=r"nan\.pt holds non-finite values \(NaN or inf\) in .*model/pos_embed.*model/head\.weight",
+    ):
+        load_model(tmp_path / "nan.pt")
+    path = save_weights(state, tmp_path / "nan.safetensors")
+    kwargs = {k: v for k, v in KWARGS.items() if k != "num_classes"}
+    with pytest.warns(
+        NonFiniteWeightsWarning, match=r"nan\.safetensors holds non-finite values .* in head\.weight, pos_embed"
+    ):
+        load_model("deit_mini", path, **kwargs)

@@ -131,6 +131,37 @@ def test_cifar10_missing(tmp_path):
         load_dataset("cifar10")
 
 
+def test_dataset_paths_that_are_files_or_missing(tmp_path):
+    (tmp_path / "data_batch_1").write_bytes(b"x")
+    for spec in (f"cifar10:{tmp_path / 'data_batch_1'}", f"mnist-idx:{tmp_path / 'data_batch_1'}"):
+        with pytest.raises(ValueError, match=r"data_batch_1 is a file; expected the folder holding"):
+            load_dataset(spec, "test")
+    with pytest.raises(
+        ValueError, match=r"is a file; expected the folder holding data_batch_1\.\.5 .*cifar-10-batches-py"
+    ):
+        cifar10(tmp_path / "data_batch_1")
+    # a missing folder is named as missing, before any question about the image size
+    with pytest.raises(FileNotFoundError, match=r"image folder .*nonexistent does not exist"):
+        load_dataset(f"folder:{tmp_path / 'nonexistent'}")
+
+
+def test_damaged_batches_and_idx_headers_are_one_line(tmp_path):
+    rng = np.random.default_rng(0)
+    batch = tmp_path / "test_batch"
+    for content in (rng.bytes(100_000), b"\x80\x02Nr\xff\xff\xff\x7f.", gzip.compress(b"a tarball")):
+        batch.write_bytes(content)  # random bytes; a memo index near 2**31 (no 16 GB table); a compressed download
+        with pytest.raises(
+            ValueError, match=r"test_batch (is truncated or corrupt|has no 'data'|is gzip-compressed)"
+        ) as e:
+            read_cifar_batch(batch)
+        assert "\n" not in str(e.value)
+    idx = tmp_path / "idx"
+    for header in (bytes([0, 0, 8, 4]) + b"\xff" * 16, bytes([0, 0, 8, 255]) + b"\x00" * 8, bytes([0, 0, 8])):
+        idx.write_bytes(header)  # dimensions multiplying past 2**64; a truncated header; no dimension count
+        with pytest.raises(ValueError, match="idx"):
+            read_idx(idx)
+
+
 def test_cifar10_truncated_prefix(data_dir, tmp_path):
     prefix = data_dir / "cifar10" / "original-prefixes" / "data_batch_1.prefix"
     with pytest.raises(ValueError, match=r"truncated or corrupt .*download a complete cifar-10-batches-py"):
@@ -270,6 +301,14 @@ def test_image_folder_splits_and_errors(tmp_path):
 
     with pytest.raises(ValueError, match="need img_size"):
         load_dataset(f"folder:{tmp_path / 'flat'}")
+    with pytest.raises(ValueError, match=r"holdout must be a count of images in 0\.\.19 or a fraction in \[0, 1\)"):
+        load_dataset(f"folder:{tmp_path / 'flat'}", "train", img_size=8, holdout=-5)
+    with pytest.raises(ValueError, match=r"holdout must be .* got 1\.5"):
+        load_dataset(f"folder:{tmp_path / 'flat'}", "train", img_size=8, holdout=1.5)
+    _write_tree(tmp_path / "one", {"cats": (1, 2, 3)}, sizes=[(12, 12)] * 3)
+    with pytest.raises(ValueError, match=r"single class subfolder \(cats\): a classifier needs at least two classes"):
+        load_dataset(f"folder:{tmp_path / 'one'}", "all", img_size=8)
+    assert len(LazyImageFolder(tmp_path / "one", 8)) == 3  # looking at one class's images (analyze) is fine
     with pytest.raises(FileNotFoundError, match="does not exist"):
         image_folder(tmp_path / "missing", 8)
     (tmp_path / "empty" / "a").mkdir(parents=True)

@@ -344,6 +344,11 @@ def test_byte_data_split_and_windows(tmp_path):
     assert s.shape == (5, 30) and ((s[:, 1:].long() - s[:, :-1].long()) % 200 == 1).all()  # contiguous windows
     with pytest.raises(ValueError, match="seq-len"):
         ByteData(path, seq_len=200, holdout=0.1)
+    with pytest.raises(ValueError, match=r"holdout must be a fraction in \(0, 1\) or a byte count .* got -5"):
+        ByteData(path, seq_len=30, holdout=-5)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.txt is empty: byte data needs a file"):
+        ByteData(tmp_path / "empty.txt", seq_len=30)
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason="CIFAR-10 sample batches not found")

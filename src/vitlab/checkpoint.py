@@ -1,7 +1,7 @@
 """Training checkpoints: written atomically, read without executing code, tied to the model they hold.
 
 A checkpoint is a dict of tensors and plain Python values (``torch.load(weights_only=True)`` reads it, so a
-file from elsewhere can never run code). It records the model's registered name and the constructor
+file from elsewhere can never run code), with a checksum of its contents that every read verifies. It records the model's registered name and the constructor
 overrides it was built with, so :func:`model_from_checkpoint` rebuilds the same model and loading it into
 another model is a clear error, not a wall of missing-key messages.
 
@@ -10,14 +10,12 @@ or from any other weights file (safetensors, an official or timm checkpoint) thr
 
 Layout (``format: "vitlab-checkpoint"``): ``model_name``, ``model_kwargs``, ``model`` (state_dict), and for
 resuming ``optimizer``, ``scheduler``, ``ema``, ``scaler``, ``epoch`` (completed epochs), ``step``, ``rng``
-(per-rank torch RNG states), ``config`` (the training options) and ``metrics`` (the last epoch's).
+(per-rank torch RNG states), ``config`` (the training options) and ``metrics`` (the last epoch's); since
+version 2 ``checksum`` (crc32s of every tensor and of the plain values).
 """
 
 from __future__ import annotations
 
-import pickle
-import warnings
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,54 +24,37 @@ import torch
 from torch import Tensor, nn
 
 from .convert.load import load_reference, read_checkpoint
+from .convert.safeload import FORMAT, VERSION, load_file, state_checksum
 from .io import atomic_open
 from .models import create_model, get_config, list_models
-
-FORMAT = "vitlab-checkpoint"
-VERSION = 1
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """Write ``state`` to ``path`` atomically (:func:`vitlab.io.atomic_open`): a reader, or a run killed
-    mid-write, sees the old complete file or the new complete file, never half."""
+    mid-write, sees the old complete file or the new complete file, never half. The file carries a checksum
+    of its contents (:func:`vitlab.convert.safeload.state_checksum`), verified whenever it is read."""
+    full = {"format": FORMAT, "version": VERSION, **state}
+    full["checksum"] = state_checksum(full)
     with atomic_open(path, "wb") as f:
-        torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+        torch.save(full, f)
     return Path(path)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a vitlab checkpoint with ``weights_only=True``; clear errors for missing, corrupt or foreign files."""
+    """Read a vitlab checkpoint without running code (:func:`vitlab.convert.safeload.load_file`: format
+    check, ``weights_only=True``, checksum); one clear line for missing, corrupt or foreign files."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "last.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found; pass a .pt file written by `vitlab train`")
-    try:
-        with warnings.catch_warnings():  # a foreign pickle's protocol warning would only precede the error line
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as e:
-        detail = next(
-            (ln.strip() for ln in str(e).splitlines() if ln.strip().startswith(("Unsupported", "Trying"))), ""
-        )
-        if "global" in detail.lower():  # Python objects beyond tensors and plain values: loading could run code
-            raise ValueError(
-                f"checkpoint {path} holds Python objects that are not tensors or plain values ({detail[:160]}); "
-                "vitlab never unpickles those (loading could run code): pass a checkpoint written by `vitlab train`"
-            ) from None
-        raise ValueError(
-            f"checkpoint {path} is truncated, corrupt or not a PyTorch file ({detail[:80] or 'unreadable'}); "
-            "re-create it or pass another file"
-        ) from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError, AttributeError) as e:
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"checkpoint {path} is truncated or corrupt ({reason}); re-create it or pass another file"
-        ) from None
+    ckpt = load_file(path, map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model_name" not in ckpt:
         raise ValueError(
             f"{path} is not a vitlab checkpoint (no model name recorded); pass a file written by `vitlab train`"
         )
+    if not isinstance(ckpt.get("model"), dict):
+        raise ValueError(f"checkpoint {path} holds no model weights; pass a file written by `vitlab train`")
     ckpt["path"] = str(path)
     return ckpt
 

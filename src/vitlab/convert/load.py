@@ -1,19 +1,17 @@
 """Read checkpoints safely, convert them to vitlab names and load them strictly, with a report.
 
-Loading never runs code from a file: ``.safetensors`` files hold raw tensors, and
-everything else goes through ``torch.load(weights_only=True)`` (tensors, containers
-and plain values only; ``argparse.Namespace`` is also allowed because timm and
-DeiT training checkpoints store their arguments in one). A file holding any other
-Python object is refused with a ValueError before anything from it runs.
+Loading never runs code from a file (:mod:`vitlab.convert.safeload`): ``.safetensors`` files hold raw
+tensors, and PyTorch files go through ``torch.load(weights_only=True)`` (tensors, containers and plain
+values only; ``argparse.Namespace`` is also allowed because timm and DeiT training checkpoints store their
+arguments in one). A file holding any other Python object is refused with a ValueError before anything
+from it runs; so is every damaged file, in one line.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import pickle
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -26,59 +24,25 @@ from torch import Tensor, nn
 
 from ..layers import resample_pos_embed
 from .keymaps import SOURCES, check_source, compact_keys, convert_state
+from .safeload import load_file
 
 PathOrState = str | os.PathLike | Mapping[str, Any]
 
 #: where training scripts nest the weights, in the order they are looked for
 NESTED_KEYS = ("model", "state_dict", "model_state", "state_dict_ema", "model_ema", "ema")
-SAFETENSORS_SUFFIX = ".safetensors"
 
 
 # ------------------------------------------------------------------------------------------- reading
-def _is_safetensors(path: Path) -> bool:
-    if path.suffix == SAFETENSORS_SUFFIX:
-        return True
-    with open(path, "rb") as f:  # 8-byte little-endian header length, then a JSON header
-        head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") < path.stat().st_size
-
-
 def read_checkpoint(path: str | os.PathLike, nested_key: str | None = None) -> dict[str, Tensor]:
     """The flat ``{name: tensor}`` state_dict inside a checkpoint file.
 
-    ``.safetensors`` files are read with safetensors; other files with
-    ``torch.load(weights_only=True)``. A dict nesting the weights under one of
-    ``NESTED_KEYS`` ("model", "state_dict", "state_dict_ema", ...) is unwrapped
-    (``nested_key`` picks one explicitly), and DataParallel's ``module.`` prefix is stripped.
+    The format is told by the file's first bytes (:func:`vitlab.convert.safeload.load_file`): safetensors
+    files are read with safetensors, PyTorch files with ``torch.load(weights_only=True)``; anything else,
+    or a damaged file, is one ValueError line. A dict nesting the weights under one of ``NESTED_KEYS``
+    ("model", "state_dict", "state_dict_ema", ...) is unwrapped (``nested_key`` picks one explicitly), and
+    DataParallel's ``module.`` prefix is stripped.
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory, expected a checkpoint file")
-    if _is_safetensors(path):
-        from safetensors.torch import load_file
-
-        try:
-            obj: Any = load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise ValueError(f"cannot read {path} as safetensors: {e}") from None
-    else:
-        try:
-            with torch.serialization.safe_globals([argparse.Namespace]):
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            m = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(e))
-            why = m[1].strip() if m else str(e).strip().splitlines()[0]
-            if "global" not in why.lower():  # not a pickle of tensors at all (corrupt, another format)
-                raise ValueError(f"cannot read {path} as a PyTorch checkpoint ({why})") from None
-            raise ValueError(
-                f"refusing to load {path}: it holds Python objects other than tensors, which could run code "
-                f"({why.split('. Please')[0]}). Re-save only its state_dict where you trust the file, or use safetensors"
-            ) from None
-        except (RuntimeError, EOFError, OSError) as e:
-            raise ValueError(f"cannot read {path} as a PyTorch checkpoint: {e}") from None
-    return unwrap_state(obj, nested_key, where=str(path))
+    return unwrap_state(load_file(path), nested_key, where=str(path))
 
 
 def unwrap_state(obj: Any, nested_key: str | None = None, where: str = "checkpoint") -> dict[str, Tensor]:

@@ -104,8 +104,11 @@ def stratified_holdout(labels: Tensor, holdout: int | float, seed: int) -> tuple
     """
     n = len(labels)
     k = round(holdout * n) if isinstance(holdout, float) else int(holdout)
-    if not 0 <= k < n:
-        raise ValueError(f"holdout must leave some training data: got {holdout} of {n} images")
+    if not 0 <= k < n or (isinstance(holdout, float) and not 0 <= holdout < 1):
+        raise ValueError(
+            f"holdout must be a count of images in 0..{n - 1} or a fraction in [0, 1) that leaves some of the "
+            f"{n} images for training, got {holdout}"
+        )
     counts = torch.bincount(labels)
     share = counts.double() * k / n
     quota = share.floor().long()
@@ -155,10 +158,18 @@ def mnist_embedded(split: str = "train", holdout: int | float = 1000, seed: int 
     return _split_part(full, split, holdout, seed)
 
 
-def _cifar_dir(root: Path) -> Path:
+def _data_dir(root: str | Path, what: str, holding: str, fix: str) -> Path:
+    """``root`` as an existing folder, or one line saying it is missing or a file (``holding``: what it should hold)."""
     root = Path(root).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(f"CIFAR-10 folder {root} does not exist; {CIFAR_FIX}")
+    if root.is_dir():
+        return root
+    if root.exists():
+        raise ValueError(f"{what} path {root} is a file; expected the folder holding {holding}; {fix}")
+    raise FileNotFoundError(f"{what} folder {root} does not exist; {fix}")
+
+
+def _cifar_dir(root: str | Path) -> Path:
+    root = _data_dir(root, "CIFAR-10", "data_batch_1..5 and test_batch (cifar-10-batches-py)", CIFAR_FIX)
     nested = root / "cifar-10-batches-py"
     return nested if nested.is_dir() and not (root / "test_batch").exists() else root
 
@@ -207,9 +218,7 @@ def mnist_idx(root: str | Path, split: str = "test", num_classes: int = 10) -> I
     ``root`` may also be a folder holding ``raw/`` or ``MNIST/raw/`` with those files.
     """
     _check_split(split)
-    root = Path(root).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(f"MNIST folder {root} does not exist; {MNIST_FIX}")
+    root = _data_dir(root, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
     folder = next((d for d in (root, root / "raw", root / "MNIST" / "raw") if any(d.glob("*-ubyte*"))), root)
     prefixes = {"train": ["train"], "test": ["t10k"], "all": ["train", "t10k"]}[split]
     images, labels, files = [], [], []
@@ -243,9 +252,11 @@ def mnist_idx(root: str | Path, split: str = "test", num_classes: int = 10) -> I
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
+FOLDER_FIX = "point to a folder laid out root/<class>/<image>"
+
+
 def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder {root} does not exist; point to a folder laid out root/<class>/<image>")
+    root = _data_dir(root, "image", "one subfolder of images per class", FOLDER_FIX)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     items = [
         (f, c)
@@ -295,6 +306,11 @@ def image_folder(root: str | Path, img_size: int, channels: int = 3) -> ImageDat
     _check_channels(channels)
     root = Path(root).expanduser()
     classes, items = _scan_folder(root)
+    if len(classes) < 2:  # every label the same: training would reach loss 0 and learn nothing
+        raise ValueError(
+            f"image folder {root} has a single class subfolder ({classes[0]}): a classifier needs at least two "
+            "classes, one subfolder each (root/<class>/<image>)"
+        )
     images = torch.stack([load_image(f, img_size, channels) for f, _ in items])
     labels = torch.tensor([c for _, c in items], dtype=torch.long)
     mean, std = _folder_stats(channels)
@@ -371,6 +387,7 @@ def load_dataset(
     if kind in ("mnist-idx", "mnist"):
         return mnist_idx(path, split)
     if kind == "folder":
+        _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)  # before asking for a size
         if img_size is None:
             raise ValueError("folder datasets need img_size (images are resized to img_size x img_size)")
         holdout = 0.1 if holdout is None else holdout

@@ -7,6 +7,8 @@ and what to do; nothing from a data file is ever executed.
 from __future__ import annotations
 
 import gzip
+import io
+import math
 import pickle
 import zlib
 from pathlib import Path
@@ -39,7 +41,10 @@ _ALLOWED_GLOBALS = {
 }
 
 
-class _ArrayOnlyUnpickler(pickle.Unpickler):
+class _ArrayOnlyUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler: its memo is a dict, so a damaged file's huge memo index costs nothing (the C
+    unpickler would allocate, and zero, a table that large), and it reads only what the file holds."""
+
     def find_class(self, module: str, name: str):
         factory = _ALLOWED_GLOBALS.get((module, name))
         if factory is None:
@@ -47,24 +52,38 @@ class _ArrayOnlyUnpickler(pickle.Unpickler):
         return factory()
 
 
+def _detail(e: BaseException) -> str:
+    text = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+    return f"{type(e).__name__}: {text[:120]}" if text else type(e).__name__
+
+
 def load_array_pickle(path: Path, what: str, fix: str) -> object:
     """Unpickle ``path`` allowing only plain containers and numpy arrays (protocol 2, bytes keys).
 
-    ``what`` names the file in error messages (e.g. "CIFAR-10 batch"), ``fix`` says what to do.
+    ``what`` names the file in error messages (e.g. "CIFAR-10 batch"), ``fix`` says what to do. Every failure
+    is one ``FileNotFoundError``/``ValueError`` line.
     """
     if not path.is_file():
+        if path.exists():
+            raise ValueError(f"{what} {path} is not a regular file; {fix}")
         raise FileNotFoundError(f"{what} {path} does not exist; {fix}")
     try:
-        with open(path, "rb") as f:
-            return _ArrayOnlyUnpickler(f, encoding="bytes").load()
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path} ({e.strerror or e}); {fix}") from None
+    if raw[:2] == b"\x1f\x8b":
+        raise ValueError(f"{what} {path} is gzip-compressed, not a batch: extract the downloaded archive; {fix}")
+    try:
+        return _ArrayOnlyUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except pickle.UnpicklingError as e:
         if "refusing" in str(e):
             raise ValueError(
-                f"{what} {path} is not a plain data pickle ({e}): it may try to run code and was not loaded; {fix}"
+                f"{what} {path} is not a plain data pickle ({e}): the file asks to run code and vitlab will not "
+                f"load it; {fix}"
             ) from None
-        raise ValueError(f"{what} {path} is truncated or corrupt ({e}); {fix}") from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as e:
-        raise ValueError(f"{what} {path} is truncated or corrupt ({type(e).__name__}: {e}); {fix}") from None
+        raise ValueError(f"{what} {path} is truncated or corrupt ({_detail(e)}); {fix}") from None
+    except Exception as e:  # EOFError, struct.error, MemoryError, ...: every one a damaged file
+        raise ValueError(f"{what} {path} is truncated or corrupt ({_detail(e)}); {fix}") from None
 
 
 CIFAR_FIX = "download a complete cifar-10-batches-py folder (python version) from www.cs.toronto.edu/~kriz"
@@ -116,8 +135,8 @@ def read_idx(path: Path, fix: str = MNIST_FIX) -> np.ndarray:
         raise FileNotFoundError(f"idx file {path} does not exist; {fix}")
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"idx file {path} is a truncated or corrupt gzip file ({e}); {fix}") from None
+    except (OSError, EOFError, zlib.error, MemoryError) as e:
+        raise ValueError(f"idx file {path} is a truncated or corrupt gzip file ({_detail(e)}); {fix}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ValueError(f"{path} is not an idx file (bad magic number {raw[:4].hex()}); {fix}")
     ndim, dtype = raw[3], np.dtype(_IDX_DTYPES[raw[2]])
@@ -125,7 +144,7 @@ def read_idx(path: Path, fix: str = MNIST_FIX) -> np.ndarray:
     if len(raw) < header:
         raise ValueError(f"idx file {path} is truncated inside its header; {fix}")
     shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", ndim, 4))
-    expected = header + int(np.prod(shape)) * dtype.itemsize
+    expected = header + math.prod(shape) * dtype.itemsize  # exact: a damaged header cannot overflow
     if len(raw) != expected:
         raise ValueError(
             f"idx file {path} holds {len(raw)} bytes but its header {list(shape)} needs {expected}: it is "

@@ -70,11 +70,16 @@ class ByteData(Splits):
         path = Path(path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"text/byte file {path} not found")
-        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        raw = path.read_bytes()
+        if not raw:  # torch.frombuffer refuses an empty buffer with a message about buffers
+            raise ValueError(f"{path} is empty: byte data needs a file with at least 2 x seq_len={seq_len} bytes")
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         n_hold = int(holdout) if holdout >= 1 else round(len(data) * holdout)
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        if holdout <= 0 or n_hold < seq_len or len(data) - n_hold < seq_len:
+        if holdout <= 0:
+            raise ValueError(f"holdout must be a fraction in (0, 1) or a byte count of at least seq_len, got {holdout}")
+        if n_hold < seq_len or len(data) - n_hold < seq_len:
             raise ValueError(
                 f"{path} has {len(data)} bytes: need at least seq_len={seq_len} bytes for training and "
                 f"{seq_len} held out (holdout={holdout} gives {n_hold}); use a shorter --seq-len or another holdout"
