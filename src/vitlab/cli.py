@@ -12,6 +12,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from .runtime import configure_from_env
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         configure_from_env()  # reuse freed activations instead of page-faulting fresh ones (vitlab.runtime)
+        warnings.formatwarning = one_line_warning
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -71,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings a command raises for its user (non-finite weights, ...) as one line, not file and source."""
+    return f"vitlab: warning: {message}\n"
 
 
 def run_tool(command: str, argv: list[str] | None = None) -> int:
