@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .io import atomic_path, atomic_path_with_companions, check_writable_file
+
 FORMATS = ("torchscript", "onnx", "compile")
 
 
@@ -73,7 +75,8 @@ def to_torchscript(model: nn.Module, example: Tensor, path: str | Path | None = 
     with _quiet(), torch.no_grad():
         traced = torch.jit.trace(model, (example,), check_trace=False)
     if path is not None:
-        traced.save(str(path))
+        with atomic_path(path) as tmp:
+            traced.save(str(tmp))
     return traced
 
 
@@ -95,14 +98,13 @@ def export_onnx(
 
     axes = {0: Dim.AUTO, **({2: Dim.AUTO, 3: Dim.AUTO} if dynamic_size else {})}
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     model = model.eval()
     kw: dict[str, Any] = {"opset_version": opset} if opset else {}
-    with _quiet(), torch.no_grad():
+    with _quiet(), torch.no_grad(), atomic_path_with_companions(path) as tmp:  # ONNX writes NAME.data too
         torch.onnx.export(
             model,
             (example,),
-            str(path),
+            str(tmp),
             dynamo=True,
             input_names=["images"],
             output_names=["logits"],
@@ -202,6 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
 
+    check_writable_file(args.out)  # before the model is built and exported
     overrides = {
         k: v for k, v in (("num_classes", args.num_classes), ("img_size", args.img_size or None)) if v is not None
     }

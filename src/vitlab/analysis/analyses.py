@@ -18,7 +18,6 @@ The numbers are the pure tensor functions of :mod:`.metrics`; the figures come f
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..io import write_json_atomic
 from ..mixers import AFTConv
 from ..mixers.base import TokenLayout
 from . import metrics, plots
@@ -535,14 +535,14 @@ def analyze(
     for a in todo:
         result = a.result()
         json_path, png_path = out_dir / f"{a.name}.json", out_dir / f"{a.name}.png"
-        json_path.write_text(json.dumps(result))
+        write_json_atomic(json_path, result, indent=None)
         a.plot(result, png_path)
         report["analyses"][a.name] = {"json": str(json_path), "png": str(png_path), "summary": a.summary(result)}
         log(f"{a.name:10s} {a.summary(result)}  -> {json_path}, {png_path.name}")
     for name, why in skipped.items():
         report["analyses"][name] = {"skipped": why}
         log(f"{name:10s} skipped: {why}")
-    (out_dir / "summary.json").write_text(json.dumps(report, indent=1))
+    write_json_atomic(out_dir / "summary.json", report)
     return report
 
 

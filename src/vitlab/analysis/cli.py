@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model
+from ..io import check_writable_folder
 from .analyses import ANALYSES, analyze, parse_what
 from .inputs import load_images
 
@@ -63,6 +64,7 @@ def parse_slots(spec: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     what = parse_what(args.what)
     slots = parse_slots(args.slots)
+    check_writable_folder(args.out)  # before the model and the images are loaded
     sizes = (("img_size", args.img_size), ("in_chans", args.in_chans), ("num_classes", args.num_classes))
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..io import write_figure_atomic
+
 
 def _pyplot():
     import matplotlib
@@ -19,8 +21,7 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    path = write_figure_atomic(fig, path, dpi=100, bbox_inches="tight")
     _pyplot().close(fig)
     return path
 

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..io import check_writable_file
 from .keymaps import SOURCES
 
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from .load import detect_source, load_reference, read_checkpoint, save_weights
 
     src = Path(args.checkpoint)
+    out = check_writable_file(args.out if args.out else default_out(src))
     get_config(args.model)  # an unknown name fails before the checkpoint is read
     state = read_checkpoint(src, args.nested_key)
     source = detect_source(state) if args.source == "auto" else check_source(args.source)
@@ -69,7 +71,6 @@ def run(args: argparse.Namespace) -> int:
     model = create_model(args.model, **overrides)
     report = load_reference(model, state, source=source, strict=False)
     report.origin = str(src)
-    out = Path(args.out) if args.out else default_out(src)
     if args.json:
         print(
             json.dumps(

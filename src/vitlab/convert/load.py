@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..io import atomic_path
 from ..layers import resample_pos_embed
 from .keymaps import SOURCES, check_source, compact_keys, convert_state
 from .safeload import load_file
@@ -305,7 +305,7 @@ def load_reference(
 def save_weights(
     model_or_state: nn.Module | Mapping[str, Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write a state_dict as safetensors, atomically (temporary file, fsync, rename).
+    """Write a state_dict as safetensors, atomically (:func:`vitlab.io.atomic_path`).
 
     Tensors are saved contiguous, on the CPU; tensors sharing storage are saved as separate copies.
     """
@@ -321,18 +321,9 @@ def save_weights(
         ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
         out[key] = t.clone() if ptr in seen else t  # safetensors refuses tensors that share memory
         seen.add(ptr)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # same folder: rename is atomic
-    try:
+    with atomic_path(path) as tmp:
         save_file(out, tmp, metadata=dict(metadata or {"format": "pt", "writer": "vitlab"}))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return Path(path)
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from ..io import atomic_open, check_writable_file, write_json_atomic
 
 # CausalLM options settable from the command line (None: the named config's value)
 MODEL_FLAGS = {
@@ -48,6 +49,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--no-augment", dest="augment", action="store_false", help="images: no flip/shift augmentation")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last.pt")
+    p.add_argument("--force", action="store_true", help="start over even if --out holds a run (moved aside)")
     g = p.add_argument_group("model options (override the named config)")
     for name, (kind, text) in MODEL_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
@@ -128,6 +130,8 @@ def _data_for(ckpt: dict, spec: str | None, augment: bool = False):
 def _eval(args: argparse.Namespace) -> int:
     from .train import evaluate, load_lm
 
+    if args.json:
+        check_writable_file(args.json, "--json")
     model, ckpt = load_lm(args.checkpoint)
     data = _data_for(ckpt, args.data)
     unit = "bits/dim" if data.kind == "images" else "bits/char"
@@ -141,7 +145,7 @@ def _eval(args: argparse.Namespace) -> int:
         res[f"{split}_bits"] = evaluate(model, data, split, args.batch_size, args.eval_symbols or None)
         print(f"{split}: {res[f'{split}_bits']:.4f} {unit}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        write_json_atomic(args.json, res, indent=2)
     return 0
 
 
@@ -152,6 +156,8 @@ def _sample(args: argparse.Namespace) -> int:
     from .decode import generate
     from .train import load_lm
 
+    if args.out:
+        check_writable_file(args.out)
     model, ckpt = load_lm(args.checkpoint)
     info = ckpt["data"]
     gen = torch.Generator().manual_seed(args.seed)
@@ -181,7 +187,8 @@ def _sample(args: argparse.Namespace) -> int:
     seq = generate(model, length, prompt, args.num, args.temperature, args.top_k, gen)
     texts = [bytes(row.tolist()) for row in seq.to(torch.uint8)]
     if args.out:
-        Path(args.out).write_bytes(b"\n\n".join(texts) + b"\n")
+        with atomic_open(args.out, "wb") as f:
+            f.write(b"\n\n".join(texts) + b"\n")
         print(f"wrote {args.out}")
     else:
         for i, t in enumerate(texts):
@@ -204,8 +211,8 @@ def save_grid(images, path: Path, scale: int | None = None) -> None:
     arr = grid.permute(1, 2, 0).numpy()
     pil = Image.fromarray(arr[..., 0] if c == 1 else arr, "L" if c == 1 else "RGB")
     pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pil.save(path)
+    with atomic_open(path, "wb") as f:
+        pil.save(f, format=Image.registered_extensions().get(path.suffix.lower(), "PNG"))
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -2,15 +2,17 @@
 
 :func:`train` runs a number of optimisation steps on random training windows/images, evaluates bits per
 symbol on the training and held-out data every ``eval_every`` steps, and writes ``last.pt`` (atomic,
-resumable: weights, optimizer, schedule, RNG) and ``metrics.json`` into ``out``.
+resumable: weights, optimizer, schedule, RNG) and ``metrics.json`` into ``out``, which the run owns
+(:class:`vitlab.rundir.RunLock`): a folder holding a run is refused unless resumed or started over (``force``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,13 @@ import torch.nn.functional as F
 from ..checkpoint import load_checkpoint, load_state_checked, save_checkpoint
 from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
+from ..rundir import RunLock, check_free_space, checkpoint_bytes
 from .data import ByteData, ImageSequences, open_data
 from .model import LN2, CausalLM, lm_config, shift_right
 
 Data = ByteData | ImageSequences
+# what a run writes into its folder (samples.png: `vitlab lm sample` of its checkpoint)
+RUN_FILES = ("last.pt", "metrics.json", "samples.png")
 
 
 @dataclass
@@ -53,6 +58,7 @@ class LMTrainConfig:
     threads: int = 0
     overrides: dict[str, Any] = field(default_factory=dict)  # CausalLM options: dim, depth, dropout, window...
     resume: bool = False
+    force: bool = False  # start over in an ``out`` that holds a run (its files are moved aside)
 
 
 def build_data(cfg: LMTrainConfig, max_len: int) -> Data:
@@ -130,25 +136,41 @@ class LMRun:
 
 def train(cfg: LMTrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.data``; returns ``{"history": [...], "final": {...}, "out": ...}``."""
-    run = setup(cfg, log)
-    run.model.train()
-    t0, seen, running = time.perf_counter(), 0, []
-    while run.step < cfg.steps:
-        bits = train_step(run)
-        running.append(bits)
-        seen += 1
-        if run.step % cfg.log_every == 0 or run.step == cfg.steps:
-            rate = seen / (time.perf_counter() - t0)
-            log(
-                f"step {run.step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  "
-                f"lr {run.sched.current_lr:.2e}  {rate:.2f} steps/s"
-            )
-            running = []
-        if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
-            record(run, bits)
-            if run.out is not None:
-                _save(run)
-    return finish(run)
+    with own_out(cfg, log) as start_over:
+        run = setup(cfg, log)
+        if run.out is not None:  # before the first write: room for a checkpoint, then the old run out of the way
+            check_free_space(run.out, checkpoint_bytes(run.model.state_dict(), 3))
+            start_over()
+        run.model.train()
+        t0, seen, running = time.perf_counter(), 0, []
+        while run.step < cfg.steps:
+            bits = train_step(run)
+            running.append(bits)
+            seen += 1
+            if run.step % cfg.log_every == 0 or run.step == cfg.steps:
+                rate = seen / (time.perf_counter() - t0)
+                log(
+                    f"step {run.step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  "
+                    f"lr {run.sched.current_lr:.2e}  {rate:.2f} steps/s"
+                )
+                running = []
+            if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
+                record(run, bits)
+                if run.out is not None:
+                    _save(run)
+        return finish(run)
+
+
+@contextlib.contextmanager
+def own_out(cfg: LMTrainConfig, log: Callable[[str], None]) -> Iterator[Callable[[], None]]:
+    """The run owns ``cfg.out`` while it trains (none without an ``out``); yields ``start_over``, which moves
+    an old run's files aside (``force``)."""
+    if cfg.out is None:
+        yield lambda: None
+        return
+    with RunLock(cfg.out, "vitlab lm train", log) as lock:
+        old = lock.check_fresh(RUN_FILES, resume=cfg.resume, force=cfg.force)
+        yield lambda: lock.move_aside(old)
 
 
 def setup(cfg: LMTrainConfig, log: Callable[[str], None]) -> LMRun:

@@ -14,7 +14,9 @@ official first split); ``--no-adapt`` keeps them as registered.
 
 Output (``--out``, default ``runs/compare``): ``table.csv``, ``table.json``, ``table.md``, ``curves.png``
 (held-out top-1 and training loss per epoch), ``acc_vs_speed.png``, and one folder per variant with its
-checkpoint, per-epoch log (CSV/JSON), ``train.log`` and ``result.json``.
+checkpoint, per-epoch log (CSV/JSON), ``train.log`` and ``result.json``. The command owns ``--out`` while it
+runs (:class:`vitlab.rundir.RunLock`; each variant's training owns its folder): a folder holding an earlier
+comparison is refused unless ``--resume`` reuses it or ``--force`` moves its files aside first.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_checkpoint, load_model
-from ..io import write_csv_atomic, write_json_atomic, write_text_atomic
+from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
-from .engine import TrainConfig, load_data, train
+from ..rundir import RunLock
+from .engine import RUN_FILES, TrainConfig, load_data, train
 
 DEFAULT_MODELS = (
     "deit_mini", "refiner_vit_mini", "deepvit_mini", "cpvt_mini", "tnt_mini", "eamlp_mini", "aft_full_mini",
@@ -58,6 +61,9 @@ RECIPE = dict(
 MB = 1024 * 1024
 # relative training cost per image on one CPU thread (measured on the adapted minis): the costliest start
 # first, so that with several jobs the cheap ones fill the gaps and no core idles at the end
+# what a comparison writes: its tables and plots, and in each variant's folder the training run and these
+OUTPUT_FILES = ("table.csv", "table.json", "table.md", "curves.png", "acc_vs_speed.png")
+VARIANT_FILES = (*RUN_FILES, "train.log", "result.json")
 COST = {"tnt": 3.0, "eamlp": 3.0, "aft_conv": 2.5, "refiner": 1.5, "deepvit": 1.2, "aft_full": 1.2, "cpvt": 1.1}
 
 
@@ -85,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="reuse finished variants in --out and resume unfinished ones from their last epoch",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="start over even if --out holds a comparison (its files are moved aside)"
     )
     p.add_argument(
         "--isolation",
@@ -160,7 +169,7 @@ def train_case(config: dict[str, Any]) -> Prepared:
     def work() -> None:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "train.log", "a") as log_file:
+        with open_append(out / "train.log") as log_file:
 
             def log(line: str) -> None:
                 log_file.write(line + "\n")
@@ -245,7 +254,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[dict[str, A
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=120)
+    write_figure_atomic(fig, out / "curves.png", dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -256,7 +265,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[dict[str, A
     ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "acc_vs_speed.png", dpi=120)
+    write_figure_atomic(fig, out / "acc_vs_speed.png", dpi=120)
     plt.close(fig)
     return [out / "curves.png", out / "acc_vs_speed.png"]
 
@@ -280,9 +289,31 @@ class Plan:
     heldout_images: int
 
 
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
-    plan = plan_variants(args)
+    with RunLock(args.out, "vitlab compare", print_line) as lock:
+        old = lock.check_fresh(old_entries(lock.folder), resume=args.resume, force=args.force)
+        plan = plan_variants(args)
+        lock.move_aside(old)  # the options and the data are fine: the old comparison goes out of the way
+        return compare(args, plan, t_start)
+
+
+def old_entries(out: Path) -> list[str]:
+    """What an earlier comparison left in ``out``: its tables and plots, and the folders of its variants."""
+    variants = sorted(
+        d.name
+        for d in out.iterdir()
+        if d.is_dir() and not d.name.startswith(".") and any((d / f).exists() for f in VARIANT_FILES)
+    )
+    return [*OUTPUT_FILES, *variants]
+
+
+def compare(args: argparse.Namespace, plan: Plan, t_start: float) -> int:
+    """Train, time and tabulate the variants of ``plan``."""
     print(
         f"compare: {len(plan.names)} variants x {args.epochs} epochs on {args.data} ({plan.train_images} train "
         f"images), {plan.jobs} at a time x {plan.per_job} thread(s); output in {plan.out}",
@@ -315,7 +346,6 @@ def plan_variants(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     names = resolve_models(args.models)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     recipe = {**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "ema": args.ema}
     probe = TrainConfig(data=args.data, **recipe)
     train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
@@ -380,9 +410,9 @@ def train_variant(cfg: TrainConfig, runner: CaseRunner, resume: bool) -> dict[st
         return done
     if resume and _resumable(out / "last.pt", config):
         config.update(resume="auto", force=False)
-    elif out.exists():
-        for stale in ("log.json", "log.csv", "train.log", "summary.json", "result.json"):
-            (out / stale).unlink(missing_ok=True)
+    elif out.exists():  # another variant's or an unusable run: moved aside whole, train.log and result too
+        with RunLock(out, "vitlab compare", lambda line: print(f"[{cfg.model}] {line}", flush=True)) as lock:
+            lock.move_aside(VARIANT_FILES)
     # one pass, timed, default allocator: the peak RSS is the training process's own, as a user sees it
     res = runner.run(CaseSpec(train_case, {"config": config}, warmup=0, repeats=1, passes=("time",)))
     res["config"] = asdict(cfg)

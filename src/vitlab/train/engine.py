@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from ..checkpoint import check_model_name, load_checkpoint, load_state_checked, 
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
 from ..io import write_csv_atomic, write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
+from ..rundir import RunLock, check_free_space, checkpoint_bytes
 from .ema import ModelEma
 
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
@@ -98,6 +99,8 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# what a run writes into OUT: a folder holding any of them holds a run
+RUN_FILES = ("last.pt", "log.json", "log.csv", "summary.json")
 # options that define the run: resuming with another value cannot continue the same training
 RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
 
@@ -312,21 +315,55 @@ def print_line(line: str) -> None:
 def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str, Any]:
     """Train as ``cfg`` says; ``log`` receives rank 0's progress lines. Returns the summary (also written to
     ``OUT/summary.json``) with the per-epoch ``log`` rows: everything a caller needs to report the run."""
-    run = setup(cfg, log)
-    run.model.train()
-    for epoch in range(run.start_epoch, cfg.epochs):
-        row = train_epoch(run, epoch)
-        if run.master:
-            row.update(evaluate_epoch(run))
-        row["elapsed_s"] = time.perf_counter() - run.t_start
-        save_epoch(run, row)
-    return finish(run)
-
-
-def setup(cfg: TrainConfig, log: Callable[[str], None]) -> Run:
-    """Device and process group, output folder and resume checkpoint, data, model and optimizer state."""
     t_start = time.perf_counter()
     rank, world, device = setup_device(cfg.device)
+    with own_out(cfg, rank, world, log) as start_over:
+        run = setup(cfg, log, rank, world, device, t_start)
+        if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
+            check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
+            start_over()
+        run.model.train()
+        for epoch in range(run.start_epoch, cfg.epochs):
+            row = train_epoch(run, epoch)
+            if run.master:
+                row.update(evaluate_epoch(run))
+            row["elapsed_s"] = time.perf_counter() - run.t_start
+            save_epoch(run, row)
+        return finish(run)
+
+
+@contextlib.contextmanager
+def own_out(cfg: TrainConfig, rank: int, world: int, log: Callable[[str], None]) -> Iterator[Callable[[], None]]:
+    """Rank 0 owns OUT for the whole run (:class:`vitlab.rundir.RunLock`: a second writer is refused, a folder
+    holding a run needs ``resume`` or ``force``); every rank learns the verdict, so none waits for a rank
+    that stopped. Yields ``start_over``, which moves an old run's files aside (``force``)."""
+    lock, error, old = None, None, []
+    if rank == 0:
+        try:
+            lock = RunLock(cfg.out, "vitlab train", log)
+            old = lock.check_fresh(RUN_FILES, resume=bool(cfg.resume), force=cfg.force)
+        except ValueError as e:
+            error = e
+            if lock is not None:
+                lock.release()
+    verdict = [None if error is None else str(error)]
+    if world > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if error is not None:
+        raise error
+    if verdict[0] is not None:
+        raise TrainingError(verdict[0])
+    try:
+        yield lambda: lock.move_aside(old) if lock is not None and old else None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def setup(
+    cfg: TrainConfig, log: Callable[[str], None], rank: int, world: int, device: torch.device, t_start: float
+) -> Run:
+    """Output folder and resume checkpoint, data, model and optimizer state (the device is ``setup_device``'s)."""
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     run = Run(
@@ -348,8 +385,6 @@ def setup(cfg: TrainConfig, log: Callable[[str], None]) -> Run:
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         run.model = nn.parallel.DistributedDataParallel(run.raw, device_ids=ids)
-    if run.master:
-        run.out.mkdir(parents=True, exist_ok=True)
     n_params = sum(p.numel() for p in run.raw.parameters())
     run.log(
         f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.train_ds)} train / {len(run.val_ds)} held-out "
@@ -360,11 +395,9 @@ def setup(cfg: TrainConfig, log: Callable[[str], None]) -> Run:
 
 
 def open_checkpoint(run: Run) -> dict[str, Any] | None:
-    """The checkpoint to resume from (``resume``), or None; refuses to start over a run without ``force``."""
+    """The checkpoint to resume from (``resume``), or None (``own_out`` has checked that OUT may be used)."""
     cfg, out = run.cfg, run.out
     if not cfg.resume:
-        if (out / "last.pt").exists() and not cfg.force:
-            raise TrainingError(f"{out} already holds a run; pass --resume to continue it or --force to start over")
         return None
     path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
     if cfg.resume == "auto" and not path.exists():
@@ -470,10 +503,24 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
     else:
         run.log(f"note: the checkpoint was written by {len(rngs)} processes, now {run.world}: fresh random streams")
         torch.manual_seed(derive_seed(run.cfg.seed, run.rank, run.start_epoch))
-    log_file = run.out / "log.json"
-    if log_file.exists():
-        run.rows = [r for r in json.loads(log_file.read_text()) if r["epoch"] <= run.start_epoch]
+    restore_log(run, ckpt)
     run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step})")
+
+
+def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
+    """The log rows up to the checkpoint's epoch. The checkpoint carries them, so a run killed between the
+    checkpoint's rename and the log write loses no row: log.json is completed at once (checkpoints
+    written before they carried the rows: log.json's rows)."""
+    log_file = run.out / "log.json"
+    try:
+        on_disk = json.loads(log_file.read_text()) if log_file.exists() else []
+        on_disk = [r for r in on_disk if r["epoch"] <= run.start_epoch]
+    except (ValueError, TypeError, KeyError):
+        on_disk = []  # a damaged log: the checkpoint's rows replace it
+    run.rows = [r for r in ckpt.get("log") or on_disk if r["epoch"] <= run.start_epoch]
+    if run.master and run.rows != on_disk:
+        write_log(run.out, run.rows)
+        run.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(run.rows)}); restored")
 
 
 def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -591,6 +638,7 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
         "world_size": run.world,
         "config": asdict(cfg),
         "metrics": row,
+        "log": list(run.rows),  # the rows so far: resume restores any the log files lack
     }
     save_checkpoint(state, run.out / "last.pt")
     write_log(run.out, run.rows)

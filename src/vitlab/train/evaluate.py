@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,6 +119,10 @@ def evaluate_checkpoint(
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..io import check_writable_file, write_json_atomic
+
+    if args.json:
+        check_writable_file(args.json, "--json")  # before the evaluation
     rows = evaluate_checkpoint(
         args.checkpoint,
         args.img_size,
@@ -138,6 +141,6 @@ def run(args: argparse.Namespace) -> int:
             f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_json_atomic(args.json, rows)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
