@@ -65,3 +65,10 @@ def data_dir() -> Path:
     if not DATA.exists():
         pytest.skip(f"shared data not found at {DATA}")
     return DATA
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Name the test order and thread count, so that any failure can be replayed exactly."""
+    seed = getattr(config.option, "randomly_seed", None)
+    order = f"random order, --randomly-seed={seed}" if config.pluginmanager.hasplugin("randomly") else "file order"
+    terminalreporter.write_line(f"vitlab tests: {order}; {THREADS} torch thread(s) (VITLAB_TEST_THREADS)")
