@@ -245,7 +245,7 @@ def test_quick_run_writes_json_table_and_png(tmp_path):
         assert c["status"] == "ok", c
         assert {"mixer", "T", "dtype", "mode", "batch", "dim", "est_bytes", "loadavg_1m"} <= set(c)
         assert c["time_s"]["median"] > 0 and c["time_s"]["n"] == 1
-        assert c["mem"]["peak"] >= c["mem"]["baseline"] > 0 and c["mem"]["delta"] > 0
+        assert c["mem"]["peak"] >= c["mem"]["baseline"] > 0 and c["mem"]["delta"] >= 0
         assert c["mem"]["timed"]["peak"] >= c["mem"]["timed"]["baseline"] > 0
     assert (tmp_path / "mixers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "attention" in (tmp_path / "mixers.txt").read_text()
