@@ -122,6 +122,8 @@ def _loader(pipeline: str, source, args, workers: int):
 
 def images_per_second(loader, batches: int) -> float:
     """Steady-state rate: the first batch (worker start, prefetch) is not timed."""
+    if hasattr(loader, "set_epoch"):
+        loader.set_epoch(0)  # a StreamLoader would go on where the last measurement left it
     it = iter(loader)
     next(it)
     n, t0 = 0, time.perf_counter()
@@ -190,16 +192,21 @@ def _tree_memory(pid: int) -> dict[str, int]:
     return out
 
 
-def memory_probe(root: str, batches: int = 8) -> dict[str, int]:
-    """In a fresh process: a 2-worker loader over ``root``, a few batches, then the tree's memory."""
+def memory_probe(root: str, batches: int = 30) -> dict[str, int]:
+    """In a fresh process: a 2-worker loader over ``root``; the tree's memory sampled after each of the last
+    ``batches // 2`` batches (how many batches are in flight, in shared memory, varies): the medians."""
     from ..data import create_loader, create_transform, open_source
 
     src = open_source(f"folder:{root}", "train")
     loader = create_loader(src, create_transform(224, True), 32, is_training=True, workers=2)
     it = iter(loader)
-    for _ in range(batches):
+    samples = []
+    for b in range(batches):
         next(it)
-    return {"files": len(src), **_tree_memory(os.getpid())}
+        if b >= batches // 2:
+            samples.append(_tree_memory(os.getpid()))
+    median = {k: sorted(s[k] for s in samples)[len(samples) // 2] for k in samples[0]}
+    return {"files": len(src), **median, "rss_max": max(s["rss"] for s in samples)}
 
 
 def replicate(src_root: Path, dst: Path, files: int) -> Path:

@@ -22,10 +22,15 @@ from torch import Tensor
 from .augment import uniform
 
 
+def _per_sample(v: int | Tensor) -> int | Tensor:
+    """An image side for every sample: a scalar, or a ``(n,)`` tensor as a column against the tries."""
+    return v if isinstance(v, int) else v.long().view(-1, 1)
+
+
 def sample_boxes(
     n: int,
-    height: int,
-    width: int,
+    height: int | Tensor,
+    width: int | Tensor,
     scale: Sequence[float],
     ratio: Sequence[float],
     g: torch.Generator | None,
@@ -34,15 +39,17 @@ def sample_boxes(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Boxes of area ``U(scale) * H * W`` and aspect ``w / h`` log-uniform in ``ratio``, as in
     torchvision's RandomResizedCrop / timm's RandomErasing: ``attempts`` tries per sample at once, first
-    one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks).
+    one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks). ``height`` and
+    ``width`` are one size for all or ``(n,)`` tensors (images of different sizes).
     Returns ``(top, left, h, w, ok)`` as long tensors and a bool mask of success.
     """
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * uniform(n * attempts, g).view(n, attempts))
+    H, W = _per_sample(height), _per_sample(width)
+    area = H * W * (scale[0] + (scale[1] - scale[0]) * uniform(n * attempts, g).view(n, attempts))
     lo, hi = math.log(ratio[0]), math.log(ratio[1])
     aspect = torch.exp(lo + (hi - lo) * uniform(n * attempts, g).view(n, attempts))
     w = torch.sqrt(area * aspect).round().long()
     h = torch.sqrt(area / aspect).round().long()
-    fits = (w > 0) & (h > 0) & ((w < width) & (h < height) if strict else (w <= width) & (h <= height))
+    fits = (w > 0) & (h > 0) & ((w < W) & (h < H) if strict else (w <= W) & (h <= H))
     first = fits.int().argmax(1, keepdim=True)  # first True (or 0 when none)
     h, w, ok = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(1)
     top = (uniform(n, g) * (height - h + 1).clamp(min=1)).long()
@@ -51,21 +58,22 @@ def sample_boxes(
 
 
 def resized_crop_boxes(
-    n: int, height: int, width: int, scale: Sequence[float], ratio: Sequence[float], g: torch.Generator | None
+    n: int,
+    height: int | Tensor,
+    width: int | Tensor,
+    scale: Sequence[float],
+    ratio: Sequence[float],
+    g: torch.Generator | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """RandomResizedCrop's boxes ``(top, left, h, w)``: :func:`sample_boxes`, and where all ten tries fail,
     torchvision's fallback: the whole image cut to the nearest allowed aspect ratio, centred."""
     top, left, h, w, ok = sample_boxes(n, height, width, scale, ratio, g)
+    hh, ww = (torch.as_tensor(v, dtype=torch.float64).expand(n) for v in (height, width))
     lo, hi = ratio
-    aspect = width / height
-    if aspect < lo:
-        fw, fh = width, round(width / lo)
-    elif aspect > hi:
-        fw, fh = round(height * hi), height
-    else:
-        fw, fh = width, height
+    fw = torch.where(ww / hh > hi, torch.round(hh * hi), ww).long()
+    fh = torch.where(ww / hh < lo, torch.round(ww / lo), hh).long()
     h, w = torch.where(ok, h, fh), torch.where(ok, w, fw)
-    top, left = torch.where(ok, top, (height - fh) // 2), torch.where(ok, left, (width - fw) // 2)
+    top, left = torch.where(ok, top, (hh.long() - fh) // 2), torch.where(ok, left, (ww.long() - fw) // 2)
     return top, left, h, w
 
 
@@ -113,11 +121,19 @@ class CropSpec:
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
 
 
+def train_boxes(sizes: Sequence[tuple[int, int]], spec: CropSpec, g: torch.Generator) -> list[Box]:
+    """RandomResizedCrop's boxes and the flips for images of ``sizes`` ((H, W) each), drawn in one go."""
+    n = len(sizes)
+    hw = torch.tensor(sizes, dtype=torch.long).view(n, 2)
+    top, left, h, w = resized_crop_boxes(n, hw[:, 0], hw[:, 1], spec.scale, spec.ratio, g)
+    flips = (uniform(n, g) < spec.hflip).tolist()
+    rows = torch.stack([top, left, h, w], 1).tolist()
+    return [Box(*row, size=tuple(size), flip=f) for row, size, f in zip(rows, sizes, flips)]
+
+
 def train_box(size: tuple[int, int], spec: CropSpec, g: torch.Generator) -> Box:
-    """RandomResizedCrop's box for an image of ``size`` (one draw of the batched sampler), then the flip."""
-    top, left, h, w = (int(t) for t in resized_crop_boxes(1, size[0], size[1], spec.scale, spec.ratio, g))
-    flip = bool(uniform(1, g)[0] < spec.hflip)
-    return Box(top, left, h, w, size, flip)
+    """One image's RandomResizedCrop box and flip."""
+    return train_boxes([size], spec, g)[0]
 
 
 def eval_geometry(size: tuple[int, int], spec: CropSpec) -> tuple[tuple[int, int], tuple[int, int]]:

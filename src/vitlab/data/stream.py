@@ -7,9 +7,9 @@ random erasing: the batched ops of :mod:`vitlab.data.transforms`) runs on the wo
 training device (``transform_on_device``: uint8 crosses to the GPU, four times less than float); Mixup/CutMix
 and MixToken run on the main process.
 
-Every random choice derives from ``(seed, epoch, rank, position)``: sample ``p`` of this rank's epoch has its
-own seed, batch ``b`` its own, so what a batch contains does not depend on the number of workers or on which
-worker made it, and resuming at ``(epoch, batch)`` (:meth:`StreamLoader.load_state_dict`) reproduces the
+Every random choice derives from ``(seed, epoch, rank, batch)``: batch ``b`` of this rank's epoch has its own
+seed (its crop boxes are drawn at once from the images' headers, then its augmentations), so what a batch
+contains does not depend on the number of workers or on which worker made it, and resuming at ``(epoch, batch)`` (:meth:`StreamLoader.load_state_dict`) reproduces the
 uninterrupted run's batches bit for bit. Workers are seeded from a loader-private generator, so creating
 them never draws from the training process's RNG.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .crop import load_sample
+from .crop import load_sample, load_samples
 from .decode import UnreadableImage
 from .geometry import CropSpec
 from .loader import BatchOp, resume_point
@@ -41,12 +41,11 @@ MAX_SUBSTITUTES = 16  # readable neighbours tried in place of an unreadable file
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What one batch holds: dataset indices, one seed per sample, the batch's own seed."""
+    """What one batch holds: its number in the epoch, its seed, the dataset indices."""
 
     batch: int
     seed: int
     indices: np.ndarray
-    sample_seeds: np.ndarray
 
 
 @dataclass
@@ -88,34 +87,45 @@ class MapStream(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def load(self, index: int, seed: int) -> tuple[Tensor, int, tuple[Tensor, Tensor] | None, list[str]]:
-        """One sample (substituting readable neighbours for unreadable files) and the unreadable paths met."""
-        bad = []
-        for k in range(MAX_SUBSTITUTES):
+    def _dense(self, i: int, box) -> tuple[Tensor, Tensor] | None:
+        if self.dense_grid is None:
+            return None
+        from .sources import read_dense
+
+        return crop_dense(read_dense(self.source.dense_path(i)), box, self.dense_grid)
+
+    def substitute(self, index: int, seed: int, bad: list[str]):
+        """The first readable file after ``index`` (its own seed), for a file that could not be decoded."""
+        for k in range(1, MAX_SUBSTITUTES):
             i = (index + k) % len(self.source)
             path, label = self.source.read(i)
             try:
-                img, box = load_sample(path, self.crop, _batch_generator(seed), self.decoder)
+                img, box = load_sample(path, self.crop, _batch_generator(derive_seed(seed, k)), self.decoder)
             except UnreadableImage as e:
                 bad.append(str(e))
                 continue
-            dense = None
-            if self.dense_grid is not None:
-                from .sources import read_dense
-
-                dense = crop_dense(read_dense(self.source.dense_path(i)), box, self.dense_grid)
-            return img, label, dense, bad
+            return img, label, self._dense(i, box)
         raise ValueError(f"{MAX_SUBSTITUTES} files in a row cannot be decoded, the last: {bad[-1]}")
 
     def __getitems__(self, plan: BatchPlan) -> StreamBatch:
-        samples = [self.load(int(i), int(s)) for i, s in zip(plan.indices, plan.sample_seeds)]
-        return collate(samples, plan.seed, None if self.transform_on_device else self.batch_transform)
+        files = [self.source.read(int(i)) for i in plan.indices]
+        loaded = load_samples([f for f, _ in files], self.crop, _batch_generator(plan.seed), self.decoder)
+        samples, bad = [], []
+        for i, (_, label), result in zip(plan.indices, files, loaded):
+            if isinstance(result, UnreadableImage):
+                bad.append(str(result))
+                samples.append(self.substitute(int(i), derive_seed(plan.seed, int(i)), bad))
+            else:
+                samples.append((result[0], label, self._dense(int(i), result[1])))
+        transform = None if self.transform_on_device else self.batch_transform
+        return collate(samples, plan.seed, transform, tuple(bad))
 
     def __getitem__(self, index: int):
-        return self.load(index, derive_seed(index))[:3]
+        img, box = load_sample(self.source.read(index)[0], self.crop, _batch_generator(index), self.decoder)
+        return img, self.source.read(index)[1], self._dense(index, box)
 
 
-def collate(samples: list, seed: int, batch_transform) -> StreamBatch:
+def collate(samples: list, seed: int, batch_transform, bad: tuple[str, ...] = ()) -> StreamBatch:
     """Stack per-sample results into a :class:`StreamBatch`, applying the batch stage when given."""
     images = torch.stack([s[0] for s in samples])
     labels = torch.tensor([s[1] for s in samples], dtype=torch.long)
@@ -124,7 +134,7 @@ def collate(samples: list, seed: int, batch_transform) -> StreamBatch:
         dense = (torch.stack([s[2][0] for s in samples]), torch.stack([s[2][1] for s in samples]))
     if batch_transform is not None:
         images = batch_transform(images, _batch_generator(seed))
-    return StreamBatch(images, labels, dense, tuple(b for s in samples for b in s[3]), seed)
+    return StreamBatch(images, labels, dense, bad, seed)
 
 
 def _first(batch):  # DataLoader's collate_fn: __getitems__ already built the batch
@@ -142,16 +152,10 @@ class _PlanSampler:
         n, bs = self.sampler.num_samples, self.batch_size
         return n // bs if self.drop_last else math.ceil(n / bs)
 
-    def plan(self, epoch: int, b: int, idx: np.ndarray) -> BatchPlan:
-        bs, rank = self.batch_size, self.sampler.rank
-        positions = range(b * bs, b * bs + len(idx))
-        seeds = np.array([derive_seed(self.seed, epoch, rank, p) for p in positions], dtype=np.int64)
-        return BatchPlan(b, derive_seed(self.seed, epoch, rank, "batch", b), idx, seeds)
-
     def __iter__(self) -> Iterator[BatchPlan]:
-        idx, bs = self.sampler.indices(self.epoch).numpy(), self.batch_size
+        idx, bs, rank = self.sampler.indices(self.epoch).numpy(), self.batch_size, self.sampler.rank
         for b in range(self.start, len(self)):
-            yield self.plan(self.epoch, b, idx[b * bs : (b + 1) * bs])
+            yield BatchPlan(b, derive_seed(self.seed, self.epoch, rank, "batch", b), idx[b * bs : (b + 1) * bs])
 
 
 class StreamLoader:

@@ -17,6 +17,7 @@ batches already handed out. Evaluation reads every sample exactly once (ranks an
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .crop import load_sample
+from .crop import load_samples
 from .decode import UnreadableImage
 from .geometry import CropSpec
 from .samplers import derive_seed
@@ -228,21 +229,43 @@ class ShardStream(torch.utils.data.IterableDataset):
         rng.shuffle(buf)
         yield from buf
 
-    def _load(self, sample: dict, seed: int):
+    def _parse(self, sample: dict) -> tuple[bytes, int]:
+        """(image bytes, label) of a sample; UnreadableImage when a member is missing or malformed."""
+        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
         key = image_member(sample)
         if key is None:
-            raise UnreadableImage(f"{sample.get('__url__')}:{sample.get('__key__')}: sample has no image member")
+            raise UnreadableImage(f"{name}: sample has no image member")
         try:
-            label = int(sample["cls"].decode().strip())
+            return bytes(sample[key]), int(sample["cls"].decode().strip())
         except (KeyError, ValueError, UnicodeDecodeError):
-            raise UnreadableImage(f"{sample.get('__url__')}:{sample['__key__']}: no integer .cls member") from None
-        img, box = load_sample(bytes(sample[key]), self.crop, _batch_generator(seed), self.decoder)
-        dense = None
-        if self.dense_grid is not None:
-            if "tl.npy" not in sample:
-                raise ValueError(f"{sample['__url__']}:{sample['__key__']} has no tl.npy token-label member")
-            dense = crop_dense(read_dense(bytes(sample["tl.npy"])), box, self.dense_grid)
-        return img, label, dense, []
+            raise UnreadableImage(f"{name}: no integer .cls member") from None
+
+    def _dense(self, sample: dict, box):
+        if self.dense_grid is None:
+            return None
+        if "tl.npy" not in sample:
+            raise ValueError(f"{sample['__url__']}:{sample['__key__']} has no tl.npy token-label member")
+        return crop_dense(read_dense(bytes(sample["tl.npy"])), box, self.dense_grid)
+
+    def _batch(self, raw: list[dict], seed: int) -> StreamBatch | None:
+        """Decode a batch's raw samples (unreadable ones dropped and named)."""
+        parsed, bad = [], []
+        for sample in raw:
+            try:
+                parsed.append((sample, *self._parse(sample)))
+            except UnreadableImage as e:
+                bad.append(str(e))
+        loaded = load_samples([p[1] for p in parsed], self.crop, _batch_generator(seed), self.decoder)
+        samples = []
+        for (sample, _, label), result in zip(parsed, loaded):
+            if isinstance(result, UnreadableImage):
+                bad.append(f"{sample['__url__']}:{sample['__key__']}: {str(result).split(': ', 1)[-1]}")
+            else:
+                samples.append((result[0], label, self._dense(sample, result[1])))
+        if not samples:
+            return None
+        transform = None if self.transform_on_device else self.batch_transform
+        return collate(samples, seed, transform, tuple(bad))
 
     def __iter__(self) -> Iterator[StreamBatch]:
         epoch, start = (int(v) for v in self.position)
@@ -255,23 +278,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         for _ in range(skip):  # batches handed out before the resume point: read, not decoded
             next(stream)
         batch_ids = (b for b in mine if b >= start) if mine is not None else _count(worker, self.workers)
-        counter = skip
         for b in batch_ids:
-            samples, bad = [], []
-            for sample in stream:
-                try:
-                    samples.append(self._load(sample, derive_seed(self.seed, epoch, self.rank, worker, counter)))
-                except UnreadableImage as e:
-                    bad.append(str(e))
-                counter += 1
-                if len(samples) == self.batch_size:
-                    break
-            if not samples:
+            raw = list(itertools.islice(stream, self.batch_size))
+            if not raw:
                 return
-            transform = None if self.transform_on_device else self.batch_transform
-            sb = collate(samples, derive_seed(self.seed, epoch, self.rank, "batch", b), transform)
-            sb.bad = tuple(bad)
-            yield sb
+            sb = self._batch(raw, derive_seed(self.seed, epoch, self.rank, "batch", b))
+            if sb is not None:
+                yield sb
 
 
 def _count(start: int, step: int) -> Iterator[int]:
