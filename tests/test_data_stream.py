@@ -477,3 +477,18 @@ def test_data_cli_synth_and_shards(tmp_path, capsys):
     assert '"images": 6' in capsys.readouterr().out
     assert main(["data", "synth", str(tmp_path / "x"), "--classes", "1"]) == 2
     assert "need >= 2 classes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_data_runs_and_reports(tmp_path):
+    from vitlab.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench-data", "--images", "20", "--workers", "0", "--batches", "1", "--rounds", "1", "--batch-size", "4",
+            "--no-step", "--no-memory", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    import json
+
+    doc = json.loads((out / "report.json").read_text())
+    assert {r["pipeline"] for r in doc["throughput"]} == {"reference", "vitlab", "vitlab+recipe"}
+    assert "vitlab/reference" in (out / "report.txt").read_text()
