@@ -224,17 +224,18 @@ def replicate(src_root: Path, dst: Path, files: int) -> Path:
 
 
 def loader_memory(src_root: Path, work: Path) -> list[dict[str, int]]:
-    rows = []
-    for files in (2000, 20000):
-        root = replicate(src_root, work / f"mem{files}", files)
-        code = (
-            f"import json; from vitlab.bench.data import memory_probe; print(json.dumps(memory_probe({str(root)!r})))"
-        )
+    """Fresh-process probes at 2,000 and 20,000 files in the order A B B A; per size the lower reading of
+    each measure (what batches happen to be in flight adds noise of its own, never less memory)."""
+    roots = {n: replicate(src_root, work / f"mem{n}", n) for n in (2000, 20000)}
+    readings: dict[int, list[dict[str, int]]] = {n: [] for n in roots}
+    for files in (2000, 20000, 20000, 2000):
+        code = f"import json; from vitlab.bench.data import memory_probe; print(json.dumps(memory_probe({str(roots[files])!r})))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"  loader memory with {files} files: RSS {rows[-1]['rss'] / 2**20:.0f} MiB, PSS "
-              f"{rows[-1]['pss'] / 2**20:.0f} MiB over {rows[-1]['processes']} processes", flush=True)  # fmt: skip
-    return rows
+        readings[files].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        r = readings[files][-1]
+        print(f"  loader memory with {files} files: RSS {r['rss'] / 2**20:.0f} MiB, PSS {r['pss'] / 2**20:.0f} MiB "
+              f"over {r['processes']} processes", flush=True)  # fmt: skip
+    return [{k: min(r[k] for r in rs) for k in rs[0]} for rs in readings.values()]
 
 
 # --------------------------------------------------------------------------- the run
