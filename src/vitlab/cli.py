@@ -51,6 +51,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """Also records the innermost (sub-)command's name, ``vitlab lm train``, for the messages of its run."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "_prog", None) is None:  # a sub-parser, which finishes first, has set it already
+            namespace._prog = self.prog
+        return namespace, extras
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so ``vitlab --help`` stays fast
@@ -89,25 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
         if args.debug:
             raise
-        print(f"{prog(args)}: error: {e}", file=sys.stderr)
+        print(f"{args._prog}: error: {e}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as e:  # out of memory in any command: one line (others: a traceback)
         if args.debug or not is_out_of_memory(e):
             raise
         first = " ".join(str(e).split("\n")[0].split())[:160]
         print(
-            f"{prog(args)}: error: out of memory ({first or type(e).__name__}); use a smaller batch, "
+            f"{args._prog}: error: out of memory ({first or type(e).__name__}); use a smaller batch, "
             "input size or model, or free memory",
             file=sys.stderr,
         )
         return 2
-
-
-def prog(args: argparse.Namespace) -> str:
-    """``vitlab COMMAND [ACTION]`` as the user typed it (actions of commands with sub-actions, such as ``vitlab lm
-    train``, are parsed into ``<command>_command``)."""
-    actions = [v for k, v in vars(args).items() if k.endswith("_command") and isinstance(v, str)]
-    return " ".join(["vitlab", args.command, *actions])
 
 
 def one_line_warning(message, category, filename, lineno, line=None) -> str:
