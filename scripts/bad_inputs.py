@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("vitlab.cli", "vitlab.train.cli", "vitlab.train.evaluate", "vitlab.train.compare", "vitlab.catalog",
          "vitlab.bench.models", "vitlab.bench.mixers", "vitlab.analysis.cli", "vitlab.convert.cli", "vitlab.export",
-         "vitlab.lm.cli")  # fmt: skip
+         "vitlab.lm.cli", "vitlab.data.cli", "vitlab.bench.data")  # fmt: skip
 TINY = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",
@@ -66,6 +66,7 @@ BAD = {
     "seed": ["-1", "x", "99999999999999999999"],
     "csv_pos": ["0", "-1", "a", "1,,0", ","],
     "csv_img": ["0", "-8,32", "x"],
+    "csv_nonneg": ["-1", "0,-2", "a", ","],
 }
 
 
@@ -278,7 +279,25 @@ def tool_cases(fx: Fixtures) -> list[Case]:
     cases += flag_cases("bench-mixers flags", ["bench-mixers", "--quick"], mixers, fx, "--out")
     cases += [Case("bench-mixers options", ["bench-mixers", *o, "--out", fx.out()]) for o in
               (["--mixers", "nope"], ["--threads", "0"], ["--heads", "3", "--dim", "64"])]  # fmt: skip
-    cases += analyze_cases(fx) + convert_export_cases(fx)
+    cases += analyze_cases(fx) + convert_export_cases(fx) + data_cases(fx)
+    return cases
+
+
+def data_cases(fx: Fixtures) -> list[Case]:
+    """vitlab data synth / shards / info and vitlab bench-data."""
+    synth = {"classes": "pos_int", "train-per-class": "pos_int", "val-per-class": "nonneg_int", "quality": "pos_int",
+             "seed": "seed"}  # fmt: skip
+    cases = [Case("data flags", ["data", "synth", fx.out(), *c.argv]) for c in flag_cases("", [], synth, fx, None)]
+    cases += [Case("data options", ["data", *o]) for o in
+              (["synth", fx.out(), "--classes", "1"], ["synth", fx.out(), "--quality", "101"],
+               ["synth", fx.out(), "--size", "0", "10"], ["synth", fx["a_file"]], ["shards", "/nonexistent", fx.out()],
+               ["shards", fx["two"], fx.out(), "--shard-size", "0"], ["info", "banana:x"], ["info", "folder:/nonexistent"],
+               ["info", "wds:/nonexistent"], ["info", f"folder:{fx['one']}", "--split", "x"], ["bogus"])]  # fmt: skip
+    bench = {"images": "pos_int", "img-size": "img", "workers": "csv_nonneg", "batch-size": "pos_int",
+             "batches": "pos_int", "rounds": "pos_int", "step-batch": "pos_int"}  # fmt: skip
+    cases += flag_cases("bench-data flags", ["bench-data", "--no-step", "--no-memory"], bench, fx, "--out")
+    cases += [Case("bench-data options", ["bench-data", *o, "--out", fx.out()]) for o in
+              (["--data", "folder:/nonexistent"], ["--data", "banana"], ["--decoder", "x"])]  # fmt: skip
     return cases
 
 
