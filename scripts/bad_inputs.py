@@ -479,6 +479,13 @@ def tree_hashes(folder: Path) -> dict[str, str]:
     }
 
 
+def logged_epochs(out: str) -> list:
+    try:
+        return [r["epoch"] for r in json.loads((Path(out) / "log.json").read_text())]
+    except (OSError, ValueError) as e:
+        return [f"no readable log: {type(e).__name__}"]
+
+
 def kill_and_resume(fx: Fixtures, timeout: float, kills: int, seed: int = 0) -> list[str]:
     """Kill `vitlab train` at random moments, resume until done; the log must hold every epoch once."""
     rng = random.Random(seed)
@@ -491,13 +498,10 @@ def kill_and_resume(fx: Fixtures, timeout: float, kills: int, seed: int = 0) -> 
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-        epochs: list = []
+        epochs = logged_epochs(out)
         while epochs != [1, 2, 3, 4]:  # resume (or start again when killed before the first checkpoint)
             resumed = run_case(Case("kill", [*argv, "--resume"] if (Path(out) / "last.pt").exists() else argv), timeout)
-            try:
-                epochs = [r["epoch"] for r in json.loads((Path(out) / "log.json").read_text())]
-            except (OSError, ValueError) as e:
-                epochs = [f"unreadable log: {e}"]
+            epochs = logged_epochs(out)
             if resumed.outcome != "accepted":
                 lost.append(f"kill {k}: resume {resumed.outcome} ({resumed.detail}); log epochs {epochs}")
                 break
