@@ -11,7 +11,8 @@ everything once and never computes, so forks are safe and cheap) with its output
 - error: exit code != 0 and one line on stderr, no traceback
 - warned: exit 0 with a ``vitlab: warning:`` line explaining what is wrong (NaN weights, one class)
 - accepted: exit 0 and nothing said: a bad input silently accepted
-- traceback: a traceback, or several lines on stderr
+- several lines: a failure explained in more than one line (argparse's usage block, say)
+- traceback: a Python traceback, or the process killed by a signal (an abort)
 - timeout: still running after ``--timeout`` seconds (a bad value that started real work)
 
 A protected run folder is hashed before and after; any change, and any SIGKILL after which resume does not
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -435,28 +437,41 @@ def judge(case: Case, code: int | None, stderr: str) -> None:
     warned = [line for line in lines if line.startswith("vitlab: warning:")]
     if code is None:
         case.outcome = "timeout"
-    elif "Traceback" in stderr or code == 99:
+    elif "Traceback" in stderr or code == 99 or code < 0:  # a traceback, or killed by a signal (abort)
         case.outcome = "traceback"
     elif code != 0:
         errors = [line for line in lines if line not in warned]
-        case.outcome = "error" if len(errors) == 1 else "traceback"  # several lines: not one clear line
+        case.outcome = "error" if len(errors) == 1 else "several lines"  # a usage block, say: not one clear line
     else:
         case.outcome = "warned" if warned and case.expect == "warned" else "accepted"
-    case.detail = (lines[-1] if lines else "")[:300] if case.outcome != "traceback" else stderr[-1500:]
+    case.detail = (lines[-1] if lines else "")[:300] if case.outcome == "error" else stderr[-1500:]
 
 
-def start(case: Case) -> tuple[multiprocessing.Process, concurrent.futures.Future]:
-    """The case's child process and a future of everything it writes to stderr."""
+def start(case: Case) -> tuple[multiprocessing.Process, Callable[[], str]]:
+    """The case's child process and a function returning everything it wrote to stderr (once it ended)."""
     read_fd, write_fd = os.pipe()
     proc = multiprocessing.get_context("fork").Process(target=child, args=(case.argv, case.setup, write_fd))
-    proc.start()
+    for attempt in range(10):  # a case that started thousands of threads may leave none to fork for a moment
+        try:
+            proc.start()
+            break
+        except BlockingIOError:
+            time.sleep(3 * (attempt + 1))
     os.close(write_fd)
+    chunks: list[bytes] = []
 
-    def drain() -> str:
+    def drain() -> None:
         with open(read_fd, "rb") as f:
-            return f.read().decode(errors="replace")
+            chunks.append(f.read())
 
-    return proc, concurrent.futures.ThreadPoolExecutor(1).submit(drain)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+
+    def stderr() -> str:
+        reader.join(10)
+        return b"".join(chunks).decode(errors="replace")
+
+    return proc, stderr
 
 
 def run_case(case: Case, timeout: float) -> Case:
@@ -467,7 +482,7 @@ def run_case(case: Case, timeout: float) -> Case:
         proc.kill()
         proc.join()
         code = None
-    judge(case, code, stderr.result())
+    judge(case, code, stderr())
     return case
 
 
@@ -525,7 +540,7 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2, help="cases run at once (default 2)")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per case (default 90)")
     p.add_argument("--only", default="", help="comma-separated substrings of case groups to run")
-    p.add_argument("--show", default="accepted,traceback,timeout", help="outcomes to list case by case")
+    p.add_argument("--show", default="accepted,several lines,traceback,timeout", help="outcomes to list one by one")
     p.add_argument("--kills", type=int, default=4, help="SIGKILLs during training (default 4)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = p.parse_args()
@@ -575,8 +590,8 @@ def report(cases: list[Case], lost: list[str], args: argparse.Namespace, seconds
     total = collections.Counter(c.outcome for c in cases)
     print(
         f"\nbad inputs tried: {len(cases) + extra}; clear one-line errors: {total['error']}; explained (warning): "
-        f"{total['warned']}; silently accepted: {total['accepted']}; tracebacks: {total['traceback']}; "
-        f"timeouts: {total['timeout']}; data lost: {len(lost)} ({seconds:.0f} s)"
+        f"{total['warned']}; silently accepted: {total['accepted']}; several lines: {total['several lines']}; "
+        f"tracebacks: {total['traceback']}; timeouts: {total['timeout']}; data lost: {len(lost)} ({seconds:.0f} s)"
     )
     for line in lost:
         print(f"  data lost: {line}")
