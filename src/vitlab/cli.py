@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 
+from .extras import MissingExtra
 from .runtime import configure_from_env
 
 # subcommand -> (module, one-line help)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
         return 0
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, MissingExtra) as e:
         if args.debug:
             raise
         print(f"vitlab {args.command}: error: {e}", file=sys.stderr)

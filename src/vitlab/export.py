@@ -26,20 +26,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .extras import require
 from .io import atomic_path, atomic_path_with_companions, check_writable_file
 
 FORMATS = ("torchscript", "onnx", "compile")
 
 
 def _need_onnx() -> None:
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"ONNX export needs the packages onnx and onnxruntime ({e.name} is missing): "
-            f"pip install -c constraints.txt 'vitlab[export]'"
-        ) from None
+    for module in ("onnx", "onnxruntime", "onnxscript"):
+        require(module, extra="export", purpose="ONNX export")
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ Typical use::
 """
 
 from .augment import RandAugment
+from .config import resolve_data_config
 from .datasets import (
     ImageDataset,
     LazyImageFolder,
@@ -59,6 +60,7 @@ __all__ = [
     "mnist_embedded",
     "mnist_idx",
     "resize",
+    "resolve_data_config",
     "smooth_one_hot",
     "soft_target_cross_entropy",
     "stratified_holdout",
