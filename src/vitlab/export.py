@@ -34,7 +34,7 @@ FORMATS = ("torchscript", "onnx", "compile")
 
 def _need_onnx() -> None:
     for module in ("onnx", "onnxruntime", "onnxscript"):
-        require(module, extra="export", purpose="ONNX export")
+        require(module, purpose="ONNX export", extra="export")
 
 
 @contextlib.contextmanager

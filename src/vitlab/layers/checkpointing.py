@@ -6,8 +6,9 @@ must not differ between the two runs:
 * randomness (dropout, DropPath): the RNG state is saved and restored by PyTorch (``preserve_rng_state``);
 * BatchNorm's running statistics (DeepViT's re-attention, Refined-ViT's refiner and CNN stem): a training
   BatchNorm updates them on every call, so the recomputation would count each batch twice. During the
-  recomputation every training BatchNorm of the block stops tracking (``track_running_stats=False``): it
-  still normalises with the batch statistics, the same function, but leaves its buffers alone.
+  recomputation every training BatchNorm of the block updates copies of its buffers, which are then
+  dropped: the module's own buffers keep the one update of the real forward pass. (Turning tracking off
+  instead would change which tensors the operation saves, which the recomputation must reproduce.)
 
 Anything a block returns besides its tokens (Refined-ViT's attention map handed to the next block, TNT's
 inner tokens) flows through the checkpoint like any other output, gradients included.
@@ -23,21 +24,26 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
 
 @contextlib.contextmanager
 def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
-    frozen = [
-        m
+    """Within the block, training BatchNorms update throw-away copies of their running statistics."""
+    kept = [
+        (m, {name: getattr(m, name) for name in BN_BUFFERS})
         for m in module.modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
     ]
-    for m in frozen:
-        m.track_running_stats = False
+    for m, buffers in kept:
+        for name, value in buffers.items():
+            setattr(m, name, value.clone())
     try:
         yield
     finally:
-        for m in frozen:
-            m.track_running_stats = True
+        for m, buffers in kept:
+            for name, value in buffers.items():
+                setattr(m, name, value)
 
 
 def checkpoint_active(enabled: bool) -> bool:

@@ -384,7 +384,7 @@ class Classifier(nn.Module):
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """timm's parameter groups for layer-wise learning-rate decay: the stem (embeddings, tokens, tables),
         then one group per block, then the final norm; the head is left unmatched (timm puts it last)."""
-        stem = "|".join(rf"^{re.escape(name)}(\.|$)" for name in self.STEM)
+        stem = "|".join(rf"^{re.escape(name)}(?:\.|$)" for name in self.STEM)
         blocks = [(r"^blocks\.(\d+)\.", None), *self.BLOCK_GROUPS, (r"^norm\.", (99999,))]
         return {"stem": stem, "blocks": blocks}
 
