@@ -25,10 +25,11 @@ from torch import Tensor, nn
 
 from .convert.load import load_reference, read_checkpoint
 from .convert.safeload import FORMAT, VERSION, load_file, state_checksum
+from .data.config import training_data_cfg
 from .io import atomic_open
 from .models import create_model, get_config, list_models
 from .models.folder import WEIGHTS, is_model_folder, read_config
-from .models.registry import CFG_KEYS
+from .models.registry import CFG_KEYS, overlay_cfg
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
@@ -205,7 +206,11 @@ def _training_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> nn.Module:
+    """The checkpoint's model as it was trained: its build options, and its data (spec, normalisation) in
+    ``pretrained_cfg``."""
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    if spec := ckpt.get("config", {}).get("data"):
+        overlay_cfg(model, training_data_cfg(spec, model.in_chans))
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
 

@@ -24,7 +24,7 @@ from .models import create_model as build_model
 from .models import get_config
 from .models.base import FeatureGetter
 from .models.folder import is_model_folder
-from .models.registry import check_overlay
+from .models.registry import check_overlay, overlay_cfg
 
 WEIGHTS_ENV = "VITLAB_WEIGHTS"
 
@@ -112,5 +112,5 @@ def _with_weights(name: str, path: Path, overlay: dict[str, Any], overrides: dic
     model = load_model(name, path, **overrides)
     if num_classes is not None and num_classes != model.num_classes:
         model.reset_classifier(num_classes)
-    model.pretrained_cfg = {**model.pretrained_cfg, **overlay}
+    overlay_cfg(model, overlay)
     return model.train()

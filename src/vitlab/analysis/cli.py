@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model
+from ..data.config import SPEC_HELP
 from ..io import check_writable_folder
 from .analyses import ANALYSES, analyze, parse_what
 from .inputs import load_images
@@ -26,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ema", action="store_true", help="use the EMA weights of a `vitlab train` checkpoint")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="dataset: mnist | cifar10:DIR | mnist-idx:DIR | folder:DIR (default: mnist)")
+    src.add_argument(
+        "--data",
+        help=f"dataset, as `vitlab train` takes it: {SPEC_HELP} (default: the one a `vitlab train` checkpoint was "
+        "trained on, else mnist)",
+    )
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files instead of a dataset")
     p.add_argument("--split", default="test", choices=("train", "test"), help="dataset split (default: test)")
     p.add_argument("--num-images", type=int, default=4, help="images to analyse (default: 4; the first is plotted)")
@@ -70,9 +75,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})
     model.to(args.device)
     weights = model.meta["weights"] if args.checkpoint else f"random init (seed {args.seed})"
-    images, x, data = load_images(
-        model, data=args.data, files=args.images, split=args.split, num_images=args.num_images
-    )
+    data = args.data or (None if args.images else model.pretrained_cfg.get("data"))
+    images, x, data = load_images(model, data=data, files=args.images, split=args.split, num_images=args.num_images)
     print(f"{args.model} [{weights}] on {data}; analyses: {', '.join(what)}")
     report = analyze(
         model,

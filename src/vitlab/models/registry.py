@@ -37,6 +37,7 @@ CFG_KEYS = (
     "source",
     "notes",
     "architecture",
+    "data",
 )
 LUMINANCE = (0.299, 0.587, 0.114)  # ITU-R 601: RGB statistics -> one grey channel
 
@@ -186,7 +187,12 @@ def describe(model: nn.Module, cfg: ModelConfig, overrides: dict[str, Any], over
     """Attach the build description (``model_name``, ``model_kwargs``, ``pretrained_cfg``, ``meta``)."""
     model.model_name = cfg.name
     model.model_kwargs = dict(overrides)
-    pretrained_cfg = {**cfg.pretrained_cfg(model), **overlay}
-    model.pretrained_cfg = pretrained_cfg
-    meta = dataclasses.replace(cfg, kwargs={**cfg.kwargs, **overrides}).meta()  # input size as built
-    model.meta = {**meta, "mean": pretrained_cfg["mean"], "std": pretrained_cfg["std"]}
+    model.pretrained_cfg = cfg.pretrained_cfg(model)
+    model.meta = dataclasses.replace(cfg, kwargs={**cfg.kwargs, **overrides}).meta()  # input size as built
+    overlay_cfg(model, overlay)
+
+
+def overlay_cfg(model: nn.Module, overlay: dict[str, Any]) -> None:
+    """Replace entries of ``model.pretrained_cfg`` (and the normalisation ``model.meta`` reports)."""
+    model.pretrained_cfg = {**model.pretrained_cfg, **check_overlay(overlay)}
+    model.meta = {**model.meta, "mean": model.pretrained_cfg["mean"], "std": model.pretrained_cfg["std"]}
