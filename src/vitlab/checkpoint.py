@@ -209,8 +209,9 @@ def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> 
     """The checkpoint's model as it was trained: its build options, and its data (spec, normalisation) in
     ``pretrained_cfg``."""
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
-    if spec := ckpt.get("config", {}).get("data"):
-        overlay_cfg(model, training_data_cfg(spec, model.in_chans))
+    config = ckpt.get("config", {})
+    if spec := config.get("data"):
+        overlay_cfg(model, training_data_cfg(spec, model.in_chans, config.get("holdout")))
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
 

@@ -82,8 +82,10 @@ def spec_stats(spec: str, channels: int) -> tuple[tuple[float, ...], tuple[float
     return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
 
 
-def training_data_cfg(spec: str, channels: int) -> dict[str, Any]:
-    """The data configuration of a model trained by ``vitlab train`` on ``spec``: its normalisation, and whole
-    images resized to the input size (crop 1.0, bilinear), as training and evaluation there see them."""
+def training_data_cfg(spec: str, channels: int, holdout: int | float | None = None) -> dict[str, Any]:
+    """The data configuration of a model trained by ``vitlab train`` on ``spec`` (``holdout``: the images it
+    held out for evaluation): its normalisation, and whole images resized to the input size (crop 1.0,
+    bilinear), as training and evaluation there see them."""
     mean, std = spec_stats(spec, channels)
-    return {"data": spec, "mean": mean, "std": std, "crop_pct": 1.0, "interpolation": "bilinear"}
+    held = {} if holdout is None else {"holdout": holdout}
+    return {"data": spec, **held, "mean": mean, "std": std, "crop_pct": 1.0, "interpolation": "bilinear"}

@@ -38,21 +38,20 @@ CFG_KEYS = (
     "notes",
     "architecture",
     "data",
+    "holdout",
 )
 LUMINANCE = (0.299, 0.587, 0.114)  # ITU-R 601: RGB statistics -> one grey channel
 
 
 def channel_stats(values: Sequence[float], chans: int) -> tuple[float, ...]:
     """Per-channel normalisation statistics for ``chans`` input channels: RGB ones are combined by luminance
-    for one channel, one value is repeated for several."""
+    for one channel; otherwise their mean is used for every channel."""
     values = tuple(float(v) for v in values)
     if len(values) == chans:
         return values
     if chans == 1 and len(values) == 3:
         return (sum(w * v for w, v in zip(LUMINANCE, values)),)
-    if len(values) == 1:
-        return values * chans
-    raise ValueError(f"cannot adapt {len(values)}-channel normalisation statistics to {chans} input channels")
+    return (sum(values) / len(values),) * chans
 
 
 @dataclass(frozen=True)

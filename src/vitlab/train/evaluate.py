@@ -87,7 +87,8 @@ def load_for_eval(
         )
     dynamic = other_sizes and supports_dynamic_size(name)
     model = load_model(str(path), weights, **({"dynamic_img_size": True} if dynamic else {}))
-    return model, {"data": model.pretrained_cfg.get("data"), "holdout": None, "trained": False}
+    cfg = model.pretrained_cfg
+    return model, {"data": cfg.get("data"), "holdout": cfg.get("holdout"), "trained": False}
 
 
 def eval_transform(size: int, data_cfg: dict[str, Any]):
