@@ -20,6 +20,7 @@ import torch
 import vitlab
 from conftest import assert_close_to_golden, load_golden
 from test_convert import (
+    EAMLP_SMALL,
     GOLD,
     RE_ATTN,
     REFINER_MIXERS,
@@ -54,17 +55,6 @@ OFFICIAL = [
     ),
     ("tnt_s_patch16_224", "tnt_model_huawei.npz", dict(TNT_SMALL), "tnt_huawei", None),
 ]
-EAMLP_SMALL = dict(
-    img_size=32,
-    in_chans=2,
-    num_classes=10,
-    embed_dim=32,
-    depth=2,
-    num_heads=2,
-    mlp_ratio=2,
-    token_dim=16,
-    soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
-)
 
 
 def same_logits(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> None:
