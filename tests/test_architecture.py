@@ -24,6 +24,7 @@ TOOLS = (
     "vitlab.catalog",
     "vitlab.convert.cli",
     "vitlab.integrations",
+    "vitlab.data.cli",
 )
 # the package itself: `import vitlab` gives the public API (create_model with weights, from_pretrained, ...)
 PUBLIC = "vitlab"

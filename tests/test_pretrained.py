@@ -333,8 +333,6 @@ def test_analyze_reads_the_checkpoint_data(tmp_path, capsys, data_dir):
 
 
 def test_eval_with_weights_uses_the_model_data_config(tmp_path, capsys):
-    from vitlab.train.evaluate import eval_transform
-
     path, _ = mnist_checkpoint(tmp_path)
     code, _, err = run_cli(capsys, "convert", str(path), "--format", "folder", "--out", str(tmp_path / "f"))
     assert code == 0, err  # the folder records the data, its held-out part and normalisation
@@ -350,13 +348,42 @@ def test_eval_with_weights_uses_the_model_data_config(tmp_path, capsys):
     assert code == 2 and "--ema needs" in err
     code, _, err = run_cli(capsys, "eval", "deit_mini")
     assert code == 2 and "--weights" in err
-    # resize to size / crop_pct, centre crop, normalise; a crop larger than the image is zero-padded
-    x = torch.rand(2, 1, 40, 40)
-    cfg = {"crop_pct": 0.875, "interpolation": "bilinear", "mean": (0.5,), "std": (0.25,)}
-    resized = torch.nn.functional.interpolate(x, size=(36, 36), mode="bilinear", antialias=True)
-    torch.testing.assert_close(eval_transform(32, cfg)(x), (resized[..., 2:34, 2:34] - 0.5) / 0.25)
-    padded = eval_transform(32, {**cfg, "crop_pct": 32 / 28, "mean": (0.0,), "std": (1.0,)})(x)
-    assert padded.shape == (2, 1, 32, 32) and torch.all(padded[..., :2, :] == 0) and torch.all(padded[..., 30:, :] == 0)
+
+
+def test_eval_of_official_weights_on_an_image_folder(tmp_path, capsys):
+    """`vitlab eval MODEL --weights W --data folder:...`: every image resized to size / crop_pct, centre-cropped
+    and normalised as the model's pretrained_cfg says (here a crop of 0.5 and mean = std = 0.5)."""
+    from vitlab.data import create_transform, resolve_data_config
+    from vitlab.data.synth import synthesize
+
+    synthesize(tmp_path / "imgs", num_classes=3, train_per_class=1, val_per_class=3, size=(48, 40))
+    torch.manual_seed(0)
+    overlay = {"crop_pct": 0.5, "mean": (0.5,) * 3, "std": (0.5,) * 3, "interpolation": "bicubic"}
+    model = build_model("deit_mini", num_classes=3, pretrained_cfg_overlay=overlay).eval()
+    model.save_pretrained(tmp_path / "w")
+    spec = f"folder:{tmp_path / 'imgs'}"
+    code, _, err = run_cli(
+        capsys,
+        "eval",
+        "deit_mini",
+        "--weights",
+        str(tmp_path / "w"),
+        "--data",
+        spec,
+        "--json",
+        str(tmp_path / "r.json"),
+        "--batch-size",
+        "4",
+    )
+    assert code == 0, err
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    tf = create_transform(**resolve_data_config(model), is_training=False)
+    files = sorted((tmp_path / "imgs" / "val").rglob("*.JPEG"))
+    labels = torch.tensor([int(f.parent.name[1:]) for f in files])
+    with torch.no_grad():
+        logits = model(torch.stack([tf(f) for f in files]))
+    assert row["n"] == 9 and row["top1"] == pytest.approx(100 * float((logits.argmax(1) == labels).float().mean()))
+    assert row["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels)), rel=1e-5)
 
 
 def test_python_m_vitlab():

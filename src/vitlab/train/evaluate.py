@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default 256)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default; default 2)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding a folder: dataset (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -91,26 +91,45 @@ def load_for_eval(
     return model, {"data": cfg.get("data"), "holdout": cfg.get("holdout"), "trained": False}
 
 
-def eval_transform(size: int, data_cfg: dict[str, Any]):
-    """The evaluation transform of a data configuration on decoded batches: resize to ``size / crop_pct``
-    (the shorter side; the images are square here), centre-crop ``size`` (zero padding when crop_pct > 1,
-    as a centre crop larger than the image), normalise."""
-    import torch.nn.functional as F
+def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], batch_size: int, workers: int, dev):
+    """One evaluation loader per input size.
 
-    from ..data import Compose, Normalize, Resize
-
-    scale = max(1, math.floor(size / data_cfg["crop_pct"]))
-
-    def centre_crop(x, g=None):
-        if scale < size:
-            pad = size - scale
-            x = F.pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
-        top = (x.shape[-1] - size) // 2
-        return x[..., top : top + size, top : top + size]
-
-    return Compose(
-        [Resize(scale, data_cfg["interpolation"]), centre_crop, Normalize(data_cfg["mean"], data_cfg["std"])]
+    A `vitlab train` checkpoint is evaluated as its training evaluated (the held-out images resized whole,
+    the normalisation of its training data). Other weights are evaluated as their official code does, with
+    the model's data configuration (``resolve_data_config``: resize the shorter side to size / crop_pct,
+    centre crop, the model's mean/std) through ``vitlab.data``'s loaders (a ``folder:`` spec streams)."""
+    from ..data import (
+        BatchLoader,
+        create_loader,
+        create_transform,
+        load_dataset,
+        make_transform,
+        open_source,
+        resolve_data_config,
     )
+
+    data_cfg = resolve_data_config(model)
+    if trained["trained"]:
+        ds = load_dataset(spec, "test", img_size=model.img_size[0], holdout=trained["holdout"])
+        _check_data(spec, ds.num_classes, ds.in_chans, model)
+        recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
+        mean, std = (data_cfg["mean"], data_cfg["std"]) if recorded else (ds.mean, ds.std)
+        tf = lambda size: make_transform(False, size, mean, std)  # noqa: E731
+        return [BatchLoader(ds, batch_size, shuffle=False, transform=tf(s), device=dev) for s in sizes]
+    source = open_source(spec, "val", holdout=trained["holdout"])
+    _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
+    loaders = []
+    for size in sizes:
+        tf = create_transform(**{**data_cfg, "input_size": (model.in_chans, size, size)}, is_training=False)
+        loaders.append(create_loader(source, tf, batch_size, is_training=False, workers=workers, device=dev))
+    return loaders
+
+
+def _check_data(spec: str, num_classes: int, in_chans: int, model: Any) -> None:
+    if num_classes != model.num_classes:
+        raise ValueError(f"{spec!r} has {num_classes} classes, the model predicts {model.num_classes}")
+    if in_chans != model.in_chans:
+        raise ValueError(f"{spec!r} has {in_chans}-channel images, the model takes {model.in_chans}")
 
 
 def evaluate_checkpoint(
@@ -124,11 +143,11 @@ def evaluate_checkpoint(
     amp: str = "none",
     threads: int = 2,
     weights: str | Path | None = None,
+    workers: int = 0,
 ) -> list[dict[str, Any]]:
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
-    from ..data import BatchLoader, load_dataset, resolve_data_config
     from .engine import amp_dtype, evaluate, is_oom
 
     if threads > 0:
@@ -151,19 +170,10 @@ def evaluate_checkpoint(
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
     model.to(dev).eval()
-    data_cfg = resolve_data_config(model)
-    scale = max(1, math.floor(train_size / data_cfg["crop_pct"]))
-    ds = load_dataset(spec, "test", img_size=scale, holdout=trained["holdout"], channels=model.in_chans)
-    if trained["trained"] and "data" not in model.pretrained_cfg:  # an older checkpoint: the data's statistics
-        data_cfg.update(mean=ds.mean, std=ds.std, crop_pct=1.0, interpolation="bilinear")
-    if ds.num_classes != model.num_classes:
-        raise ValueError(f"{spec!r} has {ds.num_classes} classes, the model predicts {model.num_classes}")
-    if ds.in_chans != model.in_chans:
-        raise ValueError(f"{spec!r} has {ds.in_chans}-channel images, the model takes {model.in_chans}")
     dtype = amp_dtype(amp, dev)
+    weights_used = ("ema" if ema else "model") if trained["trained"] else model.meta.get("weights", "")
     rows = []
-    for size in sizes:
-        loader = BatchLoader(ds, batch_size, shuffle=False, transform=eval_transform(size, data_cfg), device=dev)
+    for size, loader in zip(sizes, _loaders(model, trained, spec, sizes, batch_size, workers, dev)):
         try:
             res = evaluate(model, loader, dev, dtype)
         except ValueError as e:
@@ -174,7 +184,6 @@ def evaluate_checkpoint(
                     f"a batch of {batch_size} images at {size}px does not fit in memory; use a smaller --batch-size"
                 ) from None
             raise
-        weights_used = ("ema" if ema else "model") if trained["trained"] else model.meta.get("weights", "")
         rows.append({"model": name, "img_size": size, "trained_at": train_size, "weights": weights_used, **res})
     return rows
 
@@ -195,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         args.amp,
         args.threads,
         args.weights,
+        args.workers,
     )
     print(f"{'model':20s} {'size':>5s} {'top-1 %':>8s} {'top-5 %':>8s} {'loss':>7s} {'img/s':>8s}  (trained at)")
     for r in rows:
