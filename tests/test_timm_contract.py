@@ -1,7 +1,8 @@
 """timm's model contract, method for method, on every registered model (timm's own test style).
 
 The small ``*_mini`` models run the whole battery with real numbers (forward, backward, intermediates in
-each format, features_only, reset_classifier with each pool, tracing); every full-size model gets the
+each format, features_only, reset_classifier with each pool; TorchScript tracing and ONNX of every one of
+them are in test_export.py, torch.compile here in the slow suite); every full-size model gets the
 structural checks on the meta device (no memory, no initialisation), and its forward/backward battery on
 the meta device in the slow suite.
 """
@@ -16,7 +17,6 @@ from torch.utils.checkpoint import checkpoint
 
 import vitlab
 from vitlab.data import resolve_data_config
-from vitlab.export import to_torchscript
 from vitlab.layers.checkpointing import checkpointed
 from vitlab.lm import CausalLM
 from vitlab.models import create_model
@@ -112,10 +112,12 @@ def test_reset_classifier_and_pools(name):
             naive["token"] = feats[:, 0]
         for pool, pooled in naive.items():
             model.reset_classifier(0, pool)
-            torch.testing.assert_close(model(x), pooled)
+            torch.testing.assert_close(model.forward_head(feats), pooled)
             model.reset_classifier(7, pool)
-            assert model(x).shape == (2, 7)
+            assert model.forward_head(feats).shape == (2, 7)
             torch.testing.assert_close(model.forward_head(feats, pre_logits=True), pooled)
+        model.reset_classifier(0, "avg")
+        torch.testing.assert_close(model(x), naive["avg"])  # the whole forward pools as forward_head
         model.reset_classifier(0, "")
         assert torch.equal(model(x), feats)  # no pooling, no head: the tokens
         model.reset_classifier(3)
@@ -141,15 +143,6 @@ def test_pretrained_cfg_and_names(name):
 def _per_channel(model) -> int:
     """Input features of the first layer per image channel (T2T's first layer sees k x k windows)."""
     return model.tokens_to_token.soft_split[0][0] ** 2 if hasattr(model, "tokens_to_token") else 1
-
-
-@pytest.mark.parametrize("name", MINI)
-def test_traced_matches_eager(name):
-    model = mini(name).eval()
-    x = image(model)
-    traced = to_torchscript(model, x)  # torch.jit.trace with the tracer's notices silenced
-    with torch.no_grad():
-        torch.testing.assert_close(traced(x), model(x))
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "eamlp_mini"])
