@@ -109,4 +109,4 @@ def test_compare_user_errors_are_one_line(tmp_path, capsys):
 
     assert "unknown model 'deit_mni'" in error("--models", "deit_mini,deit_mni")
     assert "does not exist" in error("--data", f"mnist-idx:{tmp_path / 'none'}")
-    assert "--threads must be" in error("--threads", "0")
+    assert "argument --threads: must be an integer in 1..1024, got '0'" in error("--threads", "0")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .. import options as opt
 from ..io import check_writable_file, check_writable_folder
 from .keymaps import SOURCES
 
@@ -45,11 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "-vitlab/)",
     )
     p.add_argument(
-        "--num-classes", type=int, default=None, help="classifier size (default: taken from the checkpoint's head)"
+        "--num-classes",
+        type=opt.positive_int,
+        default=None,
+        help="classifier size (default: taken from the checkpoint's head)",
     )
     p.add_argument(
         "--img-size",
-        type=int,
+        type=opt.image_size,
         default=None,
         help="build the model for this input size (a learned position table is resampled, and reported)",
     )

@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import options as opt
+from ..data.datasets import data_spec
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -33,21 +36,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--img-size",
-        type=int,
+        type=opt.image_size,
         nargs="+",
         default=None,
         metavar="N",
         help="evaluate at these input sizes (default: the training size)",
     )
     p.add_argument(
-        "--data", default=None, help="dataset spec (default: the one the checkpoint was trained on; required otherwise)"
+        "--data",
+        type=data_spec,
+        default=None,
+        help="dataset spec (default: the one the checkpoint was trained on; required otherwise)",
     )
     p.add_argument("--model", default=None, help="check that the checkpoint holds this model")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default 256)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default; default 2)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding a folder: dataset (default 0)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--batch-size", type=opt.positive_int, default=256, help="evaluation batch size (default 256)")
+    p.add_argument("--threads", type=opt.threads, default=2, help="torch threads (0: torch's default; default 2)")
+    p.add_argument(
+        "--workers",
+        type=opt.non_negative_int,
+        default=0,
+        help="DataLoader workers decoding a folder: dataset (default 0)",
+    )
+    p.add_argument("--device", type=opt.device, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -148,6 +159,7 @@ def evaluate_checkpoint(
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
+    from ..runtime import resolve_device
     from .engine import amp_dtype, evaluate, is_oom
 
     if threads > 0:
@@ -166,9 +178,7 @@ def evaluate_checkpoint(
     spec = data or trained["data"]
     if spec is None:
         raise ValueError(f"--data is needed: the weights of {name} do not say what data they were trained on")
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    dev = resolve_device(device)
     model.to(dev).eval()
     dtype = amp_dtype(amp, dev)
     weights_used = ("ema" if ema else "model") if trained["trained"] else model.meta.get("weights", "")
