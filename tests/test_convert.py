@@ -446,20 +446,23 @@ def eamlp_official_state(model: T2TViT, token_golden, block_golden) -> dict[str,
     return state
 
 
+# token layer 1 takes 2 * 4 * 4 = 32 features to 16 (the golden's dims); blocks are 32 wide with 2 heads
+EAMLP_SMALL = dict(
+    img_size=32,
+    in_chans=2,
+    num_classes=10,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    mlp_ratio=2,
+    token_dim=16,
+    soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
+)
+
+
 def test_eamlp_official_names():
     token_g, block_g = load_golden("ea_token_eamlp.npz"), load_golden("ea_multihead_eamlp.npz")
-    # token layer 1 takes 2 * 4 * 4 = 32 features to 16 (the golden's dims); blocks are 32 wide with 2 heads
-    model = T2TViT(
-        img_size=32,
-        in_chans=2,
-        num_classes=10,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2,
-        token_dim=16,
-        soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
-    ).eval()
+    model = T2TViT(**EAMLP_SMALL).eval()
     state = eamlp_official_state(model, token_g, block_g)
     assert detect_source(state) == "eamlp"
     report = load_reference(model, state, source="eamlp")

@@ -15,6 +15,7 @@ import sys
 import warnings
 from typing import NoReturn
 
+from .extras import MissingExtra
 from .runtime import configure_from_env, is_out_of_memory
 
 # subcommand -> (module, one-line help)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
         return 0
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, MissingExtra) as e:
         if args.debug:
             raise
         print(f"{args._prog}: error: {e}", file=sys.stderr)

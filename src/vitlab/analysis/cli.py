@@ -13,6 +13,7 @@ import torch
 
 from .. import options as opt
 from ..checkpoint import load_model
+from ..data.config import SPEC_HELP
 from ..data.datasets import data_spec
 from ..io import check_writable_folder
 from ..runtime import resolve_device
@@ -30,7 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true", help="use the EMA weights of a `vitlab train` checkpoint")
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--data", type=data_spec, help="dataset: mnist | cifar10:DIR | mnist-idx:DIR | folder:DIR (default: mnist)"
+        "--data",
+        type=data_spec,
+        help=f"dataset, as `vitlab train` takes it: {SPEC_HELP} (default: the one a `vitlab train` checkpoint was "
+        "trained on, else mnist)",
     )
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files instead of a dataset")
     p.add_argument("--split", default="test", choices=("train", "test"), help="dataset split (default: test)")
@@ -96,9 +100,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})
     model.to(resolve_device(args.device))
     weights = model.meta["weights"] if args.checkpoint else f"random init (seed {args.seed})"
-    images, x, data = load_images(
-        model, data=args.data, files=args.images, split=args.split, num_images=args.num_images
-    )
+    data = args.data or (None if args.images else model.pretrained_cfg.get("data"))
+    images, x, data = load_images(model, data=data, files=args.images, split=args.split, num_images=args.num_images)
     print(f"{args.model} [{weights}] on {data}; analyses: {', '.join(what)}")
     report = analyze(
         model,

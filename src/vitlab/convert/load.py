@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..io import atomic_path
+from ..io import write_safetensors_atomic
 from ..layers import resample_pos_embed
 from .keymaps import SOURCES, check_source, compact_keys, convert_state
 from .safeload import load_file
@@ -305,25 +305,9 @@ def load_reference(
 def save_weights(
     model_or_state: nn.Module | Mapping[str, Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write a state_dict as safetensors, atomically (:func:`vitlab.io.atomic_path`).
-
-    Tensors are saved contiguous, on the CPU; tensors sharing storage are saved as separate copies.
-    """
-    from safetensors.torch import save_file
-
+    """Write a state_dict as safetensors, atomically (:func:`vitlab.io.write_safetensors_atomic`)."""
     state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else dict(model_or_state)
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for key, t in state.items():
-        if not isinstance(t, Tensor):
-            raise ValueError(f"save_weights: {key!r} is a {type(t).__name__}, not a tensor")
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        out[key] = t.clone() if ptr in seen else t  # safetensors refuses tensors that share memory
-        seen.add(ptr)
-    with atomic_path(path) as tmp:
-        save_file(out, tmp, metadata=dict(metadata or {"format": "pt", "writer": "vitlab"}))
-    return Path(path)
+    return write_safetensors_atomic(state, path, metadata)
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -16,7 +16,8 @@ uses multi-head external attention (``transformer_block.py``; vitlab's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -230,7 +231,8 @@ class T2TViT(Classifier):
         mixer: one spec for every block or a per-block list (as VisionTransformer);
             num_heads, qkv_bias, attn_drop, proj_drop and max_len are passed to mixers that take them.
         norm_eps: LayerNorm eps (1e-5: the official code uses nn.LayerNorm's default).
-        global_pool: ``"token"`` (class token, as T2T-ViT) or ``"avg"`` (mean of the patch tokens).
+        global_pool: ``"token"`` (class token, as T2T-ViT), ``"avg"`` / ``"max"`` / ``"avgmax"`` (over the
+            patch tokens) or ``""`` (no pooling).
     """
 
     def __init__(
@@ -267,6 +269,7 @@ class T2TViT(Classifier):
             in_chans, embed_dim, token_dim, soft_split, token_mixer, token_drop, norm_eps
         )
         self.grid = self.tokens_to_token.grid_size(img_size)
+        self._img_size = _as_pair(img_size)
         num_tokens = 1 + self.grid[0] * self.grid[1]
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # fixed table (requires_grad=False in the official code); a function of the token count, so not saved
@@ -283,6 +286,34 @@ class T2TViT(Classifier):
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head = self.new_head(num_classes)
         self.init_weights()
+
+    STEM = ("cls_token", "pos_embed", "tokens_to_token")
+
+    @property
+    def first_conv(self) -> str:
+        """The first layer that sees the image's channels (the first token layer's projection)."""
+        if not len(self.tokens_to_token.layers):
+            return "tokens_to_token.project"
+        attn = self.tokens_to_token.layers[0].attn
+        return "tokens_to_token.layers.0.attn." + ("q_linear" if hasattr(attn, "q_linear") else "qkv")
+
+    @property
+    def reduction(self) -> int:
+        return math.prod(s for _, s, _ in self.tokens_to_token.soft_split)
+
+    @property
+    def in_chans(self) -> int:
+        return int(self.tokens_to_token.in_chans)
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        return self._img_size
+
+    def _set_img_size(self, size: tuple[int, int]) -> None:
+        self.grid = self.tokens_to_token.grid_size(size)
+        table = sinusoid_1d(1 + self.grid[0] * self.grid[1], self.embed_dim)[None]
+        self.pos_embed = table.to(self.pos_embed)
+        self._img_size = size
 
     def init_weights(self) -> None:
         """As the official T2T-ViT (trunc-normal 0.02 for the class token and Linear weights); then the token
@@ -309,8 +340,11 @@ class T2TViT(Classifier):
         x = x + self.position_table(x.shape[1]).to(x.dtype)
         return self.pos_drop(x), TokenLayout(grid, self.num_prefix)
 
-    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
-        """Every block's output and its mixer's aux: ``{"tokens", "aux", "features", "layout"}`` (as VisionTransformer)."""
+    def _trace(
+        self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
+    ) -> dict[str, Any]:
         x, layout = self._embed(x)
-        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux)
-        return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
+        x, tokens, auxes = run_blocks(
+            self.blocks, x, layout, return_aux, keep=keep, stop=stop, checkpointing=self.grad_checkpointing
+        )
+        return {"tokens": tokens, "aux": auxes, "last": x, "layout": layout}
