@@ -7,6 +7,23 @@ from pathlib import Path
 
 from ..io import atomic_open, check_writable_file, write_json_atomic
 
+FULL_BIAS = "full"  # --bias-dim full: a full T x T position bias (AFT Table 3)
+
+
+def bias_dim(text: str) -> int | str:
+    """``--bias-dim``: d' of the factorised bias (a positive integer), or ``full`` (also ``none``) for the
+    non-factorised ``T x T`` bias of the AFT paper's Table 3."""
+    if text.strip().lower() in (FULL_BIAS, "none"):
+        return FULL_BIAS
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'full' (a T x T bias), got {text!r}")
+    return value
+
+
 # CausalLM options settable from the command line (None: the named config's value)
 MODEL_FLAGS = {
     "dim": (int, "model width d"),
@@ -14,7 +31,7 @@ MODEL_FLAGS = {
     "heads": (int, "attention heads (Transformer baseline)"),
     "dropout": (float, "dropout (paper 0.1)"),
     "window": (int, "AFT-local window s"),
-    "bias_dim": (int, "d' of the factorised AFT position bias"),
+    "bias_dim": (bias_dim, "d' of the factorised AFT position bias, or 'full' for a T x T bias (Table 3)"),
     "max_len": (int, "position-table length (default: the data's sequence length)"),
     "channels": (int, "1: embedding/head shared across RGB (paper); 3: one per channel"),
 }
@@ -111,6 +128,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import LMTrainConfig, train
 
     overrides = {k: getattr(args, k) for k in [*MODEL_FLAGS, "tie_head"] if getattr(args, k) is not None}
+    if overrides.get("bias_dim") == FULL_BIAS:
+        overrides["bias_dim"] = None  # the mixers' spelling of a full T x T bias
     fields = set(LMTrainConfig.__dataclass_fields__) - {"overrides", "out"}
     cfg = LMTrainConfig(
         **{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}", overrides=overrides

@@ -11,11 +11,17 @@ from torch import nn
 
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
+from .pyramid import PyramidCPVT
 from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "tnt": TNT, "t2t": T2TViT}
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "vit": VisionTransformer,
+    "tnt": TNT,
+    "t2t": T2TViT,
+    "pyramid": PyramidCPVT,
+}
 
 
 @dataclass(frozen=True)
