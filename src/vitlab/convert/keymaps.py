@@ -71,7 +71,10 @@ KEY_RULES: dict[str, list[Rule]] = {
     # Twins' PosCNN: proj is Sequential(conv) there
     "twins_peg": [(r"^proj\.0\.", "proj.")],
     # Twins' CPVTV2 pyramid: blocks per stage keep their names, attn -> mixer, the stage PEGs -> pegs
-    "twins_cpvtv2": [(r"^(blocks\.\d+\.\d+\.)attn\.", r"\1mixer."), (r"^pos_block\.(\d+)\.proj\.0\.", r"pegs.\1.proj.")],
+    "twins_cpvtv2": [
+        (r"^(blocks\.\d+\.\d+\.)attn\.", r"\1mixer."),
+        (r"^pos_block\.(\d+)\.proj\.0\.", r"pegs.\1.proj."),
+    ],
     # EANet: the memories linear_0 / linear_1 (1-D convolutions, reshaped by _eanet_memories) -> ea.mk / ea.mv
     "eanet": [(r"^linear_0\.", "ea.mk."), (r"^linear_1\.", "ea.mv.")],
     # re-attention keeps the official submodule names (reatten_matrix, var_norm)

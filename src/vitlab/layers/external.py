@@ -42,7 +42,9 @@ class ExternalAttentionConv(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.ea.dim:
-            raise ValueError(f"ExternalAttentionConv: expected a feature map (B, {self.ea.dim}, H, W), got {tuple(x.shape)}")
+            raise ValueError(
+                f"ExternalAttentionConv: expected a feature map (B, {self.ea.dim}, H, W), got {tuple(x.shape)}"
+            )
         b, c, h, w = x.shape
         y = self.conv1(x).flatten(2).transpose(1, 2)  # (B, H·W, C): the positions are the tokens
         y = self.ea(y).transpose(1, 2).reshape(b, c, h, w)

@@ -195,7 +195,13 @@ def _conv_bias_rows(
 
 
 def aft_conv(
-    q: Tensor | None, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int = 0, global_context: bool = True
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    grid: tuple[int, int],
+    num_prefix: int = 0,
+    global_context: bool = True,
 ) -> Tensor:
     """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
 

@@ -207,7 +207,9 @@ class RelPos2dAttention(Attention):
 
     def offsets(self, grid: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
         """Table indices ``(M, M)`` of the row and column offsets between the M = H·W patches (row-major)."""
-        ys, xs = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device), indexing="ij")
+        ys, xs = torch.meshgrid(
+            torch.arange(grid[0], device=device), torch.arange(grid[1], device=device), indexing="ij"
+        )
         ys, xs = ys.flatten(), xs.flatten()
         k = self.max_distance
         return ((ys[None] - ys[:, None]).clamp(-k, k) + k), ((xs[None] - xs[:, None]).clamp(-k, k) + k)

@@ -322,7 +322,9 @@ class RefinerAttention(Attention):
         if share:
             self.qkv = nn.Linear(dim, dim, bias=qkv_bias)  # values only: the map comes from the previous block
         self.refiner = (
-            DistributedLocalAttention(num_heads, expansion, kernel_size, dla, reduction, official_extras, kernel_constraint)
+            DistributedLocalAttention(
+                num_heads, expansion, kernel_size, dla, reduction, official_extras, kernel_constraint
+            )
             if refine
             else None
         )

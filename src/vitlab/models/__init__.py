@@ -8,4 +8,14 @@ from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
 
-__all__ = ["TNT", "ModelConfig", "PyramidCPVT", "T2TViT", "VisionTransformer", "create_model", "get_config", "list_models", "register"]
+__all__ = [
+    "TNT",
+    "ModelConfig",
+    "PyramidCPVT",
+    "T2TViT",
+    "VisionTransformer",
+    "create_model",
+    "get_config",
+    "list_models",
+    "register",
+]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .configs import AFT, CPVT, DEEPVIT, EA, MINI, REFINER, TNT, tnt, vit
+from .configs import AFT, CPVT, DEEPVIT, EA, MINI, REFINER, tnt, vit
 from .registry import ModelConfig, register
 
 T2T = "Yuan et al. 2021, Tokens-to-Token ViT: Training Vision Transformers from Scratch on ImageNet"
@@ -356,7 +356,10 @@ def t2t_mini(name: str, paper: str, source: str, **kw: Any) -> ModelConfig:
 
 _rows += [
     t2t_mini(
-        "eamlp_softmax_mini", EA, "EA with the softmax over the tokens only (no l1 step)", mixer=("external_mh", dict(norm="softmax"))
+        "eamlp_softmax_mini",
+        EA,
+        "EA with the softmax over the tokens only (no l1 step)",
+        mixer=("external_mh", dict(norm="softmax")),
     ),
     t2t_mini("eamlp_bn_mini", EA, "EAMLP with BatchNorm in the blocks", norm="batch"),
     *[

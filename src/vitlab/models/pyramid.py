@@ -134,10 +134,10 @@ class PyramidCPVT(Classifier):
     def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
         """Every block's tokens and mixer aux (all stages in order), the final normed tokens and the last layout."""
         tokens, auxes = [], []
-        b = x.shape[0]
-        for i, (embed, stage, peg) in enumerate(zip(self.patch_embeds, self.blocks, self.pegs)):
-            if i:  # the previous stage's tokens back to an image
-                x = x.transpose(1, 2).reshape(b, -1, *layout.grid)
+        b, grid = x.shape[0], None
+        for embed, stage, peg in zip(self.patch_embeds, self.blocks, self.pegs):
+            if grid is not None:  # the previous stage's tokens back to an image
+                x = x.transpose(1, 2).reshape(b, -1, *grid)
             x, grid = embed(x)
             layout = TokenLayout(grid, 0)
             for j, blk in enumerate(stage):

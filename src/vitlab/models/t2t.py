@@ -166,7 +166,11 @@ class TokenPerformerAttention(ElementwiseFlops, nn.Module):
         return (out, {}) if return_aux else out
 
 
-TOKEN_MIXERS = {"external": TokenExternalAttention, "attention": TokenSelfAttention, "performer": TokenPerformerAttention}
+TOKEN_MIXERS = {
+    "external": TokenExternalAttention,
+    "attention": TokenSelfAttention,
+    "performer": TokenPerformerAttention,
+}
 
 
 class TokenLayer(nn.Module):

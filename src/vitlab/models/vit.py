@@ -95,7 +95,9 @@ class VisionTransformer(Classifier):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
         self.pos_drop = nn.Dropout(drop_rate)
         peg_options = peg_options or {}
-        self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel, **peg_options) for i in peg_at})
+        self.pegs = nn.ModuleDict(
+            {str(i): PositionEncodingGenerator(embed_dim, peg_kernel, **peg_options) for i in peg_at}
+        )
 
         defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
         self.blocks = build_blocks(
