@@ -198,7 +198,7 @@ class StudyReport:
     def note(self, meta: dict[str, Any]) -> str:
         scale = "small-scale rows (*_mini)" if self.scale == "small" else "paper-size models"
         return (
-            f"{self.study.title}. Ours: {scale}; "
+            f"{self.study.title}. vitlab: {scale}. "
             + compare_note(meta)
             + f"\n\nPaper: {self.study.paper}, {self.study.source}. {self.study.notes}".rstrip()
         )
@@ -223,7 +223,8 @@ def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
     ours = [r.get("top1") or 0.0 for r in rows]
     axes[0][0].barh(y, ours, xerr=[r.get("top1_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
     axes[0][0].set(yticks=y, yticklabels=labels, xlabel="held-out top-1 (%)", title="vitlab (this run)")
-    axes[0][0].set_xlim(min(ours) - 5 if ours else 0, 100)
+    spread = [(r.get("top1") or 0.0, r.get("top1_std") or 0.0) for r in rows]
+    axes[0][0].set_xlim(max(0.0, min(m - s for m, s in spread) - 2), min(100.0, max(m + s for m, s in spread) + 2))
     if panels == 2:
         known = [v for v in numeric if v is not None]
         axes[0][1].barh(y, [v if v is not None else 0 for v in numeric], color="tab:gray")
