@@ -146,9 +146,9 @@ class TokenPerformerAttention(ElementwiseFlops, nn.Module):
         self.register_buffer("w", w)
 
     def features(self, u: Tensor) -> Tensor:
-        """Positive random features ``exp(w u - ‖u‖² / 2) / sqrt(m)``, (B, N, m), in fp32."""
-        u = u.float()
-        return torch.exp(u @ self.w.T - u.square().sum(-1, keepdim=True) / 2) / self.num_features**0.5
+        """Positive random features ``exp(w u - ‖u‖² / 2) / sqrt(m)``, (B, N, m), in fp32 (or float64 input's)."""
+        u = u.to(torch.promote_types(u.dtype, torch.float32))
+        return torch.exp(u @ self.w.to(u.dtype).T - u.square().sum(-1, keepdim=True) / 2) / self.num_features**0.5
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
@@ -161,7 +161,7 @@ class TokenPerformerAttention(ElementwiseFlops, nn.Module):
         k, q, v = self.kqv(x).chunk(3, dim=-1)
         kp, qp = self.features(k), self.features(q)
         den = qp @ kp.sum(1).unsqueeze(-1)  # (B, N, 1)
-        y = (qp @ (kp.transpose(1, 2) @ v.float())) / (den + 1e-8)
+        y = (qp @ (kp.transpose(1, 2) @ v.to(kp.dtype))) / (den + 1e-8)
         out = v + self.proj_drop(self.proj(y.to(v.dtype)))
         return (out, {}) if return_aux else out
 

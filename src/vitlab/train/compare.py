@@ -507,7 +507,7 @@ def plan_variants(
     jobs = args.jobs or args.threads
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    n_seeds = args.seeds or 1
+    n_seeds = 1 if args.seeds is None else args.seeds
     if n_seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
     if args.img_size is not None and args.img_size < 1:

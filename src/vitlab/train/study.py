@@ -194,6 +194,7 @@ class StudyReport:
                 row[f"paper_{key}"] = spec.paper.get(key)
         if self.study.extra == "similarity":
             self.curves = similarity_curves(plan, results, rows)
+            write_json_atomic(plan.out / "similarity.json", {"threshold": SIMILAR, "adjacent_similarity": self.curves})
 
     def note(self, meta: dict[str, Any]) -> str:
         scale = "small-scale rows (*_mini)" if self.scale == "small" else "paper-size models"
@@ -280,7 +281,7 @@ def block_similarity(checkpoint: Path, images: torch.Tensor) -> torch.Tensor:
 
 
 def write_similarity(out: Path, curves: dict[str, list[float]]) -> list[Path]:
-    write_json_atomic(out / "similarity.json", {"threshold": SIMILAR, "adjacent_similarity": curves})
+    """``similarity.png``: each row's block-to-block similarity curve (the data is ``similarity.json``)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, curve in curves.items():
@@ -292,4 +293,4 @@ def write_similarity(out: Path, curves: dict[str, list[float]]) -> list[Path]:
     fig.tight_layout()
     write_figure_atomic(fig, out / "similarity.png", dpi=120)
     plt.close(fig)
-    return [out / "similarity.png", out / "similarity.json"]
+    return [out / "similarity.png"]
