@@ -34,7 +34,11 @@ MIXERS: dict[str, type[TokenMixer]] = {
     "aft_local": AFTLocal,
     "aft_simple": AFTSimple,
     "aft_conv": AFTConv,
-    # the alternatives the papers' ablations compare against (docs/semantics.md, Decisions C2, D3, E3)
+}
+#: further kinds ``build`` knows: the alternatives the papers' ablations compare against (docs/semantics.md,
+#: Decisions C2, D3, E3) and the attention of Twins' pyramid. Not in :data:`MIXERS`, the methods' own mixers that
+#: the mixer benchmark sweeps.
+EXTRA_MIXERS: dict[str, type[TokenMixer]] = {
     "attention_temperature": TemperatureAttention,
     "attention_dropmap": DropAttention,
     "attention_double_norm": DoubleNormAttention,
@@ -55,9 +59,10 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
     applied to it); an explicit ``num_heads > 1`` builds the official multi-head
     external attention (:class:`MultiHeadExternalAttention`).
     """
-    if kind not in MIXERS:
-        raise unknown_name_error("mixer kind", kind, MIXERS)
-    cls = MIXERS[kind]
+    kinds = {**MIXERS, **EXTRA_MIXERS}
+    if kind not in kinds:
+        raise unknown_name_error("mixer kind", kind, kinds)
+    cls = kinds[kind]
     if kind == "external" and kw.get("num_heads", 1) > 1:
         cls = MultiHeadExternalAttention
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
@@ -69,6 +74,7 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
 
 
 __all__ = [
+    "EXTRA_MIXERS",
     "MIXERS",
     "AFTConv",
     "AFTFull",
