@@ -22,6 +22,7 @@ TOOLS = (
     "vitlab.export",
     "vitlab.catalog",
     "vitlab.convert.cli",
+    "vitlab.data.cli",
 )
 SERVICES = ("vitlab.checkpoint", "vitlab.convert", "vitlab.measure", "vitlab.optim", "vitlab.rundir")
 # the core, lowest first: a module may import its own rank or lower; data sits beside the models

@@ -8,30 +8,28 @@ timed), so that the figure says how well the model's implementation uses the
 machine rather than how fast the machine is, and partly cancels what other
 jobs on a shared machine take away.
 
-The products are ``x @ Wᵀ`` as ``nn.Linear`` computes them: shapes typical of
-the models (DeiT-S's MLP and qkv at batch 8: 1576 tokens x 384 -> 1536, 1536 ->
-384, 384 -> 1152) and one big square product. For each shape, rounds of
-back-to-back calls are timed; a round's rate is its FLOPs over its wall time,
-the shape's rate is its best round (a *sustained* rate: a round is several
-calls, not one lucky call), and the machine's rate is the best shape's.
+The yardstick is the one of the peer comparison harness, so that both tools give one answer for the same
+code: a square ``(2048 x 2048) @ (2048 x 2048)`` product (``torch.mm``) in the model's dtype, three untimed
+calls, then single calls timed until at least ``min_calls`` calls and ``min_time`` seconds; the rate is the
+MEDIAN of the calls' rates (FLOPs = 2·M·K·N per call). A run that measures it more than once (``vitlab bench``:
+in every case process) divides by the best of those medians (a conservative denominator).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-# (M, K, N): M tokens of width K through a K -> N linear layer
-MODEL_SHAPES: tuple[tuple[int, int, int], ...] = ((1576, 384, 1536), (1576, 1536, 384), (1576, 384, 1152))
-SQUARE = (1536, 1536, 1536)
+SQUARE = (2048, 2048, 2048)  # (M, K, N) of the yardstick product
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
 class GemmRate:
-    """The best sustained rate (FLOP/s) over the measured shapes, and each shape's rate."""
+    """The GEMM rate (FLOP/s): the best of the measured shapes' median rates, and each shape's rate."""
 
     flops_per_s: float
     dtype: str
@@ -48,41 +46,40 @@ class GemmRate:
 
 
 def shape_rate(
-    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, rounds: int = 5, round_time: float = 0.05
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, min_calls: int = 5, min_time: float = 2.0
 ) -> float:
-    """Best sustained FLOP/s of ``x (m, k) @ w (n, k)ᵀ`` over ``rounds`` rounds of about ``round_time`` s each."""
+    """Median FLOP/s of single calls ``x (m, k) @ w (k, n)`` after 3 untimed calls, timed until at least
+    ``min_calls`` calls and ``min_time`` seconds (at most 1000 calls)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).to(dtype)
-    out = torch.empty(m, n, dtype=dtype)
-    flops = 2.0 * m * k * n
-    torch.mm(x, w.t(), out=out)  # warm the BLAS (packing buffers, thread pool)
-    t0 = time.perf_counter()
-    torch.mm(x, w.t(), out=out)
-    calls = max(1, int(round_time / max(time.perf_counter() - t0, 1e-6)))
-    best = 0.0
-    for _ in range(rounds):
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    for _ in range(3):  # the BLAS's packing buffers, the thread pool
+        torch.mm(x, w)
+    rates: list[float] = []
+    start = time.perf_counter()
+    while len(rates) < min_calls or (time.perf_counter() - start < min_time and len(rates) < 1000):
         t0 = time.perf_counter()
-        for _ in range(calls):
-            torch.mm(x, w.t(), out=out)
-        best = max(best, calls * flops / (time.perf_counter() - t0))
-    return best
+        torch.mm(x, w)
+        rates.append(2.0 * m * k * n / max(time.perf_counter() - t0, 1e-9))
+    return statistics.median(rates)
 
 
 def measure_gemm(
     dtype: str = "fp32",
     threads: int | None = None,
-    shapes: tuple[tuple[int, int, int], ...] = (*MODEL_SHAPES, SQUARE),
-    rounds: int = 5,
-    round_time: float = 0.05,
+    shapes: tuple[tuple[int, int, int], ...] = (SQUARE,),
+    min_calls: int = 5,
+    min_time: float = 2.0,
 ) -> GemmRate:
-    """The machine's GEMM rate with ``threads`` threads (None: torch's current setting), in this process."""
+    """The machine's GEMM rate with ``threads`` threads (None: torch's current setting), in this process: the
+    best of the shapes' median rates (by default the one square yardstick)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     by_shape = {
-        "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], rounds=rounds, round_time=round_time) for s in shapes
+        "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], min_calls=min_calls, min_time=min_time)
+        for s in shapes
     }
     return GemmRate(max(by_shape.values()), dtype, torch.get_num_threads(), by_shape, time.perf_counter() - t0)
