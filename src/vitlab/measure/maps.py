@@ -17,6 +17,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+__all__ = [
+    "adjacent_similarity",
+    "cross_layer_similarity",
+    "feature_evolution",
+    "head_similarity",
+    "query_attention",
+    "similar_block_count",
+    "similar_blocks",
+    "slot_maps",
+    "token_maps",
+]
+
 _EPS = 1e-12  # a zero column / token has cosine 0 with everything instead of 0/0
 
 
