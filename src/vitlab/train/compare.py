@@ -79,15 +79,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, RECIPE, "runs/compare")
 
 
-def add_run_arguments(p: argparse.ArgumentParser, recipe: dict[str, Any] | None, out: str) -> None:
+def add_run_arguments(
+    p: argparse.ArgumentParser, recipe: dict[str, Any] | None, out: str, shown_defaults: dict[str, Any] | None = None
+) -> None:
     """The options of a set of training runs, shared with ``vitlab study``. ``recipe`` gives the defaults of the
-    training options; None leaves them unset (None), so that a caller can tell a flag from its default."""
+    training options; None leaves them unset (None), so that a caller can tell a flag from its default, and
+    ``shown_defaults`` are then the defaults the help text names."""
+    shown_defaults = recipe if shown_defaults is None else shown_defaults
 
     def default(key: str, fallback: Any = None) -> Any:
         return None if recipe is None else recipe.get(key, fallback)
 
     def shown(key: str) -> str:
-        return f" (default {recipe[key]})" if recipe is not None and key in recipe else ""
+        return f" (default {shown_defaults[key]})" if shown_defaults and key in shown_defaults else ""
 
     p.add_argument(
         "--data",
@@ -101,7 +105,10 @@ def add_run_arguments(p: argparse.ArgumentParser, recipe: dict[str, Any] | None,
     p.add_argument("--ema", type=float, default=default("ema"), help="EMA decay, 0 = off" + shown("ema"))
     p.add_argument("--seed", type=int, default=default("seed", 0), help="the first seed (default 0)")
     p.add_argument(
-        "--seeds", type=int, default=default("seeds"), help="runs per variant, seeds --seed, --seed+1, ...: mean ± std"
+        "--seeds",
+        type=int,
+        default=default("seeds"),
+        help="runs per variant, seeds --seed, --seed+1, ...: mean ± std" + (shown("seeds") or " (default 1)"),
     )
     p.add_argument("--train-limit", type=int, default=None, help="train on a random N of the training images")
     p.add_argument("--out", default=out, help=f"output folder (default {out})")

@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--config", default=None, help="recipe file: a YAML or TOML mapping of training options (flags override it)"
     )
     p.add_argument("--speed", action="store_true", help="also time each row's inference (img/s)")
-    add_run_arguments(p, None, "runs/study/NAME")
+    add_run_arguments(p, None, "runs/study/NAME", {**RECIPE, **STUDY_DEFAULTS})
 
 
 def recipe_keys() -> list[str]:
