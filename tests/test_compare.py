@@ -109,7 +109,7 @@ def test_compare_user_errors_are_one_line(tmp_path, capsys):
 
     assert "unknown model 'deit_mni'" in error("--models", "deit_mini,deit_mni")
     assert "does not exist" in error("--data", f"mnist-idx:{tmp_path / 'none'}")
-    assert "--threads must be" in error("--threads", "0")
+    assert "argument --threads: must be an integer in 1..1024, got '0'" in error("--threads", "0")
 
 
 def test_compare_seeds_and_image_size(tmp_path, capsys):
@@ -132,4 +132,4 @@ def test_compare_seeds_and_image_size(tmp_path, capsys):
     cfg = json.loads((out / "deit_mini" / "seed6" / "result.json").read_text())["config"]
     assert cfg["seed"] == 6 and cfg["img_size"] == 32
     assert cli_main([*argv, "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
-    assert "--seeds must be >= 1" in capsys.readouterr().err
+    assert "argument --seeds: must be an integer >= 1, got '0'" in capsys.readouterr().err

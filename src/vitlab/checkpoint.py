@@ -47,7 +47,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if path.is_dir():
         path = path / "last.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found; pass a .pt file written by `vitlab train`")
+        raise FileNotFoundError(
+            f"checkpoint {path} not found; pass the last.pt of a `vitlab train` or `vitlab lm train` run (or its folder)"
+        )
     ckpt = load_file(path, map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model_name" not in ckpt:
         raise ValueError(
@@ -83,7 +85,23 @@ def load_state_checked(model: nn.Module, state: dict[str, torch.Tensor], what: s
     model.load_state_dict(state)
 
 
+def is_lm_checkpoint(ckpt: Mapping[str, Any]) -> bool:
+    """Whether ``ckpt`` was written by ``vitlab lm train`` (a sequence model over a vocabulary)."""
+    kwargs = ckpt.get("model_kwargs")
+    return "data" in ckpt and isinstance(kwargs, Mapping) and "vocab_size" in kwargs
+
+
+def check_image_classifier(ckpt: Mapping[str, Any]) -> None:
+    """One line pointing to ``vitlab lm`` when ``ckpt`` holds a sequence model, not an image classifier."""
+    if is_lm_checkpoint(ckpt):
+        raise ValueError(
+            f"{ckpt.get('path', 'the checkpoint')} was written by `vitlab lm train` (the sequence model "
+            f"{ckpt.get('model_name')!r}), not by `vitlab train`; use `vitlab lm eval` or `vitlab lm sample` with it"
+        )
+
+
 def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
+    check_image_classifier(ckpt)
     if ckpt["model_name"] != model_name:
         raise ValueError(
             f"checkpoint {ckpt.get('path', '')} holds a {ckpt['model_name']!r} model, not {model_name!r}; "
@@ -128,6 +146,8 @@ def load_model(
 
     ``overrides`` are constructor options (``img_size``, ``in_chans``, ``num_classes``, ...).
     """
+    if isinstance(weights, Mapping):
+        check_image_classifier(weights)  # before its name is looked up among the image models
     if not isinstance(name_or_path, str) or not _is_model_name(name_or_path):
         if weights is not None:
             raise ValueError(f"{name_or_path} is a checkpoint, not a model name; pass the weights only once")
@@ -180,6 +200,7 @@ def _training_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> nn.Module:
+    check_image_classifier(ckpt)
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")

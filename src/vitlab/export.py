@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .io import atomic_path, atomic_path_with_companions, check_writable_file
+from . import options as opt
+from .io import atomic_open, atomic_path_with_companions, check_writable_file
 
 FORMATS = ("torchscript", "onnx", "compile")
 
@@ -74,9 +75,9 @@ def to_torchscript(model: nn.Module, example: Tensor, path: str | Path | None = 
     model = model.eval()
     with _quiet(), torch.no_grad():
         traced = torch.jit.trace(model, (example,), check_trace=False)
-    if path is not None:
-        with atomic_path(path) as tmp:
-            traced.save(str(tmp))
+    if path is not None:  # serialised in memory first: torch's own file writer aborts the process on a failed write
+        with atomic_open(path, "wb") as f:
+            f.write(traced.save_to_buffer())
     return traced
 
 
@@ -193,10 +194,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "`vitlab convert` reads)",
     )
     p.add_argument(
-        "--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)"
+        "--num-classes",
+        type=opt.positive_int,
+        default=None,
+        help="classifier size (default: from --weights, else the config's)",
     )
-    p.add_argument("--img-size", type=int, default=None, help="example input size (default: the model's)")
-    p.add_argument("--batch", type=int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)")
+    p.add_argument("--img-size", type=opt.image_size, default=None, help="example input size (default: the model's)")
+    p.add_argument(
+        "--batch", type=opt.positive_int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)"
+    )
     p.add_argument("--static-size", action="store_true", help="ONNX: fixed height and width even where they could vary")
     p.add_argument("--check", action="store_true", help="compare the export with eager PyTorch and print the error")
 

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .. import options as opt
 from ..io import check_writable_file
 from .keymaps import SOURCES
 
@@ -23,11 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--out", default=None, help="safetensors file to write (default: the checkpoint's name with .safetensors)"
     )
     p.add_argument(
-        "--num-classes", type=int, default=None, help="classifier size (default: taken from the checkpoint's head)"
+        "--num-classes",
+        type=opt.positive_int,
+        default=None,
+        help="classifier size (default: taken from the checkpoint's head)",
     )
     p.add_argument(
         "--img-size",
-        type=int,
+        type=opt.image_size,
         default=None,
         help="build the model for this input size (a learned position table is resampled)",
     )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_checkpoint, load_state_checked, save_checkpoint
+from ..checkpoint import is_lm_checkpoint, load_checkpoint, load_state_checked, save_checkpoint
 from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
 from ..rundir import RunLock, check_free_space, checkpoint_bytes
@@ -111,8 +111,11 @@ def _save(run: LMRun) -> None:
 def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
     """A trained model and its checkpoint (read with ``weights_only=True``)."""
     ckpt = load_checkpoint(path)
-    if "data" not in ckpt or not isinstance(ckpt.get("model_kwargs"), dict) or "vocab_size" not in ckpt["model_kwargs"]:
-        raise ValueError(f"{ckpt['path']} is not a `vitlab lm train` checkpoint")
+    if not is_lm_checkpoint(ckpt):
+        raise ValueError(
+            f"{ckpt['path']} is not a `vitlab lm train` checkpoint (it holds the image model "
+            f"{ckpt.get('model_name')!r}); use `vitlab eval` with it"
+        )
     model = CausalLM(**ckpt["model_kwargs"])
     load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
     return model.eval(), ckpt
@@ -217,7 +220,7 @@ def train_step(run: LMRun) -> float:
     seqs = run.data.sample(cfg.batch_size, run.gen).long()
     loss = run.model.loss(seqs)
     if not math.isfinite(loss.item()):
-        raise FloatingPointError(f"loss is {loss.item()} at step {run.step}; lower --lr")
+        raise ValueError(f"the training loss became {loss.item()} at step {run.step + 1}; lower --lr")
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.clip_grad > 0:

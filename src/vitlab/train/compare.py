@@ -39,7 +39,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import options as opt
 from ..checkpoint import load_checkpoint, load_model
+from ..data.datasets import data_spec
 from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
@@ -95,37 +97,49 @@ def add_run_arguments(
 
     p.add_argument(
         "--data",
+        type=data_spec,
         default=default("data", "mnist"),
         help="dataset spec as for `vitlab train` (default: the embedded MNIST)",
     )
-    p.add_argument("--img-size", type=int, default=None, help="resize the images to this size (default: the data's)")
-    p.add_argument("--epochs", type=int, default=default("epochs"), help="epochs per variant" + shown("epochs"))
-    p.add_argument("--batch-size", type=int, default=default("batch_size"), help="batch size" + shown("batch_size"))
-    p.add_argument("--lr", type=float, default=default("lr"), help="peak learning rate" + shown("lr"))
-    p.add_argument("--ema", type=float, default=default("ema"), help="EMA decay, 0 = off" + shown("ema"))
-    p.add_argument("--seed", type=int, default=default("seed", 0), help="the first seed (default 0)")
+    p.add_argument(
+        "--img-size", type=opt.image_size, default=None, help="resize the images to this size (default: the data's)"
+    )
+    p.add_argument(
+        "--epochs", type=opt.positive_int, default=default("epochs"), help="epochs per variant" + shown("epochs")
+    )
+    p.add_argument(
+        "--batch-size", type=opt.positive_int, default=default("batch_size"), help="batch size" + shown("batch_size")
+    )
+    p.add_argument("--lr", type=opt.positive_float, default=default("lr"), help="peak learning rate" + shown("lr"))
+    p.add_argument("--ema", type=opt.rate, default=default("ema"), help="EMA decay, 0 = off" + shown("ema"))
+    p.add_argument("--seed", type=opt.seed, default=default("seed", 0), help="the first seed (default 0)")
     p.add_argument(
         "--seeds",
-        type=int,
+        type=opt.positive_int,
         default=default("seeds"),
         help="runs per variant, seeds --seed, --seed+1, ...: mean ± std" + (shown("seeds") or " (default 1)"),
     )
-    p.add_argument("--train-limit", type=int, default=None, help="train on a random N of the training images")
+    p.add_argument(
+        "--train-limit", type=opt.positive_int, default=None, help="train on a random N of the training images"
+    )
     p.add_argument("--out", default=out, help=f"output folder (default {out})")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads to use in all (default %(default)s)")
+    p.add_argument(
+        "--threads", type=opt.Int(1, 1024), default=2, help="CPU threads to use in all (default %(default)s)"
+    )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=opt.positive_int,
         default=None,
         help="variants trained at once, each with threads/jobs threads (default: = --threads)",
     )
     p.add_argument("--no-adapt", action="store_true", help="keep the mini configs as registered on 28-px data")
-    p.add_argument(
+    start = p.add_mutually_exclusive_group()  # reuse the comparison in --out, or start over: not both
+    start.add_argument(
         "--resume",
         action="store_true",
         help="reuse finished variants in --out and resume unfinished ones from their last epoch",
     )
-    p.add_argument(
+    start.add_argument(
         "--force", action="store_true", help="start over even if --out holds a comparison (its files are moved aside)"
     )
     p.add_argument(

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -33,11 +34,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import check_model_name, load_checkpoint, load_state_checked, save_checkpoint
+from .. import options as opt
+from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint, load_state_checked, save_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
+from ..data.augment import RandAugment
+from ..data.datasets import data_spec
 from ..io import write_csv_atomic, write_json_atomic
+from ..models import get_config
 from ..optim import WarmupCosine, create_optimizer
 from ..rundir import RunLock, check_free_space, checkpoint_bytes
+from ..runtime import is_out_of_memory as is_oom
+from ..runtime import resolve_device
 from .ema import ModelEma
 
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
@@ -84,20 +91,60 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
-            raise TrainingError(f"need epochs, batch size >= 1, got {self.epochs}, {self.batch_size}")
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
-        if not 0 <= self.drop_path < 1 or not 0 <= self.smoothing < 1 or not 0 <= self.ema < 1:
-            raise TrainingError("drop_path, smoothing and ema must lie in [0, 1)")
-        if self.clip_grad < 0 or self.warmup_epochs < 0 or self.min_lr < 0:
-            raise TrainingError("clip_grad, warmup_epochs and min_lr must be >= 0")
+        for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check.check(value, "--" + name.replace("_", "-"))
+                except ValueError as e:
+                    raise TrainingError(str(e)) from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+
+def _registered_model(name: str) -> str:
+    get_config(name)  # ValueError naming the closest registered names
+    return name
+
+
+def _rand_augment_spec(spec: str) -> str:
+    RandAugment.from_spec(spec)  # ValueError saying what is wrong with it
+    return spec
+
+
+# the range of every option of TrainConfig that has one: the argparse types of `vitlab train` (checked while
+# the command line is parsed, before any work) and TrainConfig's own check of values given in code
+OPTION_CHECKS: dict[str, opt.Check] = {
+    "model": opt.Validated(_registered_model, "a registered model name"),
+    "data": data_spec,
+    "epochs": opt.positive_int,
+    "batch_size": opt.positive_int,
+    "lr": opt.positive_float,
+    "min_lr": opt.non_negative_float,
+    "warmup_epochs": opt.non_negative_float,
+    "weight_decay": opt.non_negative_float,
+    "clip_grad": opt.non_negative_float,
+    "drop_path": opt.rate,
+    "smoothing": opt.rate,
+    "mixup": opt.non_negative_float,
+    "cutmix": opt.non_negative_float,
+    "ema": opt.rate,
+    "seed": opt.seed,
+    "threads": opt.threads,
+    "device": opt.device,
+    "img_size": opt.image_size,
+    "holdout": opt.positive_int,
+    "train_limit": opt.positive_int,
+    "crop_padding": opt.non_negative_int,
+    "hflip": opt.probability,
+    "auto_augment": opt.Validated(_rand_augment_spec, "a RandAugment spec"),
+    "eval_batch_size": opt.positive_int,
+}
 
 # what a run writes into OUT: a folder holding any of them holds a run
 RUN_FILES = ("last.pt", "log.json", "log.csv", "summary.json")
@@ -112,12 +159,11 @@ def setup_device(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, device); joins the process group when started by torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = resolve_device(device, local)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainingError("--device cuda asked for, but no CUDA GPU is available; use --device cpu")
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
@@ -144,11 +190,6 @@ def set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def is_oom(e: BaseException) -> bool:
-    msg = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in msg or "out of memory" in msg.lower()
 
 
 def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
@@ -259,10 +300,12 @@ def init_weights_from(model: nn.Module, path: str) -> str:
     from ..convert import init_from
 
     try:
-        source = load_checkpoint(path)["model"]  # a vitlab checkpoint: its model weights
+        ckpt = load_checkpoint(path)
     except ValueError:
-        source = path  # another format: vitlab.convert reads it (weights_only / safetensors)
-    report = init_from(model, source)
+        ckpt = None  # another format: vitlab.convert reads it (weights_only / safetensors)
+    if ckpt is not None:
+        check_image_classifier(ckpt)  # a sequence model's tensors are no start for an image model
+    report = init_from(model, path if ckpt is None else ckpt["model"])
     if not report.matched:
         raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
     return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
@@ -414,6 +457,7 @@ def setup_data(run: Run) -> None:
     if cfg.train_limit:
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
         train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
+    warn_one_class(train_ds)
     if cfg.batch_size > len(train_ds):
         raise TrainingError(
             f"batch size {cfg.batch_size} exceeds the {len(train_ds)} training images; use a smaller --batch-size"
@@ -452,6 +496,18 @@ def setup_data(run: Run) -> None:
             f"no full batch of {run.per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
         )
     run.train_ds, run.val_ds = train_ds, val_ds
+
+
+def warn_one_class(train_ds) -> None:
+    """A warning when every training image has the same label: the model then learns to answer that class
+    whatever it sees (the training loss goes to 0 and says nothing)."""
+    labels = torch.unique(train_ds.labels)
+    if len(labels) == 1:
+        warnings.warn(
+            f"all {len(train_ds)} training images are of one class (label {labels.item()}): the model can only "
+            "learn to predict it; use more data (a larger --train-limit) or data with several classes",
+            stacklevel=2,
+        )
 
 
 def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:

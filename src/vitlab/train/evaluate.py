@@ -14,23 +14,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import options as opt
+from ..data.datasets import data_spec
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint written by `vitlab train` (or its output folder)")
     p.add_argument(
         "--img-size",
-        type=int,
+        type=opt.image_size,
         nargs="+",
         default=None,
         metavar="N",
         help="evaluate at these input sizes (default: the training size)",
     )
-    p.add_argument("--data", default=None, help="dataset spec (default: the one the checkpoint was trained on)")
+    p.add_argument(
+        "--data", type=data_spec, default=None, help="dataset spec (default: the one the checkpoint was trained on)"
+    )
     p.add_argument("--model", default=None, help="check that the checkpoint holds this model")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default 256)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default; default 2)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--batch-size", type=opt.positive_int, default=256, help="evaluation batch size (default 256)")
+    p.add_argument("--threads", type=opt.threads, default=2, help="torch threads (0: torch's default; default 2)")
+    p.add_argument("--device", type=opt.device, default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -56,8 +61,9 @@ def evaluate_checkpoint(
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
-    from ..checkpoint import load_checkpoint, load_model
+    from ..checkpoint import check_image_classifier, load_checkpoint, load_model
     from ..data import BatchLoader, load_dataset, make_transform
+    from ..runtime import resolve_device
     from .engine import amp_dtype, evaluate, is_oom
 
     if threads > 0:
@@ -65,6 +71,7 @@ def evaluate_checkpoint(
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     ckpt = load_checkpoint(path)
+    check_image_classifier(ckpt)
     cfg = ckpt.get("config", {})
     spec = data or cfg.get("data", "mnist")
     train_size = int(ckpt.get("model_kwargs", {}).get("img_size") or 224)
@@ -78,9 +85,7 @@ def evaluate_checkpoint(
         for m in model.modules():
             if isinstance(getattr(m, "resample", None), bool):
                 m.resample = True
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    dev = resolve_device(device)
     model.to(dev).eval()
     ds = load_dataset(spec, "test", img_size=train_size, holdout=cfg.get("holdout"))
     num_classes = ckpt.get("model_kwargs", {}).get("num_classes")
