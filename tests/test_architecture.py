@@ -166,3 +166,16 @@ def test_the_checker_sees_violations():
     # the public front sits above the services it re-exports and below the tools
     assert layer("vitlab.pretrained")[0] < layer("vitlab")[0] < layer("vitlab.export")[0]
     assert layer("vitlab.models.folder")[0] < layer("vitlab.pretrained")[0]
+
+
+def test_every_command_is_a_tool():
+    """Each ``vitlab`` subcommand runs a module of the tools layer (``study`` lives with compare in vitlab.train,
+    whose training and table code it reuses)."""
+    from vitlab.cli import COMMANDS
+
+    mods = modules()
+    for command, (module, _) in COMMANDS.items():
+        assert module in mods, f"{command}: {module} is not a module of the package"
+        assert layer(module)[0] == 4, f"{command}: {module} is not in the tools layer"
+    assert COMMANDS["study"][0] == "vitlab.train.study" and layer("vitlab.train.study")[1] == "vitlab.train"
+    assert layer("vitlab.measure.maps")[0] == 3  # the attention-map measures are a service (analysis and study)

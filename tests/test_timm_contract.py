@@ -44,8 +44,11 @@ def test_forward_backward(name):
     out = model(x)
     assert out.shape == (2, 5) and torch.isfinite(out).all()
     out.logsumexp(1).mean().backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
     assert not missing, f"parameters without a finite gradient: {missing}"
+    # frozen parameters (CPVT's frozen PEG ablation) stay out of autograd
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
 @pytest.mark.parametrize("name", MINI)

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
     "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
     "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
+    "study": (
+        "vitlab.train.study",
+        "run a paper's ablation table (mean ± std over seeds, the paper's numbers beside); --list shows them",
+    ),
     "analyze": (
         "vitlab.analysis.cli",
         "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model",

@@ -89,10 +89,14 @@ def detect_source(state: Mapping[str, Any]) -> str:
         return any(rx.search(k) for k in keys)
 
     if has(r"^patch_embeds\.\d+\.") or (has(r"^pos_block\.\d+\.proj\.0\.") and has(r"^blocks\.\d+\.\d+\.")):
-        raise ValueError(
-            "this looks like a Twins CPVTV2 / PCPVT pyramid checkpoint (patch_embeds.N, per-stage blocks); "
-            "vitlab implements the DeiT-style CPVT only"
-        )
+        if has(r"^blocks\.\d+\.\d+\.attn\.qkv\.") or not has(r"^pos_block\."):
+            raise ValueError(
+                "this looks like a Twins pyramid with timm blocks or position tables (Twins-SVT / ALTGVT, PVT); "
+                "vitlab implements the CPVTV2 pyramid (pcpvt_*) only"
+            )
+        return "twins_cpvtv2"
+    if has(r"^linear_0\.weight$") and has(r"^conv2\.1\.running_mean$"):
+        return "eanet"
     if has(r"^tokens_to_token\.attention\d\.") or has(r"\.attn\.trans_dims\."):
         return "eamlp"
     if "outer_pos" in keys or "outer_tokens" in keys or has(r"\.outer_attn\.qk\."):

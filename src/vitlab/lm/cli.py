@@ -8,6 +8,25 @@ from pathlib import Path
 from .. import options as opt
 from ..io import atomic_open, check_writable_file, write_json_atomic
 
+FULL_BIAS = "full"  # --bias-dim full: a full T x T position bias (AFT Table 3)
+
+
+class BiasDim(opt.Check):
+    """``--bias-dim``: d' of the factorised bias (a positive integer), or ``full`` (also ``none``) for the
+    non-factorised ``T x T`` bias of the AFT paper's Table 3."""
+
+    what = "a positive integer or 'full' (a T x T bias)"
+
+    def parse(self, text: str) -> int | str:
+        return FULL_BIAS if text.lower() in (FULL_BIAS, "none") else int(text, 10)
+
+    def accepts(self, value: object) -> bool:
+        return value == FULL_BIAS or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+bias_dim = BiasDim()
+
+
 # CausalLM options settable from the command line (None: the named config's value)
 MODEL_FLAGS = {
     "dim": (opt.positive_int, "model width d"),
@@ -15,7 +34,7 @@ MODEL_FLAGS = {
     "heads": (opt.positive_int, "attention heads (Transformer baseline)"),
     "dropout": (opt.rate, "dropout (paper 0.1)"),
     "window": (opt.positive_int, "AFT-local window s"),
-    "bias_dim": (opt.positive_int, "d' of the factorised AFT position bias"),
+    "bias_dim": (bias_dim, "d' of the factorised AFT position bias, or 'full' for a T x T bias (Table 3)"),
     "max_len": (opt.positive_int, "position-table length (default: the data's sequence length)"),
     "channels": (opt.Choice(1, 3), "1: embedding/head shared across RGB (paper); 3: one per channel"),
 }
@@ -120,6 +139,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import LMTrainConfig, train
 
     overrides = {k: getattr(args, k) for k in [*MODEL_FLAGS, "tie_head"] if getattr(args, k) is not None}
+    if overrides.get("bias_dim") == FULL_BIAS:
+        overrides["bias_dim"] = None  # the mixers' spelling of a full T x T bias
     fields = set(LMTrainConfig.__dataclass_fields__) - {"overrides", "out"}
     cfg = LMTrainConfig(
         **{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}", overrides=overrides

@@ -13,11 +13,17 @@ from torch import nn
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
 from .base import FeatureGetter
+from .pyramid import PyramidCPVT
 from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "tnt": TNT, "t2t": T2TViT}
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "vit": VisionTransformer,
+    "tnt": TNT,
+    "t2t": T2TViT,
+    "pyramid": PyramidCPVT,
+}
 #: what ``pretrained_cfg_overlay`` may change (timm's keys of a pretrained configuration)
 CFG_KEYS = (
     "input_size",

@@ -229,6 +229,8 @@ class TNT(Classifier):
             or ``""`` (no pooling).
         dynamic_img_size: resample the sentence position table (bicubic) for another
             patch grid; otherwise another grid is an error.
+        patch_pos, pixel_pos: the sentence (patch) and word (pixel) position tables; False removes one
+            (paper Table 6).
     """
 
     def __init__(
@@ -254,6 +256,8 @@ class TNT(Classifier):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = False,
+        patch_pos: bool = True,
+        pixel_pos: bool = True,
     ) -> None:
         super().__init__()
         check_pool(global_pool)
@@ -276,8 +280,9 @@ class TNT(Classifier):
         self.inner_layout = TokenLayout(self.pixel_embed.word_grid, 0)
         self.proj = WordsToSentence(num_words * inner_dim, outer_dim, bias=True, norm_eps=norm_eps)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, outer_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], outer_dim))
-        self.inner_pos = nn.Parameter(torch.zeros(1, num_words, inner_dim))
+        num_patches = self.grid[0] * self.grid[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, outer_dim)) if patch_pos else None
+        self.inner_pos = nn.Parameter(torch.zeros(1, num_words, inner_dim)) if pixel_pos else None
         self.pos_drop = nn.Dropout(drop_rate)
 
         dpr = drop_path_rates(drop_path_rate, depth)
@@ -330,17 +335,20 @@ class TNT(Classifier):
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
         inner, grid = self.pixel_embed(x)
-        if grid != self.grid and not self.dynamic_img_size:
+        if self.pos_embed is not None and grid != self.grid and not self.dynamic_img_size:
             ph, pw = self.patch_size
             raise ValueError(
                 f"this model's position table is for a {self.grid[0]}x{self.grid[1]} patch grid "
                 f"({self.grid[0] * ph}x{self.grid[1] * pw} px), got {grid[0]}x{grid[1]} "
                 f"({x.shape[-2]}x{x.shape[-1]} px); build it with img_size=... or dynamic_img_size=True"
             )
-        inner = inner + self.inner_pos
+        if self.inner_pos is not None:
+            inner = inner + self.inner_pos
         b = x.shape[0]
         outer = torch.cat([self.cls_token.expand(b, -1, -1), self.proj(inner, b)], dim=1)
-        outer = self.pos_drop(outer + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+        if self.pos_embed is not None:
+            outer = outer + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix)
+        outer = self.pos_drop(outer)
         return inner, outer, TokenLayout(grid, self.num_prefix)
 
     def _trace(

@@ -33,6 +33,8 @@ class VisionTransformer(Classifier):
         class_token, dist_token: prefix tokens (DeiT distillation adds a second head).
         pos_embed: ``"learned"``, ``"sincos"`` or ``"none"``.
         peg_at: block indices whose output passes through a PEG (CPVT); -1 = before block 0.
+        peg_kernel, peg_options: the PEGs' kernel size and further options of
+            :class:`~vitlab.layers.PositionEncodingGenerator` (kind, layers, padding, frozen: CPVT's ablations).
         global_pool: ``"token"`` (class token), ``"avg"`` / ``"max"`` / ``"avgmax"`` (over the patch tokens),
             or ``""`` (no pooling: every token goes to the head).
         residual_scale, ls_init: the official Refiner/DeepViT residual rescaling and LayerScale.
@@ -59,6 +61,7 @@ class VisionTransformer(Classifier):
         pos_embed: str = "learned",
         peg_at: Sequence[int] = (),
         peg_kernel: int = 3,
+        peg_options: dict[str, Any] | None = None,
         global_pool: str = "token",
         norm_eps: float = 1e-6,
         residual_scale: float = 1.0,
@@ -92,7 +95,10 @@ class VisionTransformer(Classifier):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
         self.pos_drop = nn.Dropout(drop_rate)
-        self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel) for i in peg_at})
+        peg_options = peg_options or {}
+        self.pegs = nn.ModuleDict(
+            {str(i): PositionEncodingGenerator(embed_dim, peg_kernel, **peg_options) for i in peg_at}
+        )
 
         defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
         self.blocks = build_blocks(
