@@ -24,9 +24,10 @@ TOOLS = (
     "vitlab.convert.cli",
 )
 SERVICES = ("vitlab.checkpoint", "vitlab.convert", "vitlab.measure", "vitlab.optim", "vitlab.rundir")
+SERVICES += ("vitlab.distributed", "vitlab.tracking")
 # the core, lowest first: a module may import its own rank or lower; data sits beside the models
 CORE = {"vitlab.mixers": 0, "vitlab.data": 0, "vitlab.layers": 1, "vitlab.models": 2, "vitlab": 3}
-FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry")
+FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.device")
 
 
 def module_name(path: Path) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model
+from ..device import add_device_argument, resolve_device
 from ..io import check_writable_folder
 from .analyses import ANALYSES, analyze, parse_what
 from .inputs import load_images
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-chans", type=int, help="build the model for this many input channels")
     p.add_argument("--num-classes", type=int, help="classes of the head (default: the checkpoint's, else 1000)")
     p.add_argument("--batch-size", type=int, default=8, help="images per forward pass (default: 8)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_device_argument(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default: 0)")
     p.add_argument("--out", default="analysis", help="output folder (default: ./analysis)")
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = (("img_size", args.img_size), ("in_chans", args.in_chans), ("num_classes", args.num_classes))
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})
-    model.to(args.device)
+    model.to(resolve_device(args.device))
     weights = model.meta["weights"] if args.checkpoint else f"random init (seed {args.seed})"
     images, x, data = load_images(
         model, data=args.data, files=args.images, split=args.split, num_images=args.num_images

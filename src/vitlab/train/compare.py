@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_checkpoint, load_model
+from ..device import add_device_argument, resolve_device
 from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
@@ -80,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-limit", type=int, default=None, help="train on a random N of the training images")
     p.add_argument("--out", default="runs/compare", help="output folder (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads to use in all (default %(default)s)")
+    add_device_argument(p)
     p.add_argument(
         "--jobs",
         type=int,
@@ -181,17 +183,18 @@ def train_case(config: dict[str, Any]) -> Prepared:
     return Prepared(work, info)
 
 
-def inference_case(checkpoint: str, batch: int = 256) -> Prepared:
-    """Measured case: one eval-mode forward of a batch of inputs of the model's size."""
-    model = load_model(checkpoint)
+def inference_case(checkpoint: str, batch: int = 256, device: str = "cpu") -> Prepared:
+    """Measured case: one eval-mode forward of a batch of inputs of the model's size on ``device``."""
+    dev = resolve_device(device)
+    model = load_model(checkpoint).to(dev)
     c, h, w = model.meta["input_size"]
-    x = torch.randn(batch, c, h, w)
+    x = torch.randn(batch, c, h, w, device=dev)
 
     def work() -> None:
         with torch.inference_mode():
             model(x)
 
-    return Prepared(work, {"batch": batch})
+    return Prepared(work, {"batch": batch}, device=str(dev))
 
 
 # --------------------------------------------------------------------------- table and plots
@@ -345,6 +348,7 @@ def plan_variants(args: argparse.Namespace) -> Plan:
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     names = resolve_models(args.models)
+    resolve_device(args.device)  # a GPU that is not there: one line before any variant starts
     out = Path(args.out)
     recipe = {**RECIPE, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr, "ema": args.ema}
     probe = TrainConfig(data=args.data, **recipe)
@@ -369,6 +373,7 @@ def plan_variants(args: argparse.Namespace) -> Plan:
             force=True,
             resume=None,
             train_limit=args.train_limit,
+            device=args.device,
             **recipe,
         )
         kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
@@ -431,7 +436,7 @@ def time_inference(plan: Plan, results: dict[str, dict[str, Any]], isolation: st
                 continue
             spec = CaseSpec(
                 inference_case,
-                {"checkpoint": str(plan.out / name / "last.pt")},
+                {"checkpoint": str(plan.out / name / "last.pt"), "device": plan.configs[name].device},
                 warmup=2,
                 repeats=20,
                 max_time=2.0,

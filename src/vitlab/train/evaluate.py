@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..device import add_device_argument, resolve_device
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint written by `vitlab train` (or its output folder)")
@@ -30,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
     p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default 256)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default; default 2)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_device_argument(p)
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -58,7 +60,8 @@ def evaluate_checkpoint(
 
     from ..checkpoint import load_checkpoint, load_model
     from ..data import BatchLoader, load_dataset, make_transform
-    from .engine import amp_dtype, evaluate, is_oom
+    from ..device import amp_dtype
+    from .engine import evaluate, is_oom
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -78,9 +81,7 @@ def evaluate_checkpoint(
         for m in model.modules():
             if isinstance(getattr(m, "resample", None), bool):
                 m.resample = True
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    dev = resolve_device(device)
     model.to(dev).eval()
     ds = load_dataset(spec, "test", img_size=train_size, holdout=cfg.get("holdout"))
     num_classes = ckpt.get("model_kwargs", {}).get("num_classes")
