@@ -220,7 +220,7 @@ def test_lm_train_refuses_an_existing_run_unless_resumed_or_forced(tmp_path, cap
     assert lm_train(out, text) == 0
     metrics = (out / "metrics.json").read_bytes()
     assert lm_train(out, text) == 2
-    assert f"{out} already holds a run (last.pt, metrics.json); pass --resume" in one_line_error(capsys)
+    assert f"{out} already holds a run (last.pt, metrics.json, steps.jsonl); pass --resume" in one_line_error(capsys)
     assert (out / "metrics.json").read_bytes() == metrics
     for argv in (["eval", str(out), "--json", str(tmp_path)], ["sample", str(out / "last.pt"), "--out", str(out)]):
         assert cli_main(["lm", *argv]) == 2

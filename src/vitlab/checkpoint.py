@@ -92,8 +92,8 @@ def write_run_checkpoint(
 
     Without ``sharded``, ``state`` (weights and optimizer state included) goes into the one file. With it,
     ``model`` and ``optimizer`` are written by every rank through ``torch.distributed.checkpoint`` into the
-    folder ``shards/<sharded>`` beside ``path``, and the file records that folder instead of the tensors;
-    shard folders no checkpoint file in the folder points to any more are removed afterwards."""
+    folder ``shards/<sharded>`` beside ``path``, and the file records that folder instead of the tensors
+    (:func:`prune_shards` then removes the shard folders no checkpoint file points to any more)."""
     path = Path(path)
     if sharded is not None:
         save_sharded(path.parent / SHARDS / sharded, model, optimizer, world)
@@ -101,20 +101,21 @@ def write_run_checkpoint(
     if not world.main:
         return None
     save_checkpoint(state, path)
-    if sharded is not None:
-        remove_unused_shards(path.parent, _shard_pointers(path.parent))
     return path
 
 
-def _shard_pointers(folder: Path) -> list[str]:
-    """The shard folders the checkpoint files in ``folder`` point to."""
-    found = []
+def prune_shards(folder: str | Path) -> None:
+    """Remove the shard folders in ``folder/shards`` that no checkpoint file of ``folder`` points to."""
+    folder = Path(folder)
+    if not (folder / SHARDS).is_dir():
+        return
+    pointed = []
     for file in folder.glob("*.pt"):
         try:
-            found.append(load_checkpoint(file, weights=False).get("sharded") or "")
+            pointed.append(load_checkpoint(file, weights=False).get("sharded") or "")
         except (ValueError, FileNotFoundError):
             continue
-    return found
+    remove_unused_shards(folder, pointed)
 
 
 def restore_sharded(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

@@ -23,11 +23,12 @@ index classes may be unpickled; :class:`SafeLoadPlanner`: ``weights_only=True``)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,26 @@ def parallelize(model: nn.Module, device: torch.device, world: World, fsdp: bool
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Around a backward pass: whether gradients are averaged (DDP) or reduce-scattered (FSDP) over the
+    processes. Gradient accumulation turns it off for all but the last micro-batch of a step, so that the
+    communication happens once per step (the result is the same)."""
+    if enabled or not dist.is_initialized():
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 has sharded ``model`` (its parameters are DTensor shards)."""
     from torch.distributed.tensor import DTensor
@@ -172,12 +193,16 @@ _INDEX_GLOBALS = {
 }
 
 
+class _Refused(Exception):
+    """An index that asks for an object outside the allowed ones (its name is the message)."""
+
+
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if module == _INDEX_MODULE or (module, name) in _INDEX_GLOBALS or is_dtype:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 def _reader_class() -> type:
@@ -195,7 +220,7 @@ def _reader_class() -> type:
                     metadata = _IndexUnpickler(f).load()
             except FileNotFoundError:
                 raise ShardError(f"{path.parent} holds no sharded checkpoint (no .metadata)") from None
-            except pickle.UnpicklingError as e:
+            except _Refused as e:
                 raise ShardError(
                     f"refusing to read {path}: it asks to import {e}, which a checkpoint index never needs"
                 ) from None

@@ -225,17 +225,20 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, T, dtype): memory / the Transformer's and speed = the Transformer's step time / the model's
     (the Transformer of the same T and dtype)."""
-    base = {(r["T"], r["dtype"]): r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
+    def key(r: dict[str, Any]) -> tuple[int, str]:
+        return r["T"], r.get("dtype", "fp32")
+
+    base = {key(r): r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
     rows = []
     for r in results:
-        b = base.get((r["T"], r["dtype"]))
+        b = base.get(key(r))
         if r["status"] != "ok" or b is None:
             continue
         rows.append(
             {
                 "model": r["model"],
                 "T": r["T"],
-                "dtype": r["dtype"],
+                "dtype": key(r)[1],
                 "step_s": r["step_s"],
                 "median_s": r.get("median_s"),
                 "mem_mb": r["mem_mb"],

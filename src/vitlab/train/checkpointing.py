@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checkpoint import load_checkpoint, load_state_checked, restore_sharded, write_run_checkpoint
+from ..checkpoint import load_checkpoint, load_state_checked, prune_shards, restore_sharded, write_run_checkpoint
 from ..data import derive_seed
 from ..distributed import gather_objects
 from ..io import copy_atomic, write_csv_atomic, write_json_atomic
@@ -174,5 +174,6 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
     if "val_top1" in row and (run.best_top1 is None or row["val_top1"] > run.best_top1):
         run.best_top1 = row["val_top1"]
         copy_atomic(last, run.out / "best.pt")
+    prune_shards(run.out)
     write_log(run.out, run.rows)
     run.steps.scalars(run.step, {k: v for k, v in row.items() if k.startswith(("val_", "ema_", "train_"))})

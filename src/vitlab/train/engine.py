@@ -24,10 +24,9 @@ sharded run ``shards/``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +37,10 @@ from torch import Tensor, nn
 from ..checkpoint import check_model_name, load_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
 from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
-from ..distributed import World, all_reduce_sum, barrier, broadcast_object, init_distributed, parallelize
+from ..distributed import World, all_reduce_sum, barrier, init_distributed, parallelize
 from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
-from ..rundir import RunLock, check_free_space, checkpoint_bytes
+from ..rundir import check_free_space, checkpoint_bytes, own_folder
 from ..tracking import StepLog, memory_probe
 from .checkpointing import check_resume, open_checkpoint, restore, save_epoch
 from .config import RUN_FILES, Run, TrainConfig, TrainingError
@@ -157,7 +156,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
         torch.cuda.set_device(device)
         set_tf32(cfg.tf32)
     world = init_distributed(device)
-    with own_out(cfg, world, log) as start_over:
+    with own_folder(cfg.out, "vitlab train", RUN_FILES, bool(cfg.resume), cfg.force, log, world) as start_over:
         run = setup(cfg, log, world, device, t_start)
         if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
             check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
@@ -171,36 +170,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
                 row["elapsed_s"] = time.perf_counter() - run.t_start
                 save_epoch(run, row)
                 report_epoch(run, row)
-                run.steps.restart_clock()
         finally:
             run.steps.close()
         return finish(run)
-
-
-@contextlib.contextmanager
-def own_out(cfg: TrainConfig, world: World, log: Callable[[str], None]) -> Iterator[Callable[[], None]]:
-    """Rank 0 owns OUT for the whole run (:class:`vitlab.rundir.RunLock`: a second writer is refused, a folder
-    holding a run needs ``resume`` or ``force``); every rank learns the verdict, so none waits for a rank
-    that stopped. Yields ``start_over``, which moves an old run's files aside (``force``)."""
-    lock, error, old = None, None, []
-    if world.main:
-        try:
-            lock = RunLock(cfg.out, "vitlab train", log)
-            old = lock.check_fresh(RUN_FILES, resume=bool(cfg.resume), force=cfg.force)
-        except ValueError as e:
-            error = e
-            if lock is not None:
-                lock.release()
-    verdict = broadcast_object(None if error is None else str(error), world)
-    if error is not None:
-        raise error
-    if verdict is not None:
-        raise TrainingError(verdict)
-    try:
-        yield lambda: lock.move_aside(old) if lock is not None and old else None
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
@@ -343,6 +315,7 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
     seen = 0
     progress = Progress(cfg.epochs * steps, epoch * steps, run.log, cfg.progress and run.master, cfg.progress_every)
     progress.start(f"epoch {epoch + 1}/{cfg.epochs}", steps)
+    run.steps.restart_clock()  # images/s counts training only (not setup, evaluation, checkpoints)
     t0 = time.perf_counter()
     for x, y in run.loader:
         lr = run.optimizer.param_groups[0]["lr"]
