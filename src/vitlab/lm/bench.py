@@ -225,6 +225,7 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (model, T, dtype): memory / the Transformer's and speed = the Transformer's step time / the model's
     (the Transformer of the same T and dtype)."""
+
     def key(r: dict[str, Any]) -> tuple[int, str]:
         return r["T"], r.get("dtype", "fp32")
 
