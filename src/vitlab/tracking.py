@@ -36,7 +36,7 @@ def tensorboard_writer_class() -> type:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError(
+        raise ValueError(
             "--tensorboard needs the tensorboard package: pip install 'vitlab[tensorboard]' (or tensorboard)"
         ) from None
     return SummaryWriter
