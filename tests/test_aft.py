@@ -193,6 +193,22 @@ def test_matches_naive_paper_equation(kind, kw):
     assert_rel(m(x, GRID), reference(m, x, GRID), 1e-5)
 
 
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+@pytest.mark.parametrize(("kind", "kw"), CASES, ids=IDS)
+def test_no_autograd_path_equals_autograd_path(kind, kw, context):
+    # without autograd the cores work in place and AFT-full multiplies per batch item: the same sums, only
+    # the rounding of an fp32 reduction over the 21 tokens (and 24 channels) may differ
+    m = make(kind, **kw)
+    randomise_conv(m)
+    x = torch.randn(2, 21, 24)
+    expected = m(x, GRID)  # parameters require grad: the autograd path
+    assert expected.requires_grad
+    with context():
+        out = m(x, GRID)
+    assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
+    assert_rel(out, reference(m, x, GRID), 1e-5)
+
+
 def test_conv_matches_literal_eq6():
     """The exp(w) - 1 form of Eq. 6, summed literally, on a grid smaller than the kernel in one axis."""
     torch.manual_seed(1)
@@ -337,6 +353,8 @@ def test_full_core_stable_for_huge_keys_and_biases(causal, monkeypatch):
     ref = naive_full(q, kd, v, wd, causal)
     assert_rel(y, ref, 1e-5)
     assert counter.entries > 0  # the max-shifted products underflowed: per-factor shifts are not enough
+    with torch.inference_mode():  # the in-place path replaces the same entries
+        assert_rel(aft_mod.aft_full(q, k.detach(), v, w.detach(), causal), ref, 1e-5)
     # gradients through the fallback entries are exact too
     g = torch.randn(b, n, c)
     (y * g).sum().backward()

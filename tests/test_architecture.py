@@ -22,6 +22,7 @@ TOOLS = (
     "vitlab.export",
     "vitlab.catalog",
     "vitlab.convert.cli",
+    "vitlab.data.cli",
 )
 SERVICES = ("vitlab.checkpoint", "vitlab.convert", "vitlab.measure", "vitlab.optim", "vitlab.rundir")
 SERVICES += ("vitlab.distributed", "vitlab.tracking")

@@ -19,7 +19,6 @@ from torch.utils.flop_counter import sdpa_backward_flop_count
 
 import vitlab
 from vitlab.bench import models as bench
-from vitlab.bench import targets
 from vitlab.layers import Block
 from vitlab.layers.patch_embed import PatchEmbed
 from vitlab.measure.flops import count_flops, count_macs, flop_counter, mixer_extra_flops
@@ -258,52 +257,43 @@ def test_model_flops_of_chained_maps_and_t2t_token_layers(name, kw):
         assert counts.flops == 2 * counts.macs + counts.extra_flops
 
 
-# ----------------------------------------------------------------------------- GEMM yardstick, plan, targets
+# ----------------------------------------------------------------------------- GEMM yardstick, utilisation
 
 
-def test_gemm_rate_is_the_best_shape():
-    rate = measure_gemm("fp32", threads=1, shapes=((64, 32, 48), (96, 64, 32)), rounds=2, round_time=0.005)
+def test_gemm_rate_is_the_best_median_shape(monkeypatch):
+    rate = measure_gemm("fp32", threads=1, shapes=((64, 32, 48), (96, 64, 32)), min_calls=3, min_time=0.01)
     assert rate.flops_per_s == max(rate.by_shape.values()) > 0
     assert set(rate.by_shape) == {"64x32x48", "96x64x32"} and rate.threads == 1
     with pytest.raises(ValueError, match="dtype"):
         measure_gemm("fp64")
+    # the yardstick is the median of single calls (not the best call): calls taking 1, 2, 4 s give the 2 s rate
+    import vitlab.measure.gemm as gemm
+
+    clock = iter([0.0, 0.0, 1.0, 10.0, 12.0, 20.0, 24.0, 30.0])  # start, (t0, t1) per call, the end check
+    monkeypatch.setattr(gemm.time, "perf_counter", lambda: next(clock))
+    rate = gemm.shape_rate(8, 8, 8, min_calls=3, min_time=0.0)
+    assert rate == pytest.approx(2 * 8**3 / 2.0)
 
 
-def _fake(model: str, util: float) -> dict:
-    return {
-        "model": model,
-        "roles": ["target"],
-        "status": "ok",
-        "util": util,
-        "util_run": util,
-        "achieved_flops_per_s": 1e10,
-        "gemm_flops_per_s": 2e10,
-        "throughput": 3.0,
-        "loadavg": [1.0, 1.0, 1.0],
-    }
+def test_derive_uses_the_median_call_and_the_run_best_gemm():
+    def result(rate, calls):
+        return {
+            "status": "ok",
+            "mode": "infer",
+            "dtype": "fp32",
+            "batch": 4,
+            "count": {"model_flops": 8e9},
+            "time_s": {"median": 9.0},
+            "info": {"calls": calls, "gemm": {"flops_per_s": rate}},
+        }
 
-
-def test_targets_pass_fail_and_missing():
-    results = [_fake("deit_small_patch16_224", 0.9), _fake("deit_tiny_patch16_224", 0.5)]
-    rows = {t["model"]: t for t in targets.model_targets(results, threads=2)}
-    assert rows["deit_small_patch16_224"]["status"] == "PASS"
-    assert rows["deit_tiny_patch16_224"]["status"] == "FAIL"
-    assert rows["tnt_s_patch16_224"]["status"] == "N/A" and "note" not in rows["tnt_s_patch16_224"]
-    assert "note" in targets.model_targets(results, threads=4)[0]
-
-
-def test_derive_pairs_each_call_with_its_probe():
-    r = {
-        "status": "ok",
-        "mode": "infer",
-        "batch": 4,
-        "count": {"model_flops": 8e9},
-        "time_s": {"median": 9.0},
-        "info": {"calls": [[5.0, 1e9], [1.0, 1e10], [2.0, 1e10], [4.0, 2e9]]},
-    }
+    r, other = result(1e10, [5.0, 1.0, 2.0, 4.0]), result(2e10, [1.0, 1.0])
     bench.derive(r)
     assert r["time_s"]["median"] == 2.0 and r["throughput"] == 2.0  # the warm call is dropped
-    assert r["util_calls"] == [0.8, 0.4, 1.0] and r["util"] == 0.8
+    assert r["util_case"] == r["util"] == 0.4
+    bench.derive(other)
+    bench.add_run_utilisation([r, other])
+    assert r["util"] == 0.2 and r["util_case"] == 0.4 and r["gemm_run_flops_per_s"] == 2e10
 
 
 def test_unknown_model_and_bad_options_are_clear_errors():
@@ -323,11 +313,12 @@ def _args(*argv: str):
     return p.parse_args(list(argv))
 
 
-def test_wait_policy_default_passive_unless_set(monkeypatch):
+def test_wait_policy_default_inherits_the_environment(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert bench.apply_wait_policy(None) == "PASSIVE"
-    assert bench.apply_wait_policy("active") == "ACTIVE"
-    assert bench.apply_wait_policy(None) == "ACTIVE"  # set now: inherited
+    assert bench.apply_wait_policy(None) is None
+    assert bench.apply_wait_policy("passive") == "PASSIVE"
+    assert bench.apply_wait_policy(None) == "PASSIVE"  # set now: inherited
+    assert bench.apply_wait_policy("inherit") == "PASSIVE"
     monkeypatch.delenv("OMP_WAIT_POLICY")
     assert bench.apply_wait_policy("inherit") is None
 
@@ -335,7 +326,7 @@ def test_wait_policy_default_passive_unless_set(monkeypatch):
 def test_cli_run_writes_table_json_csv_png(tmp_path, monkeypatch):
     from vitlab.cli import main
 
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # restored after the test (the bench sets it for its cases)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # inherited by the cases; restored after the test
     out = tmp_path / "bench"
     code = main(
         [

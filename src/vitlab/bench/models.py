@@ -7,7 +7,8 @@ A case is ``(model, batch, image size, dtype, mode, compiled, gradient checkpoin
   bf16 (fp16: GPU only) converts the model and the input;
 * ``mode="train"``: train mode, forward + cross-entropy + backward + AdamW step
   per call; bf16 / fp16 are mixed precision (autocast, fp32 master weights; fp16 with a gradient
-  scaler); ``--grad-checkpointing`` recomputes every block's activations in the backward pass.
+  scaler; fused AdamW on a GPU); ``--grad-checkpointing`` recomputes every block's activations in the
+  backward pass.
 
 On a GPU every call is timed with CUDA events and a synchronisation, the GEMM yardstick runs on that GPU,
 and the memory pass reports the GPU allocator's peak (``max_memory_allocated`` after a reset) beside the
@@ -15,20 +16,25 @@ host's peak RSS.
 
 Each case runs in fresh processes (:mod:`vitlab.measure.process`): one measures the
 peak resident memory of one call (peak - baseline after setup, allocator made
-tight), another times the calls. In the timing process the machine's GEMM rate
-(:mod:`vitlab.measure.gemm`, same threads, same dtype) is measured right before the
-model is timed, and again right after every timed call (a short probe: one round
-per shape), so every call is paired with the yardstick of its own moment:
+tight), another times the calls. Utilisation is measured the way the project's side-by-side comparisons with
+other implementations measure it, so the two give one answer for the same code:
 
-    utilisation = model FLOPs per second / GEMM rate,  model FLOPs = 2 x MACs
+    utilisation = model FLOPs / median call time / GEMM rate,  model FLOPs = 2 x MACs
     (x 3 for a training step: the backward pass costs twice the forward)
 
-``util`` is the median over the timed calls of each call's achieved FLOP/s over
-the GEMM rate probed next to it, ``util_run`` the median call time against the
-best GEMM rate of the whole run. Throughput and latency come from the model
-calls alone (the probes are timed apart). On a machine shared with other jobs
-the pairing cancels slow changes of the load, not fast ones: the load is
-reported with every case; compare figures taken at the same load.
+* the GEMM rate (:mod:`vitlab.measure.gemm`): a square 2048 x 2048 x 2048 ``torch.mm`` in the case's dtype
+  with the case's threads, three untimed calls, then the MEDIAN rate of single calls over at least 2 s;
+  measured in every timing process before the model is built, and the run divides by the best of these
+  medians (``util``; ``util_case`` uses the case's own measurement);
+* the model: the setup's warm call and ``--warmup`` more (default 1: two untimed calls, as the heap and the
+  BLAS reach their steady state), then the median of the timed calls, with nothing run between them;
+* the FLOPs: matrix products, convolutions and attention products only (torch's own flop counter counts the
+  same for inference; for a training step it counts the backward actually run, which skips the input
+  gradient of the first layer: a fraction of a percent for these models).
+
+Throughput and latency come from the same median call. On a machine shared with
+other jobs the figures move with the load: it is reported with every case; compare
+figures taken at the same load.
 
 MACs are counted on the meta device (:mod:`vitlab.measure.flops`: matmuls and
 convolutions, the papers' convention); FLOPs = 2 x MACs + the mixers' elementwise
@@ -39,8 +45,8 @@ OpenMP threads that wait at the end of a parallel region spin by default
 thread burns the time slice its partner needs, so every one of the hundreds of
 parallel operators of a forward pass can cost a scheduler quantum: a model
 with many small operators looks several times slower than its GEMMs while a
-single long GEMM does not. ``--omp-wait-policy`` (default ``passive`` unless
-``OMP_WAIT_POLICY`` is already set) fixes the policy for the case processes,
+single long GEMM does not. ``--omp-wait-policy`` (default ``inherit``: the
+environment's, as the comparisons run) fixes the policy for the case processes,
 the GEMM yardstick included, and is recorded with the results.
 
 The timed calls run under the allocator policy of every ``vitlab`` command
@@ -48,16 +54,15 @@ The timed calls run under the allocator policy of every ``vitlab`` command
 returned to the OS and page-faulted back); ``--allocator default`` times glibc's
 own policy for comparison. The memory pass always uses a tight allocator.
 
-``--targets`` runs the utilisation targets (fp32 inference, batch 8, 224 px,
-2 threads): DeiT-S >= 85 %, DeiT-Ti >= 70 %, TNT-S >= 75 %, DeepViT-S >= 75 %,
-EAMLP-14 >= 75 %, Refined-ViT-S >= 60 % (:mod:`vitlab.bench.targets`).
+vitlab's performance goals are ratios to other implementations measured side by side (docs/performance.md),
+not utilisation thresholds: utilisation says how much of the machine a model uses, not whether another
+implementation does better.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -82,7 +87,6 @@ from ..measure.sweep import (
     write_text,
 )
 from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
-from .targets import UTILISATION, UTILISATION_SETTING, model_targets, model_targets_text
 
 DTYPES = ("fp32", "bf16", "fp16")
 # the low-precision dtypes: inference converts the model to them, training autocasts to them
@@ -93,15 +97,14 @@ CASE_KEYS = ("model", "batch", "img_size", "dtype", "mode", "compile", "grad_che
 # the options a report records
 CONFIG = ("models", "batch", "img_size", "dtypes", "modes", "compile", "grad_checkpointing", "device", "threads")
 CONFIG += ("repeats", "warmup")
-CONFIG += ("omp_wait_policy", "allocator", "max_time", "gemm_rounds", "targets")
+CONFIG += ("omp_wait_policy", "allocator", "max_time", "gemm_rounds")
 DEFINITIONS = {
     "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
     "model_flops": "2 x macs",
     "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
-    "util": "median over the timed calls of model_flops (x3 for a training step) / call time / the GEMM rate "
-    "probed right after that call in the same process",
-    "util_run": "model_flops / median call time / the best GEMM rate measured in the run",
-    "gemm_flops_per_s": "median of the GEMM probes next to the timed calls",
+    "util": "model_flops (x3 for a training step) / median call time / the best GEMM rate measured in the run",
+    "util_case": "model_flops (x3 for a training step) / median call time / this case's GEMM rate",
+    "gemm_flops_per_s": "this case's GEMM rate: median rate of single 2048^3 torch.mm calls over >= 2 s",
     "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes; on a GPU the GPU "
     "allocator's peak over the call and peak - allocated after setup (the host's RSS figures under mem.host)",
 }
@@ -136,15 +139,13 @@ def prepare_case(
 ) -> Prepared:
     """Build the model and its input on ``device``, run one warm call; return the call to measure.
 
-    With ``gemm`` the device's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``) and
-    every call is followed by a GEMM probe: ``info["calls"]`` lists ``[model seconds, probe FLOP/s]`` per
-    call (the first is the setup's warm call; on a GPU timed with CUDA events). ``info["compile_s"]`` is the
-    first call's time when ``compile``. ``profile``: one more call under the profiler after the warm call,
-    grouped into ``info["profile"]`` (:func:`vitlab.measure.profile.profile_call`). ``grad_checkpointing``:
-    training recomputes each block's activations in the backward pass (``model.set_grad_checkpointing``).
+    With ``gemm`` the device's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``);
+    ``info["calls"]`` lists the seconds of every call (the first is the setup's warm call; on a GPU timed with
+    CUDA events). ``info["compile_s"]`` is the first call's time when ``compile``. ``profile``: one more call
+    under the profiler after the warm call, grouped into ``info["profile"]``
+    (:func:`vitlab.measure.profile.profile_call`). ``grad_checkpointing``: training recomputes each block's
+    activations in the backward pass (``model.set_grad_checkpointing``).
     """
-    import torch
-
     from ..measure.gemm import measure_gemm
 
     dev = torch.device(device)
@@ -152,7 +153,7 @@ def prepare_case(
     warm_process()
     info: dict[str, Any] = {"threads": torch.get_num_threads(), "device": str(dev)}
     if gemm:
-        info["gemm"] = measure_gemm(dtype, rounds=gemm_rounds, device=dev).as_dict()
+        info["gemm"] = measure_gemm(dtype, min_calls=gemm_rounds, device=dev).as_dict()
     net = build(model, img_size).to(dev)
     if grad_checkpointing:
         if not hasattr(net, "set_grad_checkpointing"):
@@ -160,15 +161,13 @@ def prepare_case(
         net.set_grad_checkpointing(True)
     x = torch.randn(batch, *tuple(net.meta["input_size"]), device=dev)
     step, reset = (inference_step if mode == "infer" else training_step)(net, x, dtype, compile)
-    calls: list[list[float]] = []
+    calls: list[float] = []
 
     def timed_step() -> None:
-        elapsed = time_call(step, dev)
-        probe = measure_gemm(dtype, rounds=1, device=dev).flops_per_s if gemm else None
-        calls.append([elapsed, probe])
+        calls.append(time_call(step, dev))
 
     timed_step()  # warm call: lazy initialisation, optimizer state, compilation
-    info["first_call_s"] = calls[0][0]
+    info["first_call_s"] = calls[0]
     if profile:
         from ..measure.profile import profile_call
 
@@ -176,7 +175,7 @@ def prepare_case(
             step()
         info["profile"] = profile_call(step, dev)
     if compile:
-        info["compile_s"] = calls[0][0]
+        info["compile_s"] = calls[0]
     info["loadavg"] = os.getloadavg()
     info["calls"] = calls  # filled in as the calls run (info is written out after the timed calls)
     return Prepared(timed_step, info, reset, device=str(dev))
@@ -185,8 +184,6 @@ def prepare_case(
 def inference_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callable[[], None], None]:
     """One forward pass in eval mode under ``torch.inference_mode()``; bf16/fp16 convert the model and the
     input."""
-    import torch
-
     net.eval()
     if dtype != "fp32":
         low = LOW_PRECISION[dtype]
@@ -203,7 +200,6 @@ def inference_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callabl
 def training_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callable[[], None], Callable[[], None]]:
     """Forward, cross-entropy, backward and an AdamW step in train mode (bf16/fp16: autocast, fp32 weights;
     fp16 with a gradient scaler; fused AdamW on a GPU), and the reset that frees the gradients a step leaves."""
-    import torch
     import torch.nn.functional as F
 
     from ..device import autocast, grad_scaler
@@ -260,13 +256,9 @@ def model_facts(name: str, img_size: int | None, batch: int) -> dict[str, Any]:
 
 
 def plan_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The targets' cases first, then every model over every chosen setting."""
+    """Every model over every chosen setting."""
     plan = Plan(CASE_KEYS)
-    if args.targets:
-        for name in UTILISATION:
-            plan.add("target", model=name, grad_checkpointing=False, **UTILISATION_SETTING)
-    compiles = SWITCH[args.compile]
-    ckpts = SWITCH[args.grad_checkpointing]
+    compiles, ckpts = SWITCH[args.compile], SWITCH[args.grad_checkpointing]
     for name in args.models:
         for mode in args.modes:
             for dtype in args.dtypes:
@@ -335,13 +327,13 @@ def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespac
 
 
 def derive(r: dict[str, Any]) -> None:
-    """Throughput, latency, achieved FLOP/s and utilisation of an ok result (in place)."""
+    """Throughput, latency, achieved FLOP/s and the case's own utilisation of an ok result (in place)."""
     if r["status"] != "ok":
         return
     calls = r["info"].get("calls") or []
     timed = calls[1:] if len(calls) > 1 else calls  # the first is the setup's warm call
-    if timed:  # the model calls alone, without the GEMM probes that follow them
-        r["time_s"] = {**Timing([c[0] for c in timed], len(calls) - len(timed)).summary(), "with_probes": r["time_s"]}
+    if timed:
+        r["time_s"] = Timing(timed, len(calls) - len(timed)).summary()
     t = r["time_s"]["median"]
     passes = 3 if r["mode"] == "train" else 1  # backward = 2 x forward
     model_flops = passes * r["count"]["model_flops"]
@@ -350,28 +342,22 @@ def derive(r: dict[str, Any]) -> None:
     r["latency_ms"] = t * 1e3
     r["achieved_flops_per_s"] = model_flops / t
     gemm = r["info"].get("gemm")
-    probes = [c[1] for c in timed if c[1]]
-    r["gemm_flops_per_s"] = statistics.median(probes) if probes else gemm["flops_per_s"] if gemm else None
-    if probes:
-        r["util_calls"] = [model_flops / c[0] / c[1] for c in timed if c[1]]
-        r["util"] = statistics.median(r["util_calls"])
-    else:
-        r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
+    r["gemm_flops_per_s"] = gemm["flops_per_s"] if gemm else None
+    r["util_case"] = r["util"] = model_flops / t / gemm["flops_per_s"] if gemm else None
     r["loadavg"] = r["info"].get("loadavg")
 
 
 def add_run_utilisation(results: list[dict[str, Any]]) -> None:
-    """``util_run``: achieved FLOP/s over the best GEMM rate the whole run measured (per dtype)."""
+    """``util``: achieved FLOP/s over the best GEMM rate the whole run measured (per dtype)."""
     best: dict[str, float] = {}
     for r in results:
-        rates = [c[1] for c in (r.get("info") or {}).get("calls", []) if c[1]]
-        rates += [(r.get("info") or {}).get("gemm", {}).get("flops_per_s") or 0.0]
-        if r["status"] == "ok":
-            best[r["dtype"]] = max(best.get(r["dtype"], 0.0), *rates)
+        rate = ((r.get("info") or {}).get("gemm") or {}).get("flops_per_s")
+        if r["status"] == "ok" and rate:
+            best[r["dtype"]] = max(best.get(r["dtype"], 0.0), rate)
     for r in results:
         if r["status"] == "ok" and r["dtype"] in best:
             r["gemm_run_flops_per_s"] = best[r["dtype"]]
-            r["util_run"] = r["achieved_flops_per_s"] / best[r["dtype"]]
+            r["util"] = r["achieved_flops_per_s"] / best[r["dtype"]]
 
 
 def describe(r: dict[str, Any]) -> str:
@@ -408,7 +394,7 @@ COLUMNS = (
     ("achieved_gflops", "GFLOP/s", "{:.1f}"),
     ("gemm_gflops", "GEMM GF/s", "{:.1f}"),
     ("util_pct", "util %", "{:.1f}"),
-    ("util_run_pct", "run util %", "{:.1f}"),
+    ("util_case_pct", "case util %", "{:.1f}"),
     ("load", "load", "{:.1f}"),
 )
 
@@ -442,7 +428,7 @@ def flat_row(r: dict[str, Any]) -> dict[str, Any]:
             achieved_gflops=r["achieved_flops_per_s"] / 1e9,
             gemm_gflops=r["gemm_flops_per_s"] / 1e9 if r.get("gemm_flops_per_s") else None,
             util_pct=100 * r["util"] if r.get("util") is not None else None,
-            util_run_pct=100 * r["util_run"] if r.get("util_run") is not None else None,
+            util_case_pct=100 * r["util_case"] if r.get("util_case") is not None else None,
             load=r["loadavg"][0] if r.get("loadavg") else None,
         )
     else:
@@ -472,8 +458,8 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     legend = (
         "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
-        "util: median over calls of 2 x MACs (x3 when training) per second / the GEMM rate probed next to the call; "
-        "run util: / the best GEMM rate of the run; peak: peak RSS of one call, +MiB: peak - baseline after setup"
+        "util: 2 x MACs (x3 when training) / median call time / the best GEMM rate (median of 2048^3 calls) of the "
+        "run; case util: / the case's own GEMM rate; peak: peak RSS of one call, +MiB: peak - baseline after setup"
     )
     return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
 
@@ -549,11 +535,9 @@ def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
     return paths
 
 
-def report_text(results: list[dict[str, Any]], targets: list[dict[str, Any]], info: dict[str, Any]) -> str:
-    """The table, the targets' verdicts, and the load the figures were taken under."""
+def report_text(results: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """The table and the load the figures were taken under."""
     text = table(results)
-    if targets:
-        text += "\n\n" + model_targets_text(targets)
     policy, allocator = info["omp_wait_policy"], info["allocator"]
     return text + (
         f"\n\nload average {info['loadavg_start'][0]:.1f} at the start, {info['loadavg_end'][0]:.1f} at the end "
@@ -580,7 +564,7 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], doc: d
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = (
         "Example: vitlab bench deit_small_patch16_224 tnt_s_patch16_224 --batch 1,8 --img-size 224,384 "
-        "--dtypes fp32,bf16 --modes infer,train; vitlab bench --targets"
+        "--dtypes fp32,bf16 --modes infer,train"
     )
     p.add_argument("models", nargs="*", help="registered model names (vitlab models lists them)")
     p.add_argument("--batch", type=csv_list(int), default=[1, 8], help="batch sizes (default 1,8)")
@@ -609,20 +593,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p, default="cpu")
     p.add_argument("--threads", type=int, default=2, help="torch threads per case (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per case (default 5)")
-    p.add_argument("--warmup", type=int, default=0, help="untimed calls besides the setup's warm call (default 0)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls besides the setup's warm call (default 1)")
     p.add_argument(
         "--max-time",
         type=float,
         default=30.0,
         help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 30)",
     )
-    p.add_argument("--gemm-rounds", type=int, default=5, help="timed rounds per GEMM shape (default 5)")
+    p.add_argument(
+        "--gemm-rounds",
+        type=int,
+        default=5,
+        help="at least this many timed calls of the GEMM yardstick, over at least 2 s (default 5)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the memory pass (faster)")
     add_run_arguments(p)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Profiling, targets, the case processes' environment, and where the report goes."""
+    """Profiling, the case processes' environment, and where the report goes."""
     p.add_argument(
         "--profile",
         action="store_true",
@@ -630,16 +619,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "elementwise) with their GFLOP/s, top operators; profile_*.txt",
     )
     p.add_argument(
-        "--targets",
-        action="store_true",
-        help="also run and check the utilisation targets (fp32 inference, batch 8, 224 px)",
-    )
-    p.add_argument(
         "--omp-wait-policy",
         choices=("passive", "active", "inherit"),
         default=None,
-        help="OpenMP wait policy of the case processes (default: passive, or OMP_WAIT_POLICY when set; "
-        "'inherit' leaves the environment as it is)",
+        help="OpenMP wait policy of the case processes (default: inherit, the environment's, as the side-by-side "
+        "comparisons run)",
     )
     p.add_argument(
         "--allocator",
@@ -661,8 +645,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> None:
     from ..models import get_config
 
-    if not args.models and not args.targets:
-        raise ValueError("name at least one model (vitlab models lists them) or pass --targets")
+    if not args.models:
+        raise ValueError("name at least one model (vitlab models lists them)")
     for name in args.models:
         get_config(name)  # ValueError naming the closest known names
     require_at_least(args, ("threads", "repeats", "gemm_rounds"))
@@ -677,9 +661,7 @@ def resolve(args: argparse.Namespace) -> None:
 
 def apply_wait_policy(choice: str | None) -> str | None:
     """Set ``OMP_WAIT_POLICY`` for the case processes (started after this); returns the policy they run with."""
-    if choice is None:
-        choice = "inherit" if "OMP_WAIT_POLICY" in os.environ else "passive"
-    if choice != "inherit":
+    if choice not in (None, "inherit"):
         os.environ["OMP_WAIT_POLICY"] = choice.upper()
     return os.environ.get("OMP_WAIT_POLICY")
 
@@ -696,8 +678,7 @@ def run(args: argparse.Namespace) -> int:
         f"load {os.getloadavg()[0]:.1f}"
     )
     results, elapsed = timed_sweep(lambda: run_plan(cases, args), info)
-    targets = model_targets(results, args.threads) if args.targets else []
-    text = report_text(results, targets, {**info, "allocator": args.allocator})
+    text = report_text(results, {**info, "allocator": args.allocator})
     print("\n" + text)
     doc = report_doc(
         "vitlab.bench-models/1",
@@ -706,7 +687,6 @@ def run(args: argparse.Namespace) -> int:
         options(args, CONFIG),
         definitions=DEFINITIONS,
         cases=results,
-        targets=targets,
     )
     write_report(args, results, doc, text)
     return 0

@@ -168,46 +168,5 @@ def mixer_targets_text(targets: list[Result]) -> str:
     return "\n".join(["targets:"] + [f"  [{t['status']}] {t['name']}\n         {t['detail']}" for t in targets])
 
 
-# --------------------------------------------------------------------------- models (vitlab bench --targets)
-
-# model -> minimum utilisation (2 x MACs per second / the GEMM rate) at fp32 inference, batch 8, 224 px, 2 threads
-UTILISATION: dict[str, float] = {
-    "deit_small_patch16_224": 0.85,
-    "deit_tiny_patch16_224": 0.70,
-    "tnt_s_patch16_224": 0.75,
-    "deepvit_s": 0.75,
-    "eamlp_14": 0.75,
-    "refiner_vit_s": 0.60,
-}
-UTILISATION_SETTING = {"batch": 8, "img_size": 224, "dtype": "fp32", "mode": "infer", "compile": False}
-UTILISATION_THREADS = 2
-
-
-def model_targets(results: list[Result], threads: int) -> list[Result]:
-    """The utilisation verdict of every model in :data:`UTILISATION` (its case has the role "target")."""
-    out = []
-    for name, need in UTILISATION.items():
-        r = next((r for r in results if r["model"] == name and "target" in r.get("roles", [])), None)
-        row = {"model": name, "need": need, "setting": {**UTILISATION_SETTING, "threads": threads}}
-        if r is None or r["status"] != "ok" or r.get("util") is None:
-            row.update(status="N/A", detail=r.get("reason", "did not run") if r else "did not run")
-        else:
-            row.update(
-                status=pass_fail(r["util"] >= need),
-                util=r["util"],
-                util_run=r.get("util_run"),
-                detail=f"{100 * r['util']:.1f} % (need >= {100 * need:.0f} %): "
-                f"{r['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s of {r['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s GEMM, "
-                f"{r['throughput']:.2f} img/s, load {r['loadavg'][0]:.1f}",
-            )
-        if threads != UTILISATION_THREADS:
-            row["note"] = f"targets are for {UTILISATION_THREADS} threads; this run used {threads}"
-        out.append(row)
-    return out
-
-
-def model_targets_text(targets: list[Result]) -> str:
-    lines = ["targets (fp32 inference, batch 8, 224 px; utilisation = 2 x MACs per second / GEMM rate):"]
-    for t in targets:
-        lines.append(f"  [{t['status']}] {t['model']:<24} {t['detail']}")
-    return "\n".join(lines)
+# Models (vitlab bench) have no utilisation targets any more: their goals are ratios to other implementations
+# measured side by side (docs/performance.md).

@@ -1,6 +1,12 @@
-"""Datasets, batch loader and tensor transforms for training small ViTs without torchvision.
+"""Datasets, loaders and transforms for training ViTs without torchvision, from MNIST to ImageNet.
 
-Typical use::
+Streaming sources (``folder:`` ImageNet layout, ``wds:`` WebDataset shards) through DataLoader workers::
+
+    src = open_source("folder:/data/imagenet", "train")
+    tf = create_transform(224, is_training=True, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
+    loader = create_loader(src, tf, 128, is_training=True, workers=8, repeats=3, seed=0)
+
+The in-memory sets with the batched path (also reachable through ``create_loader``)::
 
     train = load_dataset("mnist", "train")                  # or "cifar10:<folder>", "folder:<path>", ...
     tf = make_transform(True, 28, train.mean, train.std, crop_padding=2, hflip=0)
@@ -13,6 +19,7 @@ Typical use::
 """
 
 from .augment import RandAugment
+from .crop import load_sample
 from .datasets import (
     ImageDataset,
     LazyImageFolder,
@@ -23,9 +30,17 @@ from .datasets import (
     mnist_idx,
     stratified_holdout,
 )
-from .loader import BatchLoader, derive_seed
+from .decode import UnreadableImage, decode
+from .factory import TransformPipeline, create_loader, create_transform, open_source
+from .geometry import Box, CropSpec, eval_geometry
+from .loader import BatchLoader
 from .mix import MixParams, MixupCutmix, smooth_one_hot, soft_target_cross_entropy
+from .samplers import RepeatedAugSampler, ShardedSampler, derive_seed
+from .sources import FolderSource, open_folder
+from .stream import StreamLoader
+from .tokenlabel import MixToken, crop_dense, dense_targets
 from .transforms import (
+    ColorJitter,
     Compose,
     Normalize,
     RandomCrop,
@@ -33,16 +48,22 @@ from .transforms import (
     RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
+    ResizeCenterCrop,
     make_transform,
     resize,
 )
 
 __all__ = [
     "BatchLoader",
+    "Box",
+    "ColorJitter",
     "Compose",
+    "CropSpec",
+    "FolderSource",
     "ImageDataset",
     "LazyImageFolder",
     "MixParams",
+    "MixToken",
     "MixupCutmix",
     "Normalize",
     "RandAugment",
@@ -50,14 +71,29 @@ __all__ = [
     "RandomErasing",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "RepeatedAugSampler",
     "Resize",
+    "ResizeCenterCrop",
+    "ShardedSampler",
+    "StreamLoader",
+    "TransformPipeline",
+    "UnreadableImage",
     "cifar10",
+    "create_loader",
+    "create_transform",
+    "crop_dense",
+    "decode",
+    "dense_targets",
     "derive_seed",
+    "eval_geometry",
     "image_folder",
     "load_dataset",
+    "load_sample",
     "make_transform",
     "mnist_embedded",
     "mnist_idx",
+    "open_folder",
+    "open_source",
     "resize",
     "smooth_one_hot",
     "soft_target_cross_entropy",

@@ -23,14 +23,14 @@ def uniform(n: int, g: torch.Generator | None) -> Tensor:
     return torch.rand(n, generator=g, device=g.device if g is not None else "cpu")
 
 
-def _gray(x: Tensor) -> Tensor:
+def gray(x: Tensor) -> Tensor:
     if x.shape[1] == 1:
         return x
     w = torch.tensor([0.299, 0.587, 0.114], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
     return (x * w).sum(1, keepdim=True)
 
 
-def _blend(degenerate: Tensor | float, x: Tensor, factor: Tensor) -> Tensor:
+def blend(degenerate: Tensor | float, x: Tensor, factor: Tensor) -> Tensor:
     """PIL ImageEnhance: ``degenerate + factor * (x - degenerate)``, clipped."""
     return (degenerate + factor.view(-1, 1, 1, 1) * (x - degenerate)).clamp_(0, 1)
 
@@ -82,15 +82,15 @@ def solarize_add(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
 
 
 def color(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
-    return _blend(_gray(x), x, _factor(m, s))
+    return blend(gray(x), x, _factor(m, s))
 
 
 def contrast(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
-    return _blend(_gray(x).mean((1, 2, 3), keepdim=True), x, _factor(m, s))
+    return blend(gray(x).mean((1, 2, 3), keepdim=True), x, _factor(m, s))
 
 
 def brightness(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
-    return _blend(0.0, x, _factor(m, s))
+    return blend(0.0, x, _factor(m, s))
 
 
 def sharpness(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
@@ -98,7 +98,7 @@ def sharpness(x: Tensor, m: Tensor, s: Tensor) -> Tensor:
     k = torch.tensor([[1, 1, 1], [1, 5, 1], [1, 1, 1]], dtype=x.dtype, device=x.device) / 13
     smooth = x.clone()  # PIL leaves the one-pixel border unfiltered
     smooth[..., 1:-1, 1:-1] = F.conv2d(x, k.expand(c, 1, 3, 3), groups=c)
-    return _blend(smooth, x, _factor(m, s))
+    return blend(smooth, x, _factor(m, s))
 
 
 def warp(x: Tensor, a: Tensor, t: Tensor, fill: float) -> Tensor:

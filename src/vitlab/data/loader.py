@@ -7,29 +7,26 @@ a pure function of ``(seed, epoch, rank, b)``: resuming at an epoch (or at a bat
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from .samplers import ShardedSampler, derive_seed
+
 BatchOp = Callable[[Tensor, Tensor, torch.Generator], tuple[Tensor, Tensor]]
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers (nearby inputs give unrelated streams)."""
-    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class BatchLoader:
     """Yields ``(images, labels)`` batches: images float, transformed (``transform(x_uint8, g)``, or just
     scaled to ``[0, 1]``), labels int64 or soft targets when a ``mix`` batch op (e.g. MixupCutmix) is given.
 
-    Sharding follows ``DistributedSampler``: the global permutation is cut to a multiple of
-    ``world_size`` (``drop_last``) or padded by wrapping around, and rank ``r`` takes positions
+    Sharding follows ``DistributedSampler`` (:class:`ShardedSampler`): the global permutation is cut to a
+    multiple of ``world_size`` (``drop_last``) or padded by wrapping around, and rank ``r`` takes positions
     ``r, r + world_size, ...``, so ranks get disjoint, equal-size shards (padding repeats a few samples).
+    Another sampler (e.g. :class:`RepeatedAugSampler`) can be passed as ``sampler``.
     """
 
     def __init__(
@@ -44,11 +41,13 @@ class BatchLoader:
         world_size: int = 1,
         mix: BatchOp | None = None,
         device: torch.device | str | None = None,
+        sampler: ShardedSampler | None = None,
     ) -> None:
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size}, {rank}, {world_size}")
-        if len(dataset) < world_size:
-            raise ValueError(f"dataset of {len(dataset)} samples cannot be sharded over {world_size} ranks")
+        self.sampler = sampler or ShardedSampler(
+            len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last
+        )
         self.dataset, self.batch_size, self.shuffle, self.drop_last = dataset, batch_size, shuffle, drop_last
         self.transform, self.mix, self.seed, self.rank, self.world_size = transform, mix, seed, rank, world_size
         self.device = torch.device(device) if device is not None else None
@@ -60,11 +59,19 @@ class BatchLoader:
             raise ValueError(f"start_batch must be in [0, {len(self)}], got {start_batch}")
         self.epoch, self.start_batch = epoch, start_batch
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: the epoch and how many of its batches were handed out (everything else
+        derives from the seed)."""
+        return {"epoch": self.epoch, "batch": self.start_batch, "seed": self.seed, "num_batches": len(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` stood (a finished epoch continues with the next one)."""
+        self.set_epoch(*resume_point(state, self.seed, len(self)))
+
     @property
     def num_samples(self) -> int:
         """Samples per rank per epoch."""
-        n, ws = len(self.dataset), self.world_size
-        return n // ws if self.drop_last else math.ceil(n / ws)
+        return self.sampler.num_samples
 
     def __len__(self) -> int:
         n, bs = self.num_samples, self.batch_size
@@ -72,16 +79,7 @@ class BatchLoader:
 
     def indices(self, epoch: int | None = None) -> Tensor:
         """This rank's sample indices for ``epoch`` (default: the current one), in order."""
-        epoch = self.epoch if epoch is None else epoch
-        n = len(self.dataset)
-        if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(self.seed, epoch)))
-        else:
-            order = torch.arange(n)
-        total = self.num_samples * self.world_size
-        if total > n:
-            order = torch.cat([order, order[: total - n]])  # wrap around (world_size <= n, so this suffices)
-        return order[self.rank : total : self.world_size]
+        return self.sampler.indices(self.epoch if epoch is None else epoch)
 
     def _fetch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         if hasattr(self.dataset, "get_batch"):
@@ -91,7 +89,8 @@ class BatchLoader:
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         idx, bs = self.indices(), self.batch_size
-        for b in range(self.start_batch, len(self)):
+        for b in range(self.start_batch % max(len(self), 1), len(self)):  # a finished pass starts over
+            self.start_batch = b + 1  # the state a checkpoint taken after this batch records
             x, y = self._fetch(idx[b * bs : (b + 1) * bs])
             if self.device is not None:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -109,3 +108,15 @@ class BatchLoader:
             f"BatchLoader({len(self.dataset)} samples, batch_size={self.batch_size}, shuffle={self.shuffle}, "
             f"drop_last={self.drop_last}, rank={self.rank}/{self.world_size}, {len(self)} batches)"
         )
+
+
+def resume_point(state: dict[str, Any], seed: int, num_batches: int) -> tuple[int, int]:
+    """(epoch, batch) to continue from a loader ``state``; a state of another seed or epoch length is refused."""
+    if int(state.get("seed", seed)) != seed or int(state.get("num_batches", num_batches)) != num_batches:
+        raise ValueError(
+            f"loader state (seed {state.get('seed')}, {state.get('num_batches')} batches per epoch) does not match "
+            f"this loader (seed {seed}, {num_batches} batches per epoch): resume with the same data, batch size, "
+            "world size and seed"
+        )
+    epoch, batch = int(state["epoch"]), int(state["batch"])
+    return (epoch + 1, 0) if batch >= num_batches else (epoch, batch)

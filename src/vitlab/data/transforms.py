@@ -7,14 +7,14 @@ augmentation is a pure function of the generator state, on any device. No Python
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .augment import RandAugment, uniform
+from .augment import RandAugment, blend, gray, uniform
+from .geometry import CropSpec, eval_geometry, resized_crop_boxes, sample_boxes
 
 Size = int | tuple[int, int]
 Transform = Callable[..., Tensor]
@@ -56,34 +56,6 @@ def resize(x: Tensor, size: Size, interpolation: str = "bilinear", antialias: bo
     if mode == "nearest":
         return F.interpolate(x, size=size, mode=mode)
     return F.interpolate(x, size=size, mode=mode, align_corners=False, antialias=antialias)
-
-
-def sample_boxes(
-    n: int,
-    height: int,
-    width: int,
-    scale: Sequence[float],
-    ratio: Sequence[float],
-    g: torch.Generator | None,
-    attempts: int = 10,
-    strict: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Boxes of area ``U(scale) * H * W`` and aspect ``w / h`` log-uniform in ``ratio``, as in
-    torchvision's RandomResizedCrop / timm's RandomErasing: ``attempts`` tries per sample at once, first
-    one that fits wins (``strict``: strictly smaller than the image, as timm's erasing asks).
-    Returns ``(top, left, h, w, ok)`` as long tensors and a bool mask of success.
-    """
-    area = height * width * (scale[0] + (scale[1] - scale[0]) * uniform(n * attempts, g).view(n, attempts))
-    lo, hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(lo + (hi - lo) * uniform(n * attempts, g).view(n, attempts))
-    w = torch.sqrt(area * aspect).round().long()
-    h = torch.sqrt(area / aspect).round().long()
-    fits = (w > 0) & (h > 0) & ((w < width) & (h < height) if strict else (w <= width) & (h <= height))
-    first = fits.int().argmax(1, keepdim=True)  # first True (or 0 when none)
-    h, w, ok = h.gather(1, first)[:, 0], w.gather(1, first)[:, 0], fits.any(1)
-    top = (uniform(n, g) * (height - h + 1).clamp(min=1)).long()
-    left = (uniform(n, g) * (width - w + 1).clamp(min=1)).long()
-    return top, left, h, w, ok
 
 
 def box_mask(top: Tensor, left: Tensor, h: Tensor, w: Tensor, height: int, width: int) -> Tensor:
@@ -137,12 +109,7 @@ class RandomResizedCrop:
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
         _check_batch(x, "RandomResizedCrop")
         B, _, H, W = x.shape
-        top, left, h, w, ok = sample_boxes(B, H, W, self.scale, self.ratio, g)
-        # fallback (torchvision): the whole image, cut to the nearest allowed aspect ratio
-        lo, hi = self.ratio
-        fw, fh = min(W, round(H * hi)), min(H, round(W / lo))
-        h, w = torch.where(ok, h, fh), torch.where(ok, w, fw)
-        top, left = torch.where(ok, top, (H - fh) // 2), torch.where(ok, left, (W - fw) // 2)
+        top, left, h, w = resized_crop_boxes(B, H, W, self.scale, self.ratio, g)
         theta = torch.zeros(B, 2, 3)
         theta[:, 0, 0], theta[:, 1, 1] = w / W, h / H
         theta[:, 0, 2], theta[:, 1, 2] = (2 * left + w) / W - 1, (2 * top + h) / H - 1
@@ -181,7 +148,7 @@ class Normalize:
 
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
         mean, std = self._stats(x)
-        return (x - mean) / std
+        return (x - mean).div_(std)  # one temporary, the same rounding as (x - mean) / std
 
     def denormalize(self, x: Tensor) -> Tensor:
         mean, std = self._stats(x)
@@ -234,6 +201,61 @@ class RandomErasing:
 
     def __repr__(self) -> str:
         return f"RandomErasing(p={self.p}, scale={self.scale}, ratio={self.ratio}, mode={self.mode!r})"
+
+
+class ColorJitter:
+    """torchvision's ColorJitter without hue: brightness, contrast and saturation factors drawn uniformly from
+    ``[max(0, 1 - v), 1 + v]`` and applied in a random order per sample, each as PIL's ImageEnhance blend (the
+    same ops RandAugment's Brightness, Contrast and Color use)."""
+
+    def __init__(self, brightness: float = 0.4, contrast: float = 0.4, saturation: float = 0.4) -> None:
+        if min(brightness, contrast, saturation) < 0:
+            raise ValueError(f"ColorJitter strengths must be >= 0, got {brightness}, {contrast}, {saturation}")
+        self.strengths = (brightness, contrast, saturation)
+
+    @staticmethod
+    def _degenerate(x: Tensor, op: int) -> Tensor | float:
+        if op == 0:
+            return 0.0
+        return gray(x).mean((1, 2, 3), keepdim=True) if op == 1 else gray(x)
+
+    def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
+        _check_batch(x, "ColorJitter")
+        B = x.shape[0]
+        factors = [1 + v * (2 * uniform(B, g) - 1) for v in self.strengths]  # U[1 - v, 1 + v]
+        order = torch.stack([torch.randperm(3, generator=g) for _ in range(B)])  # (B, 3) op per slot
+        for slot in range(3):
+            out = x
+            for op, (v, f) in enumerate(zip(self.strengths, factors)):
+                sel = (order[:, slot] == op).to(x.device).view(-1, 1, 1, 1)
+                if v > 0 and bool(sel.any()):
+                    out = torch.where(sel, blend(self._degenerate(x, op), x, f.clamp(min=0).to(x)), out)
+            x = out
+        return x
+
+    def __repr__(self) -> str:
+        b, c, s = self.strengths
+        return f"ColorJitter(brightness={b}, contrast={c}, saturation={s})"
+
+
+class ResizeCenterCrop:
+    """The evaluation transform on a batch: resize the shorter side to ``floor(size / crop_pct)`` (``squash``:
+    both sides), cut the centred ``size`` square (:func:`vitlab.data.crop.eval_geometry`)."""
+
+    def __init__(self, size: Size, crop_pct: float = 0.875, interpolation: str = "bicubic", crop_mode: str = "center"):
+        self.spec = CropSpec(
+            _pair(size), train=False, crop_pct=crop_pct, crop_mode=crop_mode, interpolation=interpolation
+        )
+
+    def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
+        _check_batch(x, "ResizeCenterCrop")
+        (rh, rw), (top, left) = eval_geometry(tuple(x.shape[-2:]), self.spec)
+        x = resize(x, (rh, rw), self.spec.interpolation)
+        return x[..., top : top + self.spec.size[0], left : left + self.spec.size[1]]
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return f"ResizeCenterCrop(size={s.size}, crop_pct={s.crop_pct}, crop_mode={s.crop_mode!r})"
 
 
 class Compose:

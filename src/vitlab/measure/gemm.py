@@ -8,20 +8,20 @@ timed), so that the figure says how well the model's implementation uses the
 machine rather than how fast the machine is, and partly cancels what other
 jobs on a shared machine take away.
 
-The products are ``x @ Wᵀ`` as ``nn.Linear`` computes them: shapes typical of
-the models (DeiT-S's MLP and qkv at batch 8: 1576 tokens x 384 -> 1536, 1536 ->
-384, 384 -> 1152) and one big square product. For each shape, rounds of
-back-to-back calls are timed; a round's rate is its FLOPs over its wall time,
-the shape's rate is its best round (a *sustained* rate: a round is several
-calls, not one lucky call), and the machine's rate is the best shape's.
+The yardstick is the one of the peer comparison harness, so that both tools give one answer for the same
+code: a square ``(2048 x 2048) @ (2048 x 2048)`` product (``torch.mm``) in the model's dtype, three untimed
+calls, then single calls timed until at least ``min_calls`` calls and ``min_time`` seconds; the rate is the
+MEDIAN of the calls' rates (FLOPs = 2·M·K·N per call). A run that measures it more than once (``vitlab bench``:
+in every case process) divides by the best of those medians (a conservative denominator).
 
-On a GPU the products run on that GPU (the yardstick of a model timed there), each round timed with CUDA
-events and a synchronisation, and a large square product (:data:`SQUARE_GPU`) joins the shapes: the
-model-sized products leave much of a large GPU idle.
+On a GPU the products run on that GPU (the yardstick of a model timed there), each call timed with CUDA events
+and a synchronisation (:func:`vitlab.device.time_call`), and the square is larger (:data:`SQUARE_GPU`): a
+2048³ product leaves much of a large GPU idle, and lasts about as long as the timing itself.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -29,16 +29,14 @@ import torch
 
 from ..device import time_call
 
-# (M, K, N): M tokens of width K through a K -> N linear layer
-MODEL_SHAPES: tuple[tuple[int, int, int], ...] = ((1576, 384, 1536), (1576, 1536, 384), (1576, 384, 1152))
-SQUARE = (1536, 1536, 1536)
-SQUARE_GPU = (8192, 8192, 8192)
+SQUARE = (2048, 2048, 2048)  # (M, K, N) of the yardstick product
+SQUARE_GPU = (8192, 8192, 8192)  # on a GPU
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
 class GemmRate:
-    """The best sustained rate (FLOP/s) over the measured shapes, and each shape's rate."""
+    """The GEMM rate (FLOP/s): the best of the measured shapes' median rates, and each shape's rate."""
 
     flops_per_s: float
     dtype: str
@@ -60,54 +58,43 @@ def shape_rate(
     k: int,
     n: int,
     dtype: torch.dtype = torch.float32,
-    rounds: int = 5,
-    round_time: float = 0.05,
+    min_calls: int = 5,
+    min_time: float = 2.0,
     device: torch.device | str = "cpu",
 ) -> float:
-    """Best sustained FLOP/s of ``x (m, k) @ w (n, k)ᵀ`` on ``device`` over ``rounds`` rounds of about
-    ``round_time`` s each."""
+    """Median FLOP/s of single calls ``x (m, k) @ w (k, n)`` on ``device`` after 3 untimed calls, timed until at
+    least ``min_calls`` calls and ``min_time`` seconds (at most 1000 calls)."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dev, dtype)
-    w = torch.randn(n, k, generator=gen).to(dev, dtype)
-    out = torch.empty(m, n, dtype=dtype, device=dev)
-    flops = 2.0 * m * k * n
-
-    def product() -> None:
-        torch.mm(x, w.t(), out=out)
-
-    product()  # warm the BLAS (packing buffers, thread pool; cuBLAS handles and workspace)
-    calls = max(1, int(round_time / max(time_call(product, dev), 1e-6)))
-
-    def round_of_calls() -> None:
-        for _ in range(calls):
-            product()
-
-    return max(calls * flops / time_call(round_of_calls, dev) for _ in range(rounds))
+    w = torch.randn(k, n, generator=gen).to(dev, dtype)
+    for _ in range(3):  # the BLAS's packing buffers, the thread pool (cuBLAS: its handle and workspace)
+        torch.mm(x, w)
+    rates: list[float] = []
+    start = time.perf_counter()
+    while len(rates) < min_calls or (time.perf_counter() - start < min_time and len(rates) < 1000):
+        rates.append(2.0 * m * k * n / max(time_call(lambda: torch.mm(x, w), dev), 1e-9))
+    return statistics.median(rates)
 
 
 def measure_gemm(
     dtype: str = "fp32",
     threads: int | None = None,
     shapes: tuple[tuple[int, int, int], ...] | None = None,
-    rounds: int = 5,
-    round_time: float = 0.05,
+    min_calls: int = 5,
+    min_time: float = 2.0,
     device: torch.device | str = "cpu",
 ) -> GemmRate:
     """The GEMM rate of ``device`` (this machine's CPU with ``threads`` threads, None: torch's current setting;
-    or a GPU), in this process. ``shapes`` default to the model shapes and a square product (a large one on
-    a GPU)."""
+    or a GPU), in this process: the best of the shapes' median rates (by default the one square yardstick,
+    :data:`SQUARE`, on a GPU :data:`SQUARE_GPU`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dev = torch.device(device)
-    if shapes is None:
-        shapes = (*MODEL_SHAPES, SQUARE_GPU if dev.type == "cuda" else SQUARE)
+    shapes = shapes or ((SQUARE_GPU if dev.type == "cuda" else SQUARE),)
     if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    by_shape = {
-        "x".join(map(str, s)): shape_rate(*s, dtype=DTYPES[dtype], rounds=rounds, round_time=round_time, device=dev)
-        for s in shapes
-    }
+    by_shape = {"x".join(map(str, s)): shape_rate(*s, DTYPES[dtype], min_calls, min_time, dev) for s in shapes}
     seconds = time.perf_counter() - t0
     return GemmRate(max(by_shape.values()), dtype, torch.get_num_threads(), by_shape, seconds, str(dev))

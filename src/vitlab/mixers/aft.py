@@ -80,7 +80,8 @@ def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) 
     exactly (:func:`_exact_entries`) from the keys ``k`` (B, T, G), values ``v`` (B, T, G, R) and the bias rows
     ``bias_rows(t, g)`` of query positions t."""
     # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
-    y = num / den.clamp_min(_UNDERFLOW).unsqueeze(-1)
+    den_safe = den.clamp_min(_UNDERFLOW).unsqueeze(-1)
+    y = num.div_(den_safe) if _no_autograd(num) else num / den_safe
     if not _data_checks_allowed(den):
         return y
     if torch.compiler.is_compiling():
@@ -120,6 +121,30 @@ def _data_checks_allowed(t: Tensor) -> bool:
     return t.device.type != "meta" and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
 
 
+def _no_autograd(*tensors: Tensor) -> bool:
+    """Whether autograd records nothing on ``tensors`` (inference, no_grad): the cores may then reuse their own
+    intermediates in place (fewer allocations, less memory traffic); the values are the same."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def _gate(q: Tensor, y: Tensor) -> Tensor:
+    """``sigmoid(Q) ⊙ Y``, the output gate of every AFT core (in place on the sigmoid without autograd)."""
+    return torch.sigmoid(q).mul_(y) if _no_autograd(q, y) else torch.sigmoid(q) * y
+
+
+def _key_context(k: Tensor, v: Tensor) -> Tensor:
+    """``[e^{K - colmax} ⊙ V, e^{K - colmax}]`` (B, T, 2C), the right-hand side of AFT-full's two sums; without
+    autograd written straight into one buffer (no ``cat`` copy)."""
+    if not _no_autograd(k, v):
+        ek = (k - k.detach().amax(1, keepdim=True)).exp()
+        return torch.cat([ek * v, ek], -1)
+    b, n, c = k.shape
+    ctx = k.new_empty(b, n, 2 * c)
+    ek = torch.sub(k, k.amax(1, keepdim=True), out=ctx[..., c:]).exp_()
+    torch.mul(ek, v, out=ctx[..., :c])
+    return ctx
+
+
 def _future_mask(n: int, device: torch.device) -> Tensor:
     """(n, n) True where t' > t."""
     return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
@@ -138,12 +163,15 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     # the ratio does not depend on the shifts, so they carry no gradient
     wmax = w.detach().amax(-1, keepdim=True)
     wmax = torch.where(torch.isfinite(wmax), wmax, 0.0)
-    ek = (k - k.detach().amax(1, keepdim=True)).exp()
-    # one (T, T) @ (T, B·2C) product for numerator and denominator
-    ctx = torch.cat([ek * v, ek], -1).transpose(0, 1).reshape(n, b * 2 * c)
-    num, den = ((w - wmax).exp() @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
+    ctx = _key_context(k, v)
+    ew = (w - wmax).exp_()  # exp in place on a fresh difference: autograd saves the result either way
+    if _no_autograd(q, k, v, w):  # a batch of (T, T) @ (T, 2C) products on ctx as laid out (no copy)
+        num, den = torch.matmul(ew, ctx).split(c, -1)
+    else:  # one (T, T) @ (T, B·2C) product for numerator and denominator (a faster backward)
+        ctx = ctx.transpose(0, 1).reshape(n, b * 2 * c)
+        num, den = (ew @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: w[t])
-    return torch.sigmoid(q) * y.squeeze(-1)
+    return _gate(q, y.squeeze(-1))
 
 
 def aft_local_banded(
@@ -166,7 +194,7 @@ def aft_local_banded(
     """
     num, den = banded_sums(k, v, w_band, window, outside_zero, causal)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
-    return torch.sigmoid(q) * y.squeeze(-1)
+    return _gate(q, y.squeeze(-1))
 
 
 def _causal_rows(n: int, t: Tensor) -> Tensor:
@@ -186,7 +214,7 @@ def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
     ek = (k - k.detach().amax(1, keepdim=True)).exp()
     num, den = (ek * v).cumsum(1), ek.cumsum(1)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: _causal_rows(k.shape[1], t))
-    return torch.sigmoid(q) * y.squeeze(-1)
+    return _gate(q, y.squeeze(-1))
 
 
 def _outside_window_sum(x: Tensor, s: int) -> Tensor:
@@ -267,7 +295,7 @@ def aft_conv(
     nd = torch.cat([prefix, patch.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
     rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
     y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
-    return torch.sigmoid(q) * y.reshape(b, n, c)
+    return _gate(q, y.reshape(b, n, c))
 
 
 # --------------------------------------------------------------------------- elementwise FLOPs of the cores

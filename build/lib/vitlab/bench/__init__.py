@@ -1,1 +1,0 @@
-"""Benchmarks of mixers and models."""

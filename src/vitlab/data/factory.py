@@ -1,0 +1,247 @@
+"""The entry points a training loop calls: ``open_source`` -> ``create_transform`` -> ``create_loader``.
+
+::
+
+    train_src = open_source("folder:/data/imagenet", "train")           # or "wds:/shards", "mnist", ...
+    val_src = open_source("folder:/data/imagenet", "val")               # classes matched to train's by name
+    cfg = vitlab.data.resolve_data_config(model)                         # input_size, crop_pct, mean, std, ...
+    train_tf = create_transform(**cfg, is_training=True, auto_augment="rand-m9-mstd0.5-inc1", re_prob=0.25)
+    loader = create_loader(train_src, train_tf, 128, is_training=True, workers=8, repeats=3, mix=mixup,
+                           rank=rank, world_size=world, seed=seed, device=device)
+    val_loader = create_loader(val_src, create_transform(**cfg), 256, is_training=False, workers=8, ...)
+    for epoch in range(start_epoch, epochs):
+        loader.set_epoch(epoch)            # or loader.load_state_dict(ckpt["loader"]) once, when resuming
+        for x, y in loader:                # (x, y, dense) with dense token-label targets
+            ...
+            ckpt["loader"] = loader.state_dict()
+
+Streaming sources (``folder:``, ``wds:``) go through DataLoader workers (:class:`StreamLoader`); the
+in-memory sets (embedded MNIST, CIFAR-10, MNIST idx) keep their batched path (:class:`BatchLoader`: the same
+transforms on whole batches, on the device), behind the same interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .crop import crop_resize, eval_resize_crop, load_sample
+from .datasets import IMAGENET_MEAN, IMAGENET_STD, ImageDataset, load_dataset
+from .decode import Decoded, resolve_decoder
+from .geometry import DEFAULT_CROP_PCT, CropSpec, train_box
+from .loader import BatchLoader, BatchOp
+from .samplers import RepeatedAugSampler, ShardedSampler
+from .sources import FolderSource, open_folder
+from .stream import MapStream, StreamLoader
+from .transforms import (
+    ColorJitter,
+    Compose,
+    Normalize,
+    RandAugment,
+    RandomErasing,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    ResizeCenterCrop,
+)
+
+STREAMING = ("folder", "wds")
+
+
+@dataclass
+class TransformPipeline:
+    """A transform in two stages: ``crop`` (per sample: RandomResizedCrop + flip, or resize + centre crop) and
+    ``batch`` (float ops on a batch: RandAugment or colour jitter, normalisation, random erasing).
+
+    Called on a PIL image, a path or file bytes it returns one normalised ``(C, H, W)`` tensor (``g`` drives
+    the random choices); on a ``(B, C, H, W)`` tensor it runs :meth:`batched`.
+    """
+
+    crop: CropSpec
+    batch: Compose
+
+    def batched(self) -> Compose:
+        """The whole pipeline as one batch transform (for in-memory uint8 batches)."""
+        c = self.crop
+        if c.train:
+            first = [RandomResizedCrop(c.size, c.scale, c.ratio, c.interpolation)]
+            first += [RandomHorizontalFlip(c.hflip)] if c.hflip > 0 else []
+        else:
+            first = [ResizeCenterCrop(c.size, c.crop_pct, c.interpolation, c.crop_mode)]
+        return Compose(first + self.batch.steps)
+
+    def __call__(self, img, g: torch.Generator | None = None) -> Tensor:
+        if isinstance(img, Tensor):
+            return self.batched()(img, g)
+        g = g if g is not None else torch.Generator().manual_seed(0)
+        if isinstance(img, (bytes, bytearray, str, Path)):
+            x, _ = load_sample(img if isinstance(img, (bytes, bytearray)) else Path(img), self.crop, g, "pillow")
+        else:  # a PIL image already opened
+            from .decode import _to_array
+
+            pixels = Decoded(_to_array(img, self.crop.channels), (img.size[1], img.size[0]))
+            x = crop_resize(pixels, train_box(pixels.size, self.crop, g), self.crop)[0] if self.crop.train else (
+                eval_resize_crop(pixels, self.crop))  # fmt: skip
+        return self.batch(x[None], g)[0]
+
+    def __repr__(self) -> str:
+        return f"TransformPipeline(\n  crop={self.crop},\n  batch={self.batch!r})"
+
+
+def _input_hw(input_size: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(input_size, int):
+        return input_size, input_size
+    size = tuple(int(s) for s in input_size)
+    return size[-2:] if len(size) in (2, 3) else _bad_size(input_size)
+
+
+def _bad_size(input_size) -> tuple[int, int]:
+    raise ValueError(f"input_size must be an int, (H, W) or (C, H, W), got {input_size!r}")
+
+
+def create_transform(
+    input_size: int | Sequence[int] = 224,
+    is_training: bool = False,
+    *,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    hflip: float = 0.5,
+    color_jitter: float | Sequence[float] | None = 0.4,
+    force_color_jitter: bool = False,
+    auto_augment: str | None = None,
+    interpolation: str = "bicubic",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    re_prob: float = 0.0,
+    re_mode: str = "pixel",
+    crop_pct: float | None = None,
+    crop_mode: str | None = None,
+    in_chans: int | None = None,
+) -> TransformPipeline:
+    """timm's ``create_transform`` for vitlab's loaders; takes ``resolve_data_config(model)``'s dict as keywords.
+
+    Training: RandomResizedCrop(``scale``, ``ratio``, ``interpolation``), flip(``hflip``), RandAugment
+    (``auto_augment`` like ``"rand-m9-mstd0.5-inc1"``) -- or, without it, colour jitter (timm drops the jitter
+    when RandAugment is on, unless ``force_color_jitter``) --, normalisation, random erasing (``re_prob``,
+    ``re_mode`` "pixel": per-pixel N(0, 1) noise). Evaluation: resize the shorter side to
+    ``floor(size / crop_pct)`` (0.875 by default), centre crop, normalisation.
+    """
+    size = _input_hw(input_size)
+    channels = in_chans or (int(input_size[0]) if not isinstance(input_size, int) and len(input_size) == 3 else 3)
+    channels = 3 if channels not in (1, 3) else channels
+    crop = CropSpec(
+        size,
+        train=is_training,
+        scale=tuple(scale),
+        ratio=tuple(ratio),
+        hflip=hflip if is_training else 0.0,
+        crop_pct=DEFAULT_CROP_PCT if crop_pct is None else crop_pct,
+        crop_mode=crop_mode or "center",
+        interpolation=interpolation,
+        channels=channels,
+    )
+    steps: list = []
+    if is_training and auto_augment:
+        steps.append(RandAugment.from_spec(auto_augment))
+    if is_training and color_jitter and (not auto_augment or force_color_jitter):
+        cj = (float(color_jitter),) * 3 if isinstance(color_jitter, (int, float)) else tuple(color_jitter)[:3]
+        steps.append(ColorJitter(*cj))
+    steps.append(Normalize(mean, std))
+    if is_training and re_prob > 0:
+        steps.append(RandomErasing(re_prob, mode="pixel" if re_mode == "pixel" else "const"))
+    return TransformPipeline(crop, Compose(steps))
+
+
+def open_source(
+    spec: str,
+    split: str = "train",
+    *,
+    holdout: int | float | None = None,
+    seed: int = 0,
+    dense_root: str | Path | None = None,
+):
+    """A data source from a spec: ``folder:ROOT`` (:class:`FolderSource`, file list only), ``wds:PATTERN`` or
+    ``wds:DIR`` (:class:`~vitlab.data.wds.ShardSource`), or any in-memory spec of :func:`load_dataset`."""
+    kind, sep, path = spec.partition(":")
+    if kind == "folder" and sep and path:
+        return open_folder(path, split, holdout=0.1 if holdout is None else holdout, seed=seed, dense_root=dense_root)
+    if kind == "wds" and sep and path:
+        from .wds import open_shards
+
+        return open_shards(path, split)
+    if kind in STREAMING:
+        raise ValueError(f"dataset {spec!r} needs a path: write {kind}:/path/to/data")
+    return load_dataset(spec, "test" if split == "val" else split, holdout=holdout, seed=seed)
+
+
+def create_loader(
+    source,
+    transform: TransformPipeline,
+    batch_size: int,
+    *,
+    is_training: bool,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    repeats: int = 1,
+    workers: int = 0,
+    mix: BatchOp | None = None,
+    device: torch.device | str | None = None,
+    decoder: str = "auto",
+    dense_grid: tuple[int, int] | None = None,
+    transform_on_device: bool = False,
+    drop_last: bool | None = None,
+    pin_memory: bool | None = None,
+    persistent_workers: bool = True,
+    prefetch_factor: int = 2,
+    max_bad_fraction: float = 0.01,
+    shuffle_buffer: int = 2000,
+) -> BatchLoader | StreamLoader:
+    """The loader of ``source`` (see the module docstring). Training shuffles, drops the last short batch and
+    with ``repeats > 1`` uses repeated augmentation; evaluation visits every sample exactly once over the
+    ranks. ``dense_grid`` (the patch grid) turns on dense token-label targets; ``mix`` runs on the main
+    process (MixupCutmix, or MixToken with dense targets)."""
+    drop_last = is_training if drop_last is None else drop_last
+    if isinstance(source, ImageDataset):
+        if dense_grid is not None:
+            raise ValueError("dense token-label targets need a folder: or wds: source (files beside the images)")
+        sampler = _sampler(len(source), is_training, seed, rank, world_size, repeats, drop_last)
+        tf = transform.batched()
+        return BatchLoader(source, batch_size, is_training, drop_last, tf, seed, rank, world_size, mix, device, sampler)
+    decoder = resolve_decoder(decoder)
+    common = dict(decoder=decoder, dense_grid=dense_grid, transform_on_device=transform_on_device)
+    if isinstance(source, FolderSource):
+        dataset = MapStream(source, transform.crop, transform.batch, **common)
+        sampler = _sampler(len(source), is_training, seed, rank, world_size, repeats, drop_last)
+    else:
+        from .wds import ShardStream
+
+        if repeats > 1:
+            raise ValueError("repeated augmentation needs an indexable source (folder:), not shards")
+        dataset = ShardStream(source, transform.crop, transform.batch, batch_size=batch_size, train=is_training,
+                              seed=seed, rank=rank, world_size=world_size, workers=workers,
+                              shuffle_buffer=shuffle_buffer, **common)  # fmt: skip
+        sampler = None
+    return StreamLoader(
+        dataset,
+        batch_size,
+        sampler,
+        drop_last=drop_last,
+        seed=seed,
+        mix=mix,
+        device=device,
+        workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        max_bad_fraction=max_bad_fraction,
+    )
+
+
+def _sampler(n: int, train: bool, seed: int, rank: int, world: int, repeats: int, drop_last: bool) -> ShardedSampler:
+    if train and repeats > 1:
+        return RepeatedAugSampler(n, repeats=repeats, seed=seed, rank=rank, world_size=world)
+    return ShardedSampler(n, shuffle=train, seed=seed, rank=rank, world_size=world, drop_last=drop_last, pad=train)

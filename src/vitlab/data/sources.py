@@ -1,0 +1,193 @@
+"""Streaming image sources: where each sample's bytes live, scanned once, nothing decoded up front.
+
+``FolderSource`` is an ImageNet-layout folder (``ROOT/train/<class>/<image>``, ``ROOT/val/<class>/<image>``;
+a folder of class folders alone is split by a seeded stratified holdout of its file list). Its file list is
+kept as one byte string plus offsets and a label array (numpy), never as Python objects per file: forked
+DataLoader workers share those pages without copying them (a list of a million path objects would be copied
+into every worker page by page, as reference counts are touched), so the loader's memory does not grow with
+the dataset. Validation labels follow the training classes *by name*: a val class train does not have is an
+error (the labels would silently shift otherwise), a val folder lacking some classes is fine.
+
+Dense token-label targets (see :mod:`vitlab.data.tokenlabel`) are read per image from ``<image stem>.tl.npy``
+beside the image, or from ``<dense_root>/<class>/<stem>.tl.npy``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .datasets import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, stratified_holdout
+
+DENSE_SUFFIX = ".tl.npy"
+LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image> (or ROOT/<class>/<image>)"
+
+
+class FileList:
+    """Relative paths and labels of N files in three numpy arrays (no per-file Python objects)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int]) -> None:
+        encoded = [p.encode("utf-8", "surrogateescape") for p in paths]
+        self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(e) for e in encoded], out=self.offsets[1:])
+        self.blob = np.frombuffer(b"".join(encoded), dtype=np.uint8) if encoded else np.zeros(0, np.uint8)
+        self.labels = np.asarray(labels, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, i: int) -> str:
+        return self.blob[self.offsets[i] : self.offsets[i + 1]].tobytes().decode("utf-8", "surrogateescape")
+
+    def subset(self, idx: np.ndarray) -> FileList:
+        return FileList([self.path(int(i)) for i in idx], self.labels[idx])
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.blob.nbytes + self.labels.nbytes
+
+
+def _class_dirs(root: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def _image_files(folder: Path, prefix: str) -> list[str]:
+    """Image files under ``folder`` (recursively), as paths relative to the split root, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = os.path.relpath(dirpath, folder)
+        base = prefix if rel == "." else f"{prefix}/{rel}"
+        out += [f"{base}/{f}" for f in sorted(filenames) if os.path.splitext(f)[1].lower() in IMAGE_EXTS]
+    return out
+
+
+def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str], FileList]:
+    """(class names, file list) of ``root/<class>/<image>``; with ``classes`` given (the training split's),
+    labels are those classes' indices by name."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} does not exist; expected {LAYOUT}")
+    found = _class_dirs(root)
+    if classes is None:
+        classes = found
+    unknown = sorted(set(found) - set(classes))
+    if unknown:
+        raise ValueError(
+            f"{root} has class folders the training split does not have: {', '.join(unknown[:5])}"
+            f"{' ...' if len(unknown) > 5 else ''} ({len(unknown)} in all); validation classes must match the "
+            "training classes by name"
+        )
+    missing = sorted(set(classes) - set(found))
+    if missing and found:
+        warnings.warn(
+            f"{root} lacks {len(missing)} of the {len(classes)} training classes ({missing[0]}, ...)", stacklevel=2
+        )
+    index = {c: i for i, c in enumerate(classes)}
+    paths, labels = [], []
+    for name in found:
+        files = _image_files(root / name, name)
+        paths += files
+        labels += [index[name]] * len(files)
+    if not paths:
+        raise ValueError(f"image folder {root} has no images in class subfolders; expected {LAYOUT}")
+    return classes, FileList(paths, labels)
+
+
+@dataclass
+class FolderSource:
+    """One split of an image folder, read lazily: ``read(i) -> (path, label)``."""
+
+    root: Path
+    files: FileList
+    classes: list[str]
+    name: str = ""
+    dense_root: Path | None = None
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return torch.from_numpy(self.files.labels.astype(np.int64))
+
+    def path(self, i: int) -> Path:
+        return self.root / self.files.path(i)
+
+    def read(self, i: int) -> tuple[Path, int]:
+        return self.path(i), int(self.files.labels[i])
+
+    def dense_path(self, i: int) -> Path:
+        rel = self.files.path(i)
+        base = (self.dense_root or self.root) / rel
+        return base.with_name(base.name.rsplit(".", 1)[0] + DENSE_SUFFIX)
+
+    def class_counts(self) -> list[int]:
+        return np.bincount(self.files.labels, minlength=self.num_classes).tolist()
+
+    def __repr__(self) -> str:
+        return f"FolderSource({self.name}: {len(self)} files, {self.num_classes} classes; {self.root})"
+
+
+def open_folder(
+    root: str | Path,
+    split: str = "train",
+    *,
+    holdout: int | float = 0.1,
+    seed: int = 0,
+    dense_root: str | Path | None = None,
+) -> FolderSource:
+    """A split of an image folder: ``train`` / ``val`` (``test`` is an alias) subfolders when present, else a
+    seeded stratified holdout of ``root/<class>/*`` (``holdout``: count or fraction), file list only."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} does not exist; expected {LAYOUT}")
+    dense = Path(dense_root).expanduser() if dense_root else None
+    val_dir = next((root / s for s in ("val", "test") if (root / s).is_dir()), None)
+    if (root / "train").is_dir():
+        classes, files = scan_folder(root / "train")
+        if split == "train":
+            return FolderSource(root / "train", files, classes, f"{root.name}-train", _sub(dense, "train"))
+        if split not in ("val", "test"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if val_dir is None:
+            raise FileNotFoundError(f"{root} has a train/ folder but no val/ (or test/) folder")
+        _, files = scan_folder(val_dir, classes)
+        return FolderSource(val_dir, files, classes, f"{root.name}-{val_dir.name}", _sub(dense, val_dir.name))
+    classes, files = scan_folder(root)
+    train_idx, held_idx = stratified_holdout(torch.from_numpy(files.labels.astype(np.int64)), holdout, seed)
+    part = (train_idx if split == "train" else held_idx).numpy()
+    src = FolderSource(root, files.subset(part), classes, f"{root.name}-{split}", dense)
+    src.extra["holdout"] = f"seeded stratified split (holdout={holdout}, seed={seed}): {split} part"
+    return src
+
+
+def _sub(dense: Path | None, name: str) -> Path | None:
+    return None if dense is None else (dense / name if (dense / name).is_dir() else dense)
+
+
+def read_dense(path: Path | bytes) -> np.ndarray:
+    """A dense token-label file: ``float16 (2, k, Hm, Wm)`` (top-k scores, class indices); never unpickles."""
+    import io
+
+    try:
+        arr = np.load(io.BytesIO(path) if isinstance(path, bytes) else path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(
+            f"token-label file {path if isinstance(path, Path) else 'bytes'} cannot be read: {e}"
+        ) from None
+    if arr.ndim != 4 or arr.shape[0] != 2:
+        raise ValueError(f"token-label maps must have shape (2, k, H, W) (scores, class indices), got {arr.shape}")
+    return arr

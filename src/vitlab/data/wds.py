@@ -1,0 +1,351 @@
+"""WebDataset tar shards: reading ``wds:`` specs as a resumable stream, and writing shards from a folder.
+
+Format (WebDataset's): each shard is a POSIX tar; the files of one sample share a key (the name up to the
+first dot) and sit next to each other: ``<key>.jpg`` (or .png, ...: the image bytes as stored), ``<key>.cls``
+(the class index as ASCII), optionally ``<key>.tl.npy`` (dense token-label maps). ``vitlab data shards``
+also writes ``shards.json`` beside them: the classes, and per split the shard names and sample counts, so
+the epoch length is known without reading the shards; without it, each shard's tar headers are scanned once.
+
+Reading, per rank and DataLoader worker (training): every round the shard list is permuted with
+``(seed, epoch, round)``, rank ``r`` takes shards ``r::world`` and worker ``w`` of it ``w::workers``; the
+worker streams their samples through a seeded shuffle buffer, forever, and hands out batches
+``w, w + workers, ...`` of the rank's fixed-length epoch (``total // world // batch`` batches, the same on
+every rank). The stream a worker reads is a function of ``(seed, epoch, rank, worker, workers)``: resuming
+mid-epoch with the same number of workers replays it, skipping (reading, not decoding) the samples of the
+batches already handed out. Evaluation reads every sample exactly once (ranks and workers split the shards).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .crop import load_samples
+from .decode import UnreadableImage
+from .geometry import CropSpec
+from .samplers import derive_seed
+from .sources import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, read_dense
+from .stream import StreamBatch, _batch_generator, collate
+from .tokenlabel import crop_dense
+
+MANIFEST = "shards.json"
+WDS_FIX = "install it with: pip install 'vitlab[data]'"
+
+
+def _webdataset():
+    try:
+        import webdataset
+    except ImportError as e:
+        raise ImportError(f"wds: data needs the webdataset package; {WDS_FIX}") from e
+    return webdataset
+
+
+def expand_pattern(pattern: str) -> list[str]:
+    """Brace-expand a shard pattern (``/data/train-{000000..000146}.tar``) into existing shard paths."""
+    import braceexpand
+
+    paths = [str(Path(p).expanduser()) for p in braceexpand.braceexpand(pattern)]
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of the {len(paths)} shards of {pattern!r} do not exist (first: {missing[0]})"
+        )
+    return paths
+
+
+def iter_shard(path: str) -> Iterator[dict]:
+    """The samples of one shard as dicts ``{__key__, <ext>: bytes, ...}`` (local files only)."""
+    wds = _webdataset()
+    with open(path, "rb") as f:
+        files = wds.tariterators.tar_file_expander([{"url": path, "stream": f}])
+        yield from wds.tariterators.group_by_keys(files)
+
+
+def image_member(sample: dict) -> str | None:
+    return next((k for k in sample if f".{k.rsplit('.', 1)[-1]}" in IMAGE_EXTS and "." not in k), None)
+
+
+def count_shard(path: str) -> int:
+    """Samples in a shard from its tar headers alone (``tarfile`` seeks over the file contents)."""
+    import tarfile
+
+    key = _webdataset().tariterators.base_plus_ext
+    try:
+        with tarfile.open(path, "r:") as tar:
+            return len({key(m.name)[0] for m in tar if m.isreg()})
+    except (tarfile.TarError, OSError) as e:
+        raise ValueError(f"shard {path} is not a readable tar file ({e})") from None
+
+
+@dataclass
+class ShardSource:
+    """One split of WebDataset shards: their paths, sample counts and classes."""
+
+    shards: list[str]
+    counts: list[int]
+    classes: list[str] | None = None
+    name: str = ""
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def num_classes(self) -> int:
+        if self.classes is None:
+            raise ValueError(f"shards {self.name} carry no class list ({MANIFEST}); pass num_classes explicitly")
+        return len(self.classes)
+
+
+def open_shards(spec_path: str, split: str = "train") -> ShardSource:
+    """``wds:`` spec path -> :class:`ShardSource`: a folder holding ``shards.json`` (either split), or a brace
+    pattern of one split's shards (its manifest, if one sits beside them, supplies classes and counts)."""
+    path = Path(spec_path).expanduser()
+    split = "val" if split == "test" else split
+    if path.is_dir():
+        manifest = path / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(f"{path} holds no {MANIFEST}; write shards with `vitlab data shards` or give a "
+                                    "brace pattern of shard files, e.g. wds:/data/train-{000000..000009}.tar")  # fmt: skip
+        meta = _read_manifest(manifest)
+        if split not in meta["splits"]:
+            raise ValueError(f"{manifest} has no {split!r} split (it has {sorted(meta['splits'])})")
+        part = meta["splits"][split]
+        shards = [str(path / s) for s in part["shards"]]
+        missing = [s for s in shards if not Path(s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} shards listed in {manifest} do not exist (first: {missing[0]})")
+        return ShardSource(shards, [int(c) for c in part["counts"]], meta.get("classes"), f"{path.name}-{split}")
+    shards = expand_pattern(spec_path)
+    counts, classes = _counts_beside(shards)
+    return ShardSource(shards, counts, classes, Path(shards[0]).stem)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text())
+        assert isinstance(meta.get("splits"), dict)
+        return meta
+    except (ValueError, AssertionError, OSError) as e:
+        raise ValueError(f"{path} is not a shard manifest ({e or 'no splits'}); re-write the shards") from None
+
+
+def _counts_beside(shards: list[str]) -> tuple[list[int], list[str] | None]:
+    manifest = Path(shards[0]).parent / MANIFEST
+    known: dict[str, int] = {}
+    classes = None
+    if manifest.is_file():
+        meta = _read_manifest(manifest)
+        classes = meta.get("classes")
+        for part in meta["splits"].values():
+            known.update(zip(part["shards"], part["counts"]))
+    return [int(known[Path(s).name]) if Path(s).name in known else count_shard(s) for s in shards], classes
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """Batches from shards in DataLoader workers (see the module docstring); ``epoch`` and the start batch
+    live in a shared tensor so persistent workers see each new epoch."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        crop: CropSpec,
+        batch_transform,
+        *,
+        batch_size: int,
+        train: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        workers: int = 0,
+        shuffle_buffer: int = 2000,
+        decoder: str = "pillow",
+        dense_grid: tuple[int, int] | None = None,
+        transform_on_device: bool = False,
+    ) -> None:
+        readers = world_size * max(workers, 1)
+        if len(source.shards) < readers:
+            raise ValueError(
+                f"{len(source.shards)} shards cannot feed {world_size} ranks x {max(workers, 1)} workers; write more, "
+                "smaller shards (vitlab data shards --shard-size) or use fewer workers"
+            )
+        self.source, self.crop, self.batch_transform, self.batch_size = source, crop, batch_transform, batch_size
+        self.train, self.seed, self.rank, self.world_size = train, seed, rank, world_size
+        self.workers, self.shuffle_buffer, self.decoder = max(workers, 1), shuffle_buffer, decoder
+        self.dense_grid, self.transform_on_device = dense_grid, transform_on_device
+        self.position = torch.zeros(2, dtype=torch.long).share_memory_()  # epoch, first batch to produce
+        self.num_batches = len(source) // world_size // batch_size if train else None
+
+    def __len__(self) -> int:
+        if self.num_batches is not None:
+            return self.num_batches
+        per = [c for i, c in enumerate(self.source.counts) if i % self.world_size == self.rank]
+        return sum(math.ceil(c / self.batch_size) for c in per)  # an upper bound when workers share shards
+
+    def _worker(self) -> int:
+        info = torch.utils.data.get_worker_info()
+        return 0 if info is None else info.id
+
+    def _shards(self, epoch: int, worker: int, rnd: int) -> list[str]:
+        order = list(range(len(self.source.shards)))
+        if self.train:
+            random.Random(derive_seed(self.seed, epoch, "shards", rnd)).shuffle(order)
+        mine = order[self.rank :: self.world_size][worker :: self.workers]
+        return [self.source.shards[i] for i in mine]
+
+    def _raw(self, epoch: int, worker: int) -> Iterator[dict]:
+        rnd = 0
+        while True:
+            for shard in self._shards(epoch, worker, rnd):
+                yield from iter_shard(shard)
+            if not self.train:
+                return
+            rnd += 1
+
+    def _shuffled(self, epoch: int, worker: int) -> Iterator[dict]:
+        stream = self._raw(epoch, worker)
+        if not self.train or self.shuffle_buffer <= 1:
+            yield from stream
+            return
+        rng = random.Random(derive_seed(self.seed, epoch, self.rank, "buffer", worker))
+        buf: list[dict] = []
+        for sample in stream:
+            if len(buf) < self.shuffle_buffer:
+                buf.append(sample)
+                continue
+            k = rng.randrange(len(buf))
+            buf[k], sample = sample, buf[k]
+            yield sample
+        rng.shuffle(buf)
+        yield from buf
+
+    def _parse(self, sample: dict) -> tuple[bytes, int]:
+        """(image bytes, label) of a sample; UnreadableImage when a member is missing or malformed."""
+        name = f"{sample.get('__url__')}:{sample.get('__key__')}"
+        key = image_member(sample)
+        if key is None:
+            raise UnreadableImage(f"{name}: sample has no image member")
+        try:
+            return bytes(sample[key]), int(sample["cls"].decode().strip())
+        except (KeyError, ValueError, UnicodeDecodeError):
+            raise UnreadableImage(f"{name}: no integer .cls member") from None
+
+    def _dense(self, sample: dict, box):
+        if self.dense_grid is None:
+            return None
+        if "tl.npy" not in sample:
+            raise ValueError(f"{sample['__url__']}:{sample['__key__']} has no tl.npy token-label member")
+        return crop_dense(read_dense(bytes(sample["tl.npy"])), box, self.dense_grid)
+
+    def _batch(self, raw: list[dict], seed: int) -> StreamBatch | None:
+        """Decode a batch's raw samples (unreadable ones dropped and named)."""
+        parsed, bad = [], []
+        for sample in raw:
+            try:
+                parsed.append((sample, *self._parse(sample)))
+            except UnreadableImage as e:
+                bad.append(str(e))
+        loaded = load_samples([p[1] for p in parsed], self.crop, _batch_generator(seed), self.decoder)
+        samples = []
+        for (sample, _, label), result in zip(parsed, loaded):
+            if isinstance(result, UnreadableImage):
+                bad.append(f"{sample['__url__']}:{sample['__key__']}: {str(result).split(': ', 1)[-1]}")
+            else:
+                samples.append((result[0], label, self._dense(sample, result[1])))
+        if not samples:
+            return None
+        transform = None if self.transform_on_device else self.batch_transform
+        return collate(samples, seed, transform, tuple(bad))
+
+    def __iter__(self) -> Iterator[StreamBatch]:
+        epoch, start = (int(v) for v in self.position)
+        # DataLoader takes batches from workers 0, 1, ... in turn: after a resume at batch `start`, worker 0
+        # plays the role of the worker that made batch `start` in the uninterrupted run
+        worker = (self._worker() + start) % self.workers if self.train else self._worker()
+        stream = self._shuffled(epoch, worker)
+        mine = range(worker, self.num_batches, self.workers) if self.train else None
+        skip = sum(1 for b in mine if b < start) * self.batch_size if mine is not None else 0
+        for _ in range(skip):  # batches handed out before the resume point: read, not decoded
+            next(stream)
+        batch_ids = (b for b in mine if b >= start) if mine is not None else _count(worker, self.workers)
+        for b in batch_ids:
+            raw = list(itertools.islice(stream, self.batch_size))
+            if not raw:
+                return
+            sb = self._batch(raw, derive_seed(self.seed, epoch, self.rank, "batch", b))
+            if sb is not None:
+                yield sb
+
+
+def _count(start: int, step: int) -> Iterator[int]:
+    b = start
+    while True:
+        yield b
+        b += step
+
+
+# --------------------------------------------------------------------------- writing shards
+
+
+def write_shards(
+    src_root: str | Path, out: str | Path, *, shard_size: int = 1000, splits: tuple[str, ...] = ("train", "val")
+) -> dict:
+    """Write an ImageNet-layout folder as WebDataset shards ``OUT/<split>-NNNNNN.tar`` (image bytes unchanged,
+    ``.cls``, ``.tl.npy`` where a token-label file sits beside the image) and ``OUT/shards.json``. Samples go
+    into the shards in a seeded random order so that a shard holds a mix of classes."""
+    from ..io import atomic_open, write_json_atomic
+    from .sources import open_folder
+
+    wds = _webdataset()
+    if shard_size < 1:
+        raise ValueError(f"shard size must be >= 1, got {shard_size}")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict = {"format": "webdataset", "splits": {}}
+    for split in splits:
+        try:
+            src = open_folder(src_root, split)
+        except FileNotFoundError:
+            if split == "train":
+                raise
+            continue
+        meta["classes"] = src.classes
+        order = np.random.default_rng(0).permutation(len(src))
+        names, counts = [], []
+        for s, first in enumerate(range(0, len(order), shard_size)):
+            name = f"{split}-{s:06d}.tar"
+            part = order[first : first + shard_size]
+            with atomic_open(out / name, "wb") as f:
+                writer = wds.TarWriter(f, encoder=False, mtime=0)
+                for i in part:
+                    writer.write(_sample(src, int(i)))
+                writer.close()
+            names.append(name)
+            counts.append(len(part))
+        meta["splits"][split] = {"shards": names, "counts": counts}
+    write_json_atomic(out / MANIFEST, meta)
+    return meta
+
+
+def _sample(src, i: int) -> dict:
+    path, label = src.read(i)
+    rel = src.files.path(i)
+    sample = {
+        "__key__": rel.rsplit(".", 1)[0].replace(".", "_"),
+        path.suffix.lower().lstrip("."): path.read_bytes(),
+        "cls": str(label).encode(),
+    }
+    dense = src.dense_path(i)
+    if dense.is_file():
+        sample["tl.npy"] = dense.read_bytes()
+    return sample
