@@ -18,7 +18,7 @@ it (``shards/<name>``) written through ``torch.distributed.checkpoint`` by every
 (:func:`write_run_checkpoint`), and ``model`` / ``optimizer`` are None in the file. The file is written last,
 so it is the commit point: a run killed while the shards are written still has its previous checkpoint.
 :func:`load_checkpoint` reads the whole weights back from the shards in one process; a resumed run loads
-them, re-sliced for its own number of processes, with :func:`restore_sharded`.
+them, re-sliced for its own number of processes, with :func:`restore_weights_and_optimizer`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     check, ``weights_only=True``, checksum); one clear line for missing, corrupt or foreign files.
 
     A sharded checkpoint's whole weights are read from its shards into ``model`` unless ``weights`` is
-    False (a run that resumes reads them into its sharded model itself: :func:`restore_sharded`)."""
+    False (a run that resumes reads them into its sharded model itself: :func:`restore_weights_and_optimizer`)."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "last.pt"
@@ -118,10 +118,14 @@ def prune_shards(folder: str | Path) -> None:
     remove_unused_shards(folder, pointed)
 
 
-def restore_sharded(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load a sharded checkpoint's weights (and optimizer state) into ``model``, sharded over this run's
-    processes or whole (collective under FSDP)."""
-    load_sharded(shard_folder(ckpt), model, optimizer)
+def restore_weights_and_optimizer(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a run's checkpoint into ``model`` and ``optimizer``: from the file, or from its shards, re-sliced
+    for this run's processes or whole (collective under FSDP)."""
+    if ckpt.get("sharded"):
+        load_sharded(shard_folder(ckpt), model, optimizer)
+    else:
+        load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
+        optimizer.load_state_dict(ckpt["optimizer"])
 
 
 def describe_mismatch(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:

@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint import load_checkpoint, load_state_checked, prune_shards, restore_sharded, write_run_checkpoint
+from ..checkpoint import (
+    load_checkpoint,
+    load_state_checked,
+    prune_shards,
+    restore_weights_and_optimizer,
+    write_run_checkpoint,
+)
 from ..data import derive_seed
 from ..device import AMP_CHOICES, amp_dtype, autocast, grad_scaler, resolve_device, set_tf32
 from ..distributed import World, all_reduce_sum, barrier, gather_objects, gradient_sync, init_distributed, parallelize
@@ -258,11 +264,7 @@ def setup(cfg: LMTrainConfig, log: Callable[[str], None], world: World, device: 
 def restore(run: LMRun, ckpt: dict[str, Any]) -> None:
     """Continue from a checkpoint: weights and optimizer (sharded or whole), schedule, scaler, the data
     stream, every rank's dropout stream (when the number of processes is unchanged), the history."""
-    if ckpt.get("sharded"):
-        restore_sharded(ckpt, run.raw, run.opt)
-    else:
-        load_state_checked(run.raw, ckpt["model"], f"checkpoint {ckpt['path']}")
-        run.opt.load_state_dict(ckpt["optimizer"])
+    restore_weights_and_optimizer(ckpt, run.raw, run.opt)
     run.sched.load_state_dict(ckpt["scheduler"])
     if ckpt.get("scaler"):
         run.scaler.load_state_dict(ckpt["scaler"])

@@ -23,7 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checkpoint import load_checkpoint, load_state_checked, prune_shards, restore_sharded, write_run_checkpoint
+from ..checkpoint import (
+    load_checkpoint,
+    prune_shards,
+    restore_weights_and_optimizer,
+    write_run_checkpoint,
+)
 from ..data import derive_seed
 from ..distributed import gather_objects
 from ..io import copy_atomic, write_csv_atomic, write_json_atomic
@@ -92,11 +97,7 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], No
 
 def restore(run: Run, ckpt: dict[str, Any]) -> None:
     """Continue a run from its checkpoint: weights, optimizer, schedule, EMA, scaler, RNG streams, log rows."""
-    if ckpt.get("sharded"):
-        restore_sharded(ckpt, run.raw, run.optimizer)
-    else:
-        load_state_checked(run.raw, ckpt["model"], f"checkpoint {ckpt['path']}")
-        run.optimizer.load_state_dict(ckpt["optimizer"])
+    restore_weights_and_optimizer(ckpt, run.raw, run.optimizer)
     run.sched.load_state_dict(ckpt["scheduler"])
     if run.ema is not None:
         if not ckpt.get("ema"):
