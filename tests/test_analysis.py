@@ -237,7 +237,7 @@ def test_identical_blocks_give_similarity_one(tmp_path):
     # and a model with its own random blocks is not collapsed
     for blk in model.blocks[1:]:
         blk.mixer.qkv.weight.normal_(0, 0.5)
-    out = model.forward_intermediates(images_and_input()[1])
+    out = model.forward_trace(images_and_input()[1])
     assert metrics.cross_layer_similarity([a["attn"] for a in out["aux"]])[0, 3] < 0.9
 
 
@@ -313,7 +313,7 @@ def test_explicit_path_gives_the_same_logits(name):
     for p in model.parameters():  # non-trivial maps: larger weights than the init's
         p.add_(torch.randn_like(p) * 0.05)
     _, x = images_and_input(3)
-    out = model.forward_intermediates(x, return_aux=True)
+    out = model.forward_trace(x, return_aux=True)
     torch.testing.assert_close(model.forward_head(out["features"]), model(x), rtol=1e-5, atol=1e-5)
     assert len(out["tokens"]) == len(out["aux"]) == len(model.blocks)
 
@@ -422,7 +422,7 @@ def test_cli_checkpoint_round_trip(tmp_path, capsys):
     ds = load_dataset("mnist", "test")
     x = make_transform(False, 28, ds.mean, ds.std)(ds.images[:3].float() / 255)
     with torch.no_grad():
-        out = model.eval().forward_intermediates(x)
+        out = model.eval().forward_trace(x)
     want = metrics.cross_layer_similarity([a["attn"] for a in out["aux"]])
     np.testing.assert_allclose(sims[0], want.numpy(), rtol=1e-4, atol=1e-6)
 

@@ -1,6 +1,7 @@
 """The import rules of the package (README "Development"): data flows one way.
 
-front door (``cli``) -> tools -> services -> core (models -> layers -> mixers; data) -> foundation. A module
+front door (``cli``) -> tools -> the package's public front (``vitlab/__init__``) -> services -> core
+(models -> layers -> mixers; data) -> foundation. A module
 imports only from its own tool or package, or from a lower layer; tools never import each other (services
 may use each other); nothing but ``vitlab.__main__`` imports the front door; no two modules import each other, directly or in a circle. Imports
 inside functions count: they are the same dependency, only deferred.
@@ -22,13 +23,24 @@ TOOLS = (
     "vitlab.export",
     "vitlab.catalog",
     "vitlab.convert.cli",
+    "vitlab.integrations",
     "vitlab.data.cli",
 )
-SERVICES = ("vitlab.checkpoint", "vitlab.convert", "vitlab.measure", "vitlab.optim", "vitlab.rundir")
-SERVICES += ("vitlab.distributed", "vitlab.tracking")
+# the package itself: `import vitlab` gives the public API (create_model with weights, from_pretrained, ...)
+PUBLIC = "vitlab"
+SERVICES = (
+    "vitlab.checkpoint",
+    "vitlab.convert",
+    "vitlab.measure",
+    "vitlab.optim",
+    "vitlab.rundir",
+    "vitlab.pretrained",
+    "vitlab.distributed",
+    "vitlab.tracking",
+)
 # the core, lowest first: a module may import its own rank or lower; data sits beside the models
-CORE = {"vitlab.mixers": 0, "vitlab.data": 0, "vitlab.layers": 1, "vitlab.models": 2, "vitlab": 3}
-FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.device")
+CORE = {"vitlab.mixers": 0, "vitlab.data": 0, "vitlab.layers": 1, "vitlab.models": 2}
+FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.options", "vitlab.extras", "vitlab.device")
 
 
 def module_name(path: Path) -> str:
@@ -77,6 +89,8 @@ def layer(name: str) -> tuple[int, str]:
         return 5, "front door"
     if tool := owner(name, TOOLS):
         return 4, tool
+    if name == PUBLIC:
+        return 3.5, PUBLIC
     if service := owner(name, SERVICES):
         return 3, service
     if found := owner(name, FOUNDATION):
@@ -151,3 +165,19 @@ def test_the_checker_sees_violations():
     assert layer("vitlab.measure.flops")[0] < layer("vitlab.bench.models")[0]
     assert layer("vitlab.convert.cli")[0] > layer("vitlab.convert.load")[0]
     assert layer("vitlab.mixers.aft")[0] < layer("vitlab.layers.block")[0] < layer("vitlab.models.vit")[0]
+    # the public front sits above the services it re-exports and below the tools
+    assert layer("vitlab.pretrained")[0] < layer("vitlab")[0] < layer("vitlab.export")[0]
+    assert layer("vitlab.models.folder")[0] < layer("vitlab.pretrained")[0]
+
+
+def test_every_command_is_a_tool():
+    """Each ``vitlab`` subcommand runs a module of the tools layer (``study`` lives with compare in vitlab.train,
+    whose training and table code it reuses)."""
+    from vitlab.cli import COMMANDS
+
+    mods = modules()
+    for command, (module, _) in COMMANDS.items():
+        assert module in mods, f"{command}: {module} is not a module of the package"
+        assert layer(module)[0] == 4, f"{command}: {module} is not in the tools layer"
+    assert COMMANDS["study"][0] == "vitlab.train.study" and layer("vitlab.train.study")[1] == "vitlab.train"
+    assert layer("vitlab.measure.maps")[0] == 3  # the attention-map measures are a service (analysis and study)

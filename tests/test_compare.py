@@ -109,4 +109,27 @@ def test_compare_user_errors_are_one_line(tmp_path, capsys):
 
     assert "unknown model 'deit_mni'" in error("--models", "deit_mini,deit_mni")
     assert "does not exist" in error("--data", f"mnist-idx:{tmp_path / 'none'}")
-    assert "--threads must be" in error("--threads", "0")
+    assert "argument --threads: must be an integer in 1..1024, got '0'" in error("--threads", "0")
+
+
+def test_compare_seeds_and_image_size(tmp_path, capsys):
+    """``--seeds 2``: one run per seed (folders VARIANT/seedS), mean ± std in the table; ``--img-size 32`` resizes
+    the 28-px digits, so the mini configs run as registered (patch 4: an 8x8 grid)."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--models", "deit_mini", "--epochs", "1", "--train-limit", "48", "--batch-size", "16"]
+    assert cli_main([*argv, "--seeds", "2", "--img-size", "32", "--seed", "5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = json.loads((out / "table.json").read_text())
+    row = table["rows"][0]
+    assert table["meta"]["seeds"] == 2 and table["meta"]["img_size"] == 32
+    finals = [json.loads((out / "deit_mini" / f"seed{s}" / "log.json").read_text())[-1]["val_top1"] for s in (5, 6)]
+    assert row["top1_seeds"] == finals and row["top1"] == pytest.approx(sum(finals) / 2)
+    assert row["top1_std"] == pytest.approx(abs(finals[0] - finals[1]) / 2**0.5)
+    assert f"{row['top1']:.2f} ± {row['top1_std']:.2f}" in printed and " ± " in (out / "table.md").read_text()
+    with torch.device("meta"):
+        model = vitlab.create_model("deit_mini", img_size=32, in_chans=1, num_classes=10)
+    assert row["mmacs"] == pytest.approx(count_macs(model, (1, 32, 32)).total / 1e6)  # not adapted to 28 px
+    cfg = json.loads((out / "deit_mini" / "seed6" / "result.json").read_text())["config"]
+    assert cfg["seed"] == 6 and cfg["img_size"] == 32
+    assert cli_main([*argv, "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "argument --seeds: must be an integer >= 1, got '0'" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from vitlab.convert import (
     save_weights,
     transfer_deit_to_aftconv,
 )
-from vitlab.models import VisionTransformer
+from vitlab.models import PyramidCPVT, VisionTransformer
 from vitlab.models.t2t import T2TViT
 from vitlab.models.tnt import TNT
 
@@ -136,11 +136,28 @@ def test_reports_name_the_dropped_tensors():
     assert_close_to_golden(feats, g.output("features"))  # the trunk does not depend on the aux head
 
 
-def test_twins_pyramid_cpvt_is_not_supported():
-    """cpvt_v2_gap_model_twins.npz is Twins' pyramid CPVTV2, which vitlab does not implement: a clear refusal."""
+GOLDEN_PCPVT = dict(
+    img_size=32, patch_size=4, num_classes=10, embed_dims=[16, 32], num_heads=[1, 2], mlp_ratios=[2, 2], depths=[2, 2]
+)
+
+
+def test_pcpvt_golden_through_the_converter():
     g = load_golden("cpvt_v2_gap_model_twins.npz")
-    with pytest.raises(ValueError, match="CPVTV2"):
-        detect_source(g.state())
+    assert detect_source(g.state()) == "twins_cpvtv2"
+    model = PyramidCPVT(**GOLDEN_PCPVT, sr_ratios=[2, 1]).eval()
+    report = load_reference(model, g.state(), "twins_cpvtv2")
+    assert report.ok, str(report)
+    with torch.no_grad():
+        feats = model.forward_features(g.input("image"))
+        assert_close_to_golden(model.forward_head(feats, pre_logits=True), g.output("features"))
+        assert_close_to_golden(model.forward_head(feats), g.output("logits"))
+
+
+def test_other_twins_pyramids_are_refused():
+    """Twins-SVT / ALTGVT (timm blocks with a fused qkv) are not the CPVTV2 pyramid vitlab implements."""
+    state = {"patch_embeds.0.proj.weight": torch.zeros(1), "blocks.0.0.attn.qkv.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="CPVTV2 pyramid"):
+        detect_source(state)
 
 
 # ------------------------------------------------------------------------------------------ safe loading
@@ -446,20 +463,23 @@ def eamlp_official_state(model: T2TViT, token_golden, block_golden) -> dict[str,
     return state
 
 
+# token layer 1 takes 2 * 4 * 4 = 32 features to 16 (the golden's dims); blocks are 32 wide with 2 heads
+EAMLP_SMALL = dict(
+    img_size=32,
+    in_chans=2,
+    num_classes=10,
+    embed_dim=32,
+    depth=2,
+    num_heads=2,
+    mlp_ratio=2,
+    token_dim=16,
+    soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
+)
+
+
 def test_eamlp_official_names():
     token_g, block_g = load_golden("ea_token_eamlp.npz"), load_golden("ea_multihead_eamlp.npz")
-    # token layer 1 takes 2 * 4 * 4 = 32 features to 16 (the golden's dims); blocks are 32 wide with 2 heads
-    model = T2TViT(
-        img_size=32,
-        in_chans=2,
-        num_classes=10,
-        embed_dim=32,
-        depth=2,
-        num_heads=2,
-        mlp_ratio=2,
-        token_dim=16,
-        soft_split=((4, 4, 0), (3, 2, 1), (3, 1, 1)),
-    ).eval()
+    model = T2TViT(**EAMLP_SMALL).eval()
     state = eamlp_official_state(model, token_g, block_g)
     assert detect_source(state) == "eamlp"
     report = load_reference(model, state, source="eamlp")

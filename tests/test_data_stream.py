@@ -476,7 +476,7 @@ def test_data_cli_synth_and_shards(tmp_path, capsys):
     assert main(["data", "info", f"folder:{tmp_path / 's'}"]) == 0
     assert '"images": 6' in capsys.readouterr().out
     assert main(["data", "synth", str(tmp_path / "x"), "--classes", "1"]) == 2
-    assert "need >= 2 classes" in capsys.readouterr().err
+    assert "argument --classes: must be an integer >= 2, got '1'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

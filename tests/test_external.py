@@ -41,28 +41,8 @@ def test_golden_xmu_single_head():
     assert (out - exact(x)).abs().max() <= 1e-6 * out.abs().max()
 
 
-def test_golden_eanet_segmentation_module():
-    """EANet ``External_attention`` = ReLU(x + BN(conv2(EA(conv1(x))))) in NCHW, composed around our EA."""
-    g = load_golden("ea_single_eanet.npz")
-    x = g.input("x")
-    b, c, h, w = x.shape
-    ea = ExternalAttention(c, memory_size=g.param("linear_0.weight").shape[0]).eval()
-    ea.load_state_dict(
-        {"mk.weight": g.param("linear_0.weight")[..., 0], "mv.weight": g.param("linear_1.weight")[..., 0]}
-    )
-    y = F.conv2d(x, g.param("conv1.weight"), g.param("conv1.bias"))
-    y = ea(y.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(b, c, h, w)  # (B, n, c) tokens
-    y = F.conv2d(y, g.param("conv2.0.weight"))
-    y = F.batch_norm(
-        y,
-        g.buffer("conv2.1.running_mean"),
-        g.buffer("conv2.1.running_var"),
-        g.param("conv2.1.weight"),
-        g.param("conv2.1.bias"),
-        training=False,
-        eps=1e-5,
-    )
-    assert_close_to_golden(F.relu(y + x), g.output("x"))
+# EANet's segmentation module (conv -> EA -> conv + BN -> residual -> ReLU) is the public
+# vitlab.layers.ExternalAttentionConv; its golden test is in test_ablation_models.py.
 
 
 def test_golden_eamlp_multi_head():

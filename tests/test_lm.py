@@ -471,3 +471,24 @@ def test_transformer_baseline_drops_attention_weights():
     assert create_lm("tiny_aft_simple", dropout=0.1).config["attn_dropout"] == 0.1
     with pytest.raises(ValueError, match="attn_dropout"):
         create_lm("tiny_transformer", attn_dropout=1.0)
+
+
+def test_bias_dim_full_from_the_command_line(tmp_path):
+    """AFT Table 3's non-factorised bias: ``--bias-dim full`` (or ``none``) gives a full T x T table."""
+    import argparse
+
+    from vitlab.cli import main
+    from vitlab.lm.cli import FULL_BIAS, bias_dim
+
+    assert bias_dim("full") == bias_dim("None") == FULL_BIAS and bias_dim("64") == 64
+    for bad in ("0", "-3", "wide"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer or 'full'"):
+            bias_dim(bad)
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 4)
+    out = tmp_path / "run"
+    argv = ["lm", "train", "--model", "tiny_aft_local", "--data", str(text), "--seq-len", "16", "--steps", "2"]
+    argv += ["--batch-size", "2", "--eval-every", "2", "--eval-symbols", "64", "--out", str(out), "--threads", "1"]
+    assert main([*argv, "--bias-dim", "full"]) == 0
+    state = torch.load(out / "last.pt", weights_only=True)["model"]
+    assert state["blocks.0.mixer.w"].shape == (16, 16) and "blocks.0.mixer.u" not in state

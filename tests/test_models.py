@@ -132,7 +132,7 @@ def test_intermediates_explicit_path_matches_sdpa():
     model.eval()
     with torch.no_grad():
         fast = model.forward_features(x)
-        inter = model.forward_intermediates(x)
+        inter = model.forward_trace(x)
     assert torch.allclose(inter["features"], fast, atol=1e-5)
     assert len(inter["tokens"]) == len(model.blocks)
     attn = inter["aux"][0]["attn"]

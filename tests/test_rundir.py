@@ -197,7 +197,7 @@ def test_force_moves_the_old_run_aside_even_if_the_new_run_crashes(tmp_path, mon
     out = tmp_path / "run"
     assert train(out) == 0
     old = {n: (out / n).read_bytes() for n in OLD_RUN}
-    assert train(out, "--model", "deit_mni", "--force") == 2  # a mistake found in setup: the old run stays put
+    assert train(out, "--model", "deit_mni", "--force") == 2  # a mistake found before any work: the old run stays put
     assert all((out / n).read_bytes() == old[n] for n in OLD_RUN)
 
     def crash(run, epoch):
@@ -211,6 +211,42 @@ def test_force_moves_the_old_run_aside_even_if_the_new_run_crashes(tmp_path, mon
     assert f"starting over: moved the previous run's {', '.join(OLD_RUN)} to {aside}" in printed
     assert sorted(p.name for p in out.iterdir()) == [aside.name]  # nothing of the old run beside the new one
     assert {n: (aside / n).read_bytes() for n in OLD_RUN} == old
+
+
+def killed_at(where: str, out: Path, *extra: str) -> None:
+    """``vitlab train`` into ``out``, SIGKILLed by itself when it reaches ``engine.<where>`` (a real kill: no
+    handler, no finally, no lock release)."""
+    proc = python(
+        "import os, signal, sys\nfrom vitlab.train import engine\n"
+        f"setattr(engine, {where!r}, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
+        "from vitlab.cli import main\nsys.exit(main(sys.argv[1:]))",
+        *["train", *TINY_RUN, "--out", str(out), *extra],
+    )
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL, stderr
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoint_and_log_then_resume_loses_no_row(tmp_path, capsys):
+    out = tmp_path / "run"
+    killed_at("write_log", out, "--epochs", "1")  # last.pt renamed into place, the log never written
+    assert (out / "last.pt").exists() and not (out / "log.json").exists()
+    assert cli_main(["train", *TINY_RUN, "--epochs", "2", "--out", str(out), "--resume"]) == 0
+    assert "lacked rows the checkpoint carries (0 of 1); restored" in capsys.readouterr().out
+    assert [r["epoch"] for r in json.loads((out / "log.json").read_text())] == [1, 2]
+
+
+@pytest.mark.slow
+def test_force_then_sigkill_leaves_nothing_of_the_old_run_beside_the_new(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(out) == 0
+    old = {n: (out / n).read_bytes() for n in OLD_RUN}
+    killed_at("train_epoch", out, "--epochs", "1", "--force")  # the old run moved aside, then the kill
+    (aside,) = out.glob(".replaced-*")
+    assert {n: (aside / n).read_bytes() for n in OLD_RUN} == old
+    assert not [n for n in OLD_RUN if (out / n).exists()]
+    assert train(out) == 0  # the killed run's lock is taken over; the folder holds no run, so no flag is needed
+    assert "taken over" in capsys.readouterr().out
 
 
 def test_lm_train_refuses_an_existing_run_unless_resumed_or_forced(tmp_path, capsys):

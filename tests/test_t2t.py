@@ -226,7 +226,7 @@ def test_mini_trains(size, chans):
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.isfinite().all() and p.grad.abs().sum() > 0, name
     model.eval()
-    out = model.forward_intermediates(x, return_aux=True)
+    out = model.forward_trace(x, return_aux=True)
     assert len(out["tokens"]) == 4 and out["layout"].grid == grid and out["layout"].num_prefix == 1
     assert out["aux"][0]["memory_attn"].shape == (4, 8, 1 + grid[0] * grid[1], 64)
     torch.testing.assert_close(out["features"], model.forward_features(x))
@@ -236,7 +236,7 @@ def test_mini_trains(size, chans):
 def test_other_input_sizes():
     model = tiny().eval()
     x = torch.randn(2, 3, 24, 20)
-    out = model.forward_intermediates(x, return_aux=False)
+    out = model.forward_trace(x, return_aux=False)
     assert out["layout"].grid == (6, 5) and out["features"].shape == (2, 31, 32)
     assert model(x).shape == (2, 5)
     # the official split also runs at sizes off its 16 px stride (a 13x13 grid at 200 px)
@@ -267,9 +267,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="soft_split"):
         tiny(soft_split=((3, 0, 1),))
     with pytest.raises(ValueError, match="token_mixer"):
-        tiny(token_mixer="performer")
+        tiny(token_mixer="linformer")  # (the Performer is T2T-ViT's own, supported)
     with pytest.raises(ValueError, match="global_pool"):
-        tiny(global_pool="max")
+        tiny(global_pool="mean")
     with pytest.raises(ValueError, match="divisible"):
         tiny(num_heads=3)
     with pytest.raises(ValueError, match="unknown option"):

@@ -380,11 +380,11 @@ def test_partial_tnt_blocks():
     assert not hasattr(model.blocks[1], "inner")
 
 
-def test_forward_intermediates():
+def test_forward_trace():
     model = TNT(**{**TINY, "tnt_blocks": (0, 1)}).eval()
     randomise(model)
     x = torch.randn(2, 3, 16, 16)
-    out = model.forward_intermediates(x)
+    out = model.forward_trace(x)
     assert set(out) >= {"tokens", "aux", "features", "layout"}
     assert len(out["tokens"]) == len(out["aux"]) == 3
     assert out["layout"].grid == (4, 4) and out["layout"].num_prefix == 1
@@ -394,7 +394,7 @@ def test_forward_intermediates():
     assert aux0["attn"].shape == (2, 2, 17, 17) and aux0["inner_attn"].shape == (2 * 16, 2, 4, 4)
     assert "inner_attn" not in aux2 and aux2["attn"].shape == (2, 2, 17, 17)
     torch.testing.assert_close(aux0["attn"].sum(-1), torch.ones(2, 2, 17))
-    plain = model.forward_intermediates(x, return_aux=False)
+    plain = model.forward_trace(x, return_aux=False)
     assert all(a == {} for a in plain["aux"])
     torch.testing.assert_close(plain["tokens"][1], out["tokens"][1])
 
@@ -461,7 +461,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="multiple of the patch size"):
         TNT(**{**TINY, "img_size": 30})
     with pytest.raises(ValueError, match="global_pool"):
-        TNT(**{**TINY, "global_pool": "max"})
+        TNT(**{**TINY, "global_pool": "mean"})
     with pytest.raises(ValueError, match="tnt_blocks"):
         TNT(**{**TINY, "tnt_blocks": (3,)})
     with pytest.raises(ValueError, match="divisible by num_heads"):

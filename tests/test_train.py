@@ -325,7 +325,10 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
     assert "trained with batch_size=32" in error(
         "train", *TINY_RUN, "--epochs", "3", "--out", str(teacher), "--resume", "--batch-size", "16"
     )
-    assert "holds a 'deit_mini' model, not 'cpvt_mini'" in error(
+    assert "holds a 'deit_mini' model, not 'aft_full_mini'" in error(
+        "train", *TINY_RUN, "--epochs", "3", "--out", str(teacher), "--resume", "--model", "aft_full_mini"
+    )
+    assert "cpvt_mini cannot be built with these options (peg_at indices" in error(  # depth=1: no block 2 for a PEG
         "train", *TINY_RUN, "--epochs", "3", "--out", str(teacher), "--resume", "--model", "cpvt_mini"
     )
     assert "already trained 2 of 2 epochs" in error(

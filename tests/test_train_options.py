@@ -1,15 +1,10 @@
 """The speed and memory options of ``vitlab train``: gradient checkpointing through the model's own
-``set_grad_checkpointing``, and the option combinations that cannot work, refused in one line."""
+``set_grad_checkpointing`` (timm's method), and the option combinations that cannot work, refused in one line."""
 
 from __future__ import annotations
 
-from functools import partial
-
-import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
-import vitlab
 from vitlab.checkpoint import load_checkpoint
 from vitlab.cli import main as cli_main
 
@@ -31,47 +26,23 @@ def weights_after(tmp_path, name: str, *extra: str) -> dict[str, torch.Tensor]:
     return load_checkpoint(tmp_path / name / "last.pt")["model"]
 
 
-def with_recomputed_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """A model given timm's ``set_grad_checkpointing``: each block, when enabled, keeps only its input for the
-    backward pass and recomputes its activations there (the RNG state of drop-path is replayed)."""
-
-    class Recomputed(type(model)):
-        def set_grad_checkpointing(self, enable: bool = True) -> None:
-            self.calls = [*getattr(self, "calls", []), enable]
-            for block in self.blocks:
-                own = type(block).forward.__get__(block)
-                block.forward = partial(checkpoint, own, use_reentrant=False) if enable else own
-
-    model.__class__ = Recomputed
-    return model
-
-
 def test_grad_checkpointing_calls_the_models_method_and_trains_the_same_model(tmp_path, monkeypatch):
-    """Stochastic depth on (drop-path draws replayed in the recomputation): the same weights, up to the
-    order of float32 sums in the recomputed backward pass."""
-    import vitlab.models
+    """Stochastic depth on (the drop-path draws are replayed in the recomputation): the same weights, up to
+    the order of float32 sums in the recomputed backward pass."""
+    from vitlab.models import VisionTransformer
 
-    made = []
-    original = vitlab.models.create_model
+    calls = []
+    original = VisionTransformer.set_grad_checkpointing
 
-    def create(name, **kw):
-        made.append(with_recomputed_blocks(original(name, **kw)))
-        return made[-1]
+    def spy(self, enable: bool = True) -> None:
+        calls.append(enable)
+        original(self, enable)
 
-    monkeypatch.setattr(vitlab.models, "create_model", create)
+    monkeypatch.setattr(VisionTransformer, "set_grad_checkpointing", spy)
     plain = weights_after(tmp_path, "plain", "--drop-path", "0.2")
+    assert calls == []
     recomputed = weights_after(tmp_path, "ckpt", "--drop-path", "0.2", "--grad-checkpointing")
-    assert getattr(made[0], "calls", []) == [] and made[1].calls == [True]
-    assert max((plain[k] - recomputed[k]).abs().max().item() for k in plain) < 1e-5
-
-
-@pytest.mark.skipif(
-    not hasattr(vitlab.create_model("deit_mini"), "set_grad_checkpointing"),
-    reason="the models' set_grad_checkpointing is not on this branch yet",
-)
-def test_grad_checkpointing_of_the_models_trains_the_same_model(tmp_path):
-    plain = weights_after(tmp_path, "plain", "--drop-path", "0.2")
-    recomputed = weights_after(tmp_path, "ckpt", "--drop-path", "0.2", "--grad-checkpointing")
+    assert calls == [True]
     assert max((plain[k] - recomputed[k]).abs().max().item() for k in plain) < 1e-5
 
 

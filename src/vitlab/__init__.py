@@ -1,8 +1,23 @@
-"""vitlab: Vision Transformer improvements as drop-in PyTorch components."""
+"""vitlab: Vision Transformer improvements as drop-in PyTorch components.
+
+The public front: ``create_model`` (timm's: ``pretrained=``, ``checkpoint_path=``, ``features_only=``),
+``from_pretrained`` (a model folder written by ``model.save_pretrained``), ``list_models``, ``get_config``,
+and the building blocks ``layers`` and ``mixers``.
+"""
 
 from . import layers, mixers
-from .models import create_model, get_config, list_models
+from .models import get_config, list_models
+from .pretrained import create_model, from_pretrained, weights_dir
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "create_model", "get_config", "layers", "list_models", "mixers"]
+__all__ = [
+    "__version__",
+    "create_model",
+    "from_pretrained",
+    "get_config",
+    "layers",
+    "list_models",
+    "mixers",
+    "weights_dir",
+]

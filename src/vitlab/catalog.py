@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 
+from .options import image_size
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pattern", nargs="?", default="*", help="shell-style name filter, e.g. 'aft_*' (default: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--no-macs", action="store_true", help="skip counting MACs (faster)")
-    p.add_argument("--img-size", type=int, default=None, help="count at this input size instead of the default")
+    p.add_argument("--img-size", type=image_size, default=None, help="count at this input size instead of the default")
 
 
 def describe(name: str, macs: bool = True, img_size: int | None = None) -> dict:

@@ -32,9 +32,12 @@ from torch import Tensor, nn
 
 from .convert.load import load_reference, read_checkpoint
 from .convert.safeload import FORMAT, VERSION, load_file, state_checksum
+from .data.config import training_data_cfg
 from .distributed import SHARDS, World, load_sharded, read_sharded_weights, remove_unused_shards, save_sharded
 from .io import atomic_open
 from .models import create_model, get_config, list_models
+from .models.folder import WEIGHTS, is_model_folder, read_config
+from .models.registry import CFG_KEYS, overlay_cfg
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
@@ -58,7 +61,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     if path.is_dir():
         path = path / "last.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} not found; pass a .pt file written by `vitlab train`")
+        raise FileNotFoundError(
+            f"checkpoint {path} not found; pass the last.pt of a `vitlab train` or `vitlab lm train` run (or its folder)"
+        )
     ckpt = load_file(path, map_location)
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model_name" not in ckpt:
         raise ValueError(
@@ -152,7 +157,23 @@ def load_state_checked(model: nn.Module, state: dict[str, torch.Tensor], what: s
     model.load_state_dict(state)
 
 
+def is_lm_checkpoint(ckpt: Mapping[str, Any]) -> bool:
+    """Whether ``ckpt`` was written by ``vitlab lm train`` (a sequence model over a vocabulary)."""
+    kwargs = ckpt.get("model_kwargs")
+    return "data" in ckpt and isinstance(kwargs, Mapping) and "vocab_size" in kwargs
+
+
+def check_image_classifier(ckpt: Mapping[str, Any]) -> None:
+    """One line pointing to ``vitlab lm`` when ``ckpt`` holds a sequence model, not an image classifier."""
+    if is_lm_checkpoint(ckpt):
+        raise ValueError(
+            f"{ckpt.get('path', 'the checkpoint')} was written by `vitlab lm train` (the sequence model "
+            f"{ckpt.get('model_name')!r}), not by `vitlab train`; use `vitlab lm eval` or `vitlab lm sample` with it"
+        )
+
+
 def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
+    check_image_classifier(ckpt)
     if ckpt["model_name"] != model_name:
         raise ValueError(
             f"checkpoint {ckpt.get('path', '')} holds a {ckpt['model_name']!r} model, not {model_name!r}; "
@@ -191,15 +212,22 @@ def load_model(
     - a ``vitlab train`` checkpoint (a path, or the dict :func:`load_checkpoint` returns): it must hold
       this model; the model is rebuilt with the recorded constructor options plus ``overrides``, with the
       EMA weights when ``ema``;
+    - a model folder written by ``save_pretrained`` (config.json + model.safetensors): it must hold this model;
     - any other weights file (safetensors, a state dict in vitlab's or an official implementation's names):
       read without running code and mapped by :func:`vitlab.convert.load_reference` (strict), the number of
       classes taken from its ``head.weight`` unless ``overrides`` set it.
 
+    ``name_or_path`` may also be a model folder.
+
     ``overrides`` are constructor options (``img_size``, ``in_chans``, ``num_classes``, ...).
     """
+    if isinstance(weights, Mapping):
+        check_image_classifier(weights)  # before its name is looked up among the image models
     if not isinstance(name_or_path, str) or not _is_model_name(name_or_path):
         if weights is not None:
             raise ValueError(f"{name_or_path} is a checkpoint, not a model name; pass the weights only once")
+        if is_model_folder(name_or_path):
+            return load_folder(name_or_path, **overrides)
         return _from_vitlab(load_checkpoint(name_or_path), ema, overrides)
     if weights is None:
         if ema:
@@ -210,6 +238,11 @@ def load_model(
             raise ValueError("weights given as a dict must be a checkpoint read by vitlab.checkpoint.load_checkpoint")
         check_model_name(dict(weights), name_or_path)
         return _from_vitlab(dict(weights), ema, overrides)
+    if not isinstance(weights, Mapping) and is_model_folder(weights):
+        model = load_folder(weights, **overrides)
+        if model.model_name != name_or_path:
+            raise ValueError(f"{weights} holds a {model.model_name!r} model, not {name_or_path!r}")
+        return model
     path = _weights_file(weights)
     if (ckpt := _training_checkpoint(path)) is not None:
         check_model_name(ckpt, name_or_path)
@@ -217,6 +250,19 @@ def load_model(
     if ema:
         raise ValueError(f"--ema needs a checkpoint written by `vitlab train`; {path} holds plain weights")
     return _from_weights_file(name_or_path, path, overrides)
+
+
+def load_folder(folder: str | Path, **overrides: Any) -> nn.Module:
+    """The model saved in ``folder`` by ``save_pretrained`` (config.json + model.safetensors), in eval mode.
+
+    Only JSON and raw tensors are read: nothing in the folder runs. ``overrides`` change build options
+    that do not change the weights' shapes (``drop_path_rate``, ``dynamic_img_size``, ...)."""
+    folder = Path(folder).expanduser()
+    config = read_config(folder)
+    cfg = {k: v for k, v in config["pretrained_cfg"].items() if k in CFG_KEYS}
+    model = create_model(config["model_name"], pretrained_cfg_overlay=cfg, **{**config["model_kwargs"], **overrides})
+    load_state_checked(model, read_checkpoint(folder / WEIGHTS), f"{folder / WEIGHTS}")
+    return _ready(model, f"{folder} (vitlab model folder)")
 
 
 def _is_model_name(name: str) -> bool:
@@ -249,7 +295,13 @@ def _training_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> nn.Module:
+    """The checkpoint's model as it was trained: its build options, and its data (spec, normalisation) in
+    ``pretrained_cfg``."""
+    check_image_classifier(ckpt)
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    config = ckpt.get("config", {})
+    if spec := config.get("data"):
+        overlay_cfg(model, training_data_cfg(spec, model.in_chans, config.get("holdout")))
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
 

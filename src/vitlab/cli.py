@@ -13,8 +13,10 @@ import importlib
 import os
 import sys
 import warnings
+from typing import NoReturn
 
-from .runtime import configure_from_env
+from .extras import MissingExtra
+from .runtime import configure_from_env, is_out_of_memory
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
     "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
     "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
+    "study": (
+        "vitlab.train.study",
+        "run a paper's ablation table (mean ± std over seeds, the paper's numbers beside); --list shows them",
+    ),
     "analyze": (
         "vitlab.analysis.cli",
         "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model",
@@ -42,10 +48,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, without the usage block: ``vitlab train: error: argument
+    --train-limit: must be an integer >= 1, got '-5'; see vitlab train --help`` (exit code 2). Sub-commands'
+    parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Also records the innermost (sub-)command's name, ``vitlab lm train``, for the messages of its run."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if getattr(namespace, "_prog", None) is None:  # a sub-parser, which finishes first, has set it already
+            namespace._prog = self.prog
+        return namespace, extras
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (for its arguments), so ``vitlab --help`` stays fast
     and one tool's import cost or failure never affects another."""
-    parser = argparse.ArgumentParser(prog="vitlab", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="vitlab", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
@@ -59,7 +81,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    try:
+        args = build_parser(command).parse_args(argv)
+    except SystemExit as e:  # --help, or a bad option (one line printed): the parser's exit code, returned
+        return e.code if isinstance(e.code, int) else 2
     if not args.command:
         build_parser().print_help()
         return 0
@@ -73,10 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- silence the flush at exit
         return 0
-    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, MissingExtra) as e:
         if args.debug:
             raise
-        print(f"vitlab {args.command}: error: {e}", file=sys.stderr)
+        print(f"{args._prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:  # out of memory in any command: one line (others: a traceback)
+        if args.debug or not is_out_of_memory(e):
+            raise
+        first = " ".join(str(e).split("\n")[0].split())[:160]
+        print(
+            f"{args._prog}: error: out of memory ({first or type(e).__name__}); use a smaller batch, "
+            "input size or model, or free memory",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -1,8 +1,8 @@
 """Where the work runs: one device story for every command, and what depends on the device.
 
-Every command takes ``--device auto|cpu|cuda|cuda:N`` (:func:`add_device_argument`, resolved by
-:func:`resolve_device`): ``auto`` is the GPU of this process when CUDA is present (``cuda:LOCAL_RANK`` under
-``torchrun``), else the CPU. Around it:
+Every command takes ``--device auto|cpu|cuda|cuda:N`` (``mps`` too; :func:`add_device_argument`, spelled as
+:data:`vitlab.options.device` checks, resolved by :func:`resolve_device`): ``auto`` is the GPU of this process
+when CUDA is present (``cuda:LOCAL_RANK`` under ``torchrun``), else the CPU. Around it:
 
 * mixed precision (:func:`amp_dtype`, :func:`autocast`, :func:`grad_scaler`): bf16 autocast on CPU and GPU,
   fp16 autocast with a gradient scaler on GPU (fp16's 5-bit exponent underflows small gradients, which the
@@ -15,7 +15,7 @@ Every command takes ``--device auto|cpu|cuda|cuda:N`` (:func:`add_device_argumen
 * TF32 (:func:`set_tf32`): Ampere and later GPUs can run fp32 matrix products and convolutions on tensor
   cores with a 10-bit mantissa; off by default, so that fp32 means fp32.
 
-This module imports nothing from vitlab: every layer may use it.
+A foundation module (it imports only :mod:`vitlab.options`): every layer may use it.
 """
 
 from __future__ import annotations
@@ -23,30 +23,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import time
 from collections.abc import Callable
 
 import torch
 
-DEVICE_HELP = "auto (this process's GPU when CUDA is present, else the CPU), cpu, cuda or cuda:N"
+from . import options as opt
+
+DEVICE_HELP = "auto (this process's GPU when CUDA is present, else the CPU), cpu, cuda or cuda:N (or mps)"
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def parse_device(text: str) -> str:
-    """argparse type of ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (checked against the machine
-    later, by :func:`resolve_device`)."""
-    spec = str(text).strip().lower()
-    if not _DEVICE.match(spec):
-        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
-    return spec
 
 
 def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "auto") -> None:
-    """``--device`` with the same choices and help in every command."""
+    """``--device`` with the same spelling check and help in every command."""
     parser.add_argument(
-        "--device", type=parse_device, default=default, metavar="DEVICE", help=f"{DEVICE_HELP} (default {default})"
+        "--device", type=opt.device, default=default, metavar="DEVICE", help=f"{DEVICE_HELP} (default {default})"
     )
 
 
@@ -58,14 +49,15 @@ def local_rank() -> int:
 def resolve_device(spec: str | torch.device = "auto") -> torch.device:
     """The device ``spec`` names on this machine; ``auto`` and ``cuda`` mean this process's GPU
     (``cuda:LOCAL_RANK``). A GPU that is not there is one :class:`ValueError` line."""
-    try:
-        spec = parse_device(str(spec))
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"--device: {e}") from None
+    spec = opt.device.check(str(spec), "--device")
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cpu":
         return torch.device("cpu")
+    if spec == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError("--device mps asked for an Apple GPU, but MPS is not available; use --device cpu")
+        return torch.device("mps")
     if not torch.cuda.is_available():
         build = "a CPU-only torch build" if torch.version.cuda is None else "no GPU visible to this process"
         raise ValueError(f"--device {spec} asked for a GPU, but CUDA is not available ({build}); use --device cpu")

@@ -26,20 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .io import atomic_path, atomic_path_with_companions, check_writable_file
+from . import options as opt
+from .extras import require
+from .io import atomic_open, atomic_path_with_companions, check_writable_file
 
 FORMATS = ("torchscript", "onnx", "compile")
 
 
 def _need_onnx() -> None:
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"ONNX export needs the packages onnx and onnxruntime ({e.name} is missing): "
-            f"pip install -c constraints.txt 'vitlab[export]'"
-        ) from None
+    for module in ("onnx", "onnxruntime", "onnxscript"):
+        require(module, purpose="ONNX export", extra="export")
 
 
 @contextlib.contextmanager
@@ -74,9 +70,9 @@ def to_torchscript(model: nn.Module, example: Tensor, path: str | Path | None = 
     model = model.eval()
     with _quiet(), torch.no_grad():
         traced = torch.jit.trace(model, (example,), check_trace=False)
-    if path is not None:
-        with atomic_path(path) as tmp:
-            traced.save(str(tmp))
+    if path is not None:  # serialised in memory first: torch's own file writer aborts the process on a failed write
+        with atomic_open(path, "wb") as f:
+            f.write(traced.save_to_buffer())
     return traced
 
 
@@ -181,6 +177,21 @@ def check_exports(
     return errs
 
 
+def _export_size(model: nn.Module, img_size: int | None) -> int | None:
+    """The example input size: the model's own, or ``--img-size`` when the model takes any size as built.
+    A model with a fixed-length position table is never resized here (that would export another model)."""
+    built = tuple(getattr(model, "meta", {}).get("input_size", (3, 224, 224))[1:])
+    if img_size is None or (img_size, img_size) == built:
+        return None
+    if not supports_dynamic_size(model):
+        raise ValueError(
+            f"the model is built for {built[0]}x{built[1]} px and has a fixed-length position table; exporting at "
+            f"{img_size} px would resize it: export at its own size (omit --img-size), or convert it to another "
+            f"size first (`vitlab convert ... --img-size {img_size}`, which reports the resampling)"
+        )
+    return img_size
+
+
 # ------------------------------------------------------------------------------------------------------ CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="registered model name (see `vitlab models`)")
@@ -193,24 +204,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "`vitlab convert` reads)",
     )
     p.add_argument(
-        "--num-classes", type=int, default=None, help="classifier size (default: from --weights, else the config's)"
+        "--num-classes",
+        type=opt.positive_int,
+        default=None,
+        help="classifier size (default: from --weights, else the config's)",
     )
-    p.add_argument("--img-size", type=int, default=None, help="example input size (default: the model's)")
-    p.add_argument("--batch", type=int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)")
+    p.add_argument(
+        "--img-size",
+        type=opt.image_size,
+        default=None,
+        help="example input size (default: the model's); only models that take any size as built (no position "
+        "table of fixed length) accept another",
+    )
+    p.add_argument(
+        "--batch", type=opt.positive_int, default=1, help="example batch size (ONNX: the batch axis is dynamic anyway)"
+    )
     p.add_argument("--static-size", action="store_true", help="ONNX: fixed height and width even where they could vary")
     p.add_argument("--check", action="store_true", help="compare the export with eager PyTorch and print the error")
 
 
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import load_model
+    from .models import list_models
 
     check_writable_file(args.out)  # before the model is built and exported
-    overrides = {
-        k: v for k, v in (("num_classes", args.num_classes), ("img_size", args.img_size or None)) if v is not None
-    }
-    # vitlab names, an official checkpoint (source detected) or a `vitlab train` checkpoint
+    overrides = {"num_classes": args.num_classes} if args.num_classes is not None else {}
+    fresh = not args.weights and args.model in list_models()  # random weights: built at --img-size, nothing resized
+    if fresh and args.img_size:
+        overrides["img_size"] = args.img_size
+    # an official checkpoint (source detected), a `vitlab train` checkpoint or a model folder: the model is built
+    # as its weights were (channels, input size, classes)
     model = load_model(args.model, args.weights or None, **overrides)
-    x = example_input(model, args.batch)
+    x = example_input(model, args.batch, _export_size(model, args.img_size))
     out = Path(args.out)
     if args.format == "onnx":
         export_onnx(model, x, out, dynamic_size=False if args.static_size else None)

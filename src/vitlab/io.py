@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -165,6 +165,29 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int | None = 1) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def write_safetensors_atomic(
+    tensors: Mapping[str, Any], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write tensors as a safetensors file (raw tensors and a JSON header: reading it never runs code),
+    atomically. Tensors are saved contiguous, on the CPU; tensors sharing storage are saved as copies
+    (safetensors refuses shared memory)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for key, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"cannot save {key!r} as safetensors: a {type(t).__name__}, not a tensor")
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        out[key] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    with atomic_path(path) as tmp:
+        save_file(out, tmp, metadata=dict(metadata or {"format": "pt", "writer": "vitlab"}))
+    return Path(path)
 
 
 def write_csv_atomic(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> Path:

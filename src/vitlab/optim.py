@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from .models.base import layer_ids
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: decayed weights, and the rest without decay.
@@ -26,6 +28,37 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def param_groups_layer_decay(
+    model: nn.Module, weight_decay: float, layer_decay: float = 0.75, lr_scale_key: str = "lr_scale"
+) -> list[dict]:
+    """AdamW groups for layer-wise learning-rate decay (BEiT / timm's ``param_groups_layer_decay``).
+
+    Layers come from ``model.group_matcher()`` (stem 0, block i -> i + 1, final norm, head last): a parameter
+    of layer l gets the learning-rate factor ``layer_decay ** (L - l)`` under ``lr_scale_key`` (the head 1,
+    the stem the smallest), and weight decay as :func:`param_groups`. The schedule multiplies each group's
+    rate by its factor.
+    """
+    if not 0.0 < layer_decay <= 1.0:
+        raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layer = layer_ids([n for n, _ in named], model.group_matcher(coarse=False))
+    top = max(layer.values(), default=0)
+    groups: dict[tuple[int, bool], dict] = {}
+    for name, p in named:
+        decay = not (p.ndim <= 1 or name in skip)
+        group = groups.setdefault(
+            (layer[name], decay),
+            {
+                "params": [],
+                "weight_decay": weight_decay if decay else 0.0,
+                lr_scale_key: layer_decay ** (top - layer[name]),
+            },
+        )
+        group["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
 
 
 def fused_available(device: torch.device | str) -> bool:
@@ -85,7 +118,7 @@ class WarmupCosine:
     def _apply(self) -> None:
         lr = self.lr_at(self.step_count)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
 
     def step(self) -> None:
         self.step_count += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
@@ -67,9 +67,16 @@ class Registry(Generic[Row]):
             raise ValueError(f"{self.kind} {name!r} registered twice")
         self._rows[name] = row
 
-    def names(self, pattern: str = "*") -> list[str]:
-        """Registered names matching the shell-style ``pattern``, sorted."""
-        return sorted(n for n in self._rows if fnmatch.fnmatch(n, pattern))
+    def names(self, pattern: str | Sequence[str] = "*", exclude: str | Sequence[str] = ()) -> list[str]:
+        """Registered names matching a shell-style ``pattern`` (or any of a list of them) and none of
+        ``exclude``, sorted."""
+        include = [pattern] if isinstance(pattern, str) else list(pattern)
+        excluded = [exclude] if isinstance(exclude, str) else list(exclude)
+        return sorted(
+            n
+            for n in self._rows
+            if any(fnmatch.fnmatch(n, p) for p in include) and not any(fnmatch.fnmatch(n, x) for x in excluded)
+        )
 
     def get(self, name: str) -> Row:
         if name not in self._rows:

@@ -86,3 +86,12 @@ def configure_from_env() -> str:
     if choice == "keep":
         keep_freed_memory()
     return allocator_policy()
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says the process ran out of memory: ``MemoryError``, torch's ``OutOfMemoryError`` (a GPU),
+    or the RuntimeError of a CPU allocation that failed ("can't allocate memory")."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())

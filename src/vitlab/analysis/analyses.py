@@ -10,7 +10,7 @@ Every analysis writes ``<out>/<name>.json`` (the numbers) and ``<out>/<name>.png
 - ``aft_keys``: AFT's keys as feature maps over the image (AFT Figs. 9-12);
 - ``external``: external attention of the patches to memory slots, per head (EA Fig. 5).
 
-Everything is read from ``model.forward_intermediates(x, return_aux=True)`` (attention takes its
+Everything is read from ``model.forward_trace(x, return_aux=True)`` (attention takes its
 explicit path there; the logits are the same, which ``summary.json`` records), except AFT-conv's
 kernels, which are parameters. Analyses that do not apply to a model are skipped with a note.
 The numbers are the pure tensor functions of :mod:`.metrics`; the figures come from :mod:`.plots`.
@@ -519,8 +519,8 @@ def analyze(
     and return the summary."""
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1], got {threshold}")
-    if not hasattr(model, "forward_intermediates"):
-        raise ValueError(f"{type(model).__name__} has no forward_intermediates(x, return_aux=True) to analyse")
+    if not hasattr(model, "forward_trace"):
+        raise ValueError(f"{type(model).__name__} has no forward_trace(x, return_aux=True) to analyse")
     if max_heads < 1 or batch_size < 1:
         raise ValueError(f"--max-heads and --batch-size must be positive, got {max_heads}, {batch_size}")
     out_dir = Path(out_dir)
@@ -557,7 +557,7 @@ def _feed(model: nn.Module, x: Tensor, todo: list[Analysis], batch_size: int) ->
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start : start + batch_size].to(device)
-            out = model.forward_intermediates(xb, return_aux=True)
+            out = model.forward_trace(xb, return_aux=True)
             if start == 0:
                 logits_diff = float((model.forward_head(out["features"]) - model(xb)).abs().max())
             out = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, out)  # the analyses work on the CPU

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import torch
 
+from .. import options as opt
 from ..checkpoint import load_model
+from ..data.config import SPEC_HELP
+from ..data.datasets import data_spec
 from ..device import add_device_argument, resolve_device
 from ..io import check_writable_folder
 from .analyses import ANALYSES, analyze, parse_what
@@ -27,29 +30,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ema", action="store_true", help="use the EMA weights of a `vitlab train` checkpoint")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--data", help="dataset: mnist | cifar10:DIR | mnist-idx:DIR | folder:DIR (default: mnist)")
+    src.add_argument(
+        "--data",
+        type=data_spec,
+        help=f"dataset, as `vitlab train` takes it: {SPEC_HELP} (default: the one a `vitlab train` checkpoint was "
+        "trained on, else mnist)",
+    )
     src.add_argument("--images", nargs="+", metavar="FILE", help="image files instead of a dataset")
     p.add_argument("--split", default="test", choices=("train", "test"), help="dataset split (default: test)")
-    p.add_argument("--num-images", type=int, default=4, help="images to analyse (default: 4; the first is plotted)")
+    p.add_argument(
+        "--num-images", type=opt.positive_int, default=4, help="images to analyse (default: 4; the first is plotted)"
+    )
     p.add_argument(
         "--query",
+        type=opt.Validated(parse_query, "cls or a patch index"),
         default=None,
         help="query token of the attention maps: 'cls' or a patch index (row-major); default: cls, "
         "or the centre patch for models without a class token",
     )
-    p.add_argument("--threshold", type=float, default=0.9, help="similarity above which a block is 'similar'")
+    p.add_argument("--threshold", type=opt.probability, default=0.9, help="similarity above which a block is 'similar'")
     p.add_argument(
-        "--what", default="all", help=f"comma-separated analyses: {', '.join(ANALYSES)}, aft (both aft_*), or all"
+        "--what",
+        type=opt.Validated(parse_what, "analysis names"),
+        default=parse_what("all"),
+        help=f"comma-separated analyses: {', '.join(ANALYSES)}, aft (both aft_*), or all",
     )
-    p.add_argument("--slots", default="0,1", help="external attention memory slots to show (default: 0,1)")
-    p.add_argument("--max-heads", type=int, default=24, help="heads / key channels shown per layer (default: 24)")
-    p.add_argument("--img-size", type=int, help="build the model for this input size")
-    p.add_argument("--in-chans", type=int, help="build the model for this many input channels")
-    p.add_argument("--num-classes", type=int, help="classes of the head (default: the checkpoint's, else 1000)")
-    p.add_argument("--batch-size", type=int, default=8, help="images per forward pass (default: 8)")
+    p.add_argument(
+        "--slots",
+        type=opt.Validated(parse_slots, "slot indices"),
+        default=[0, 1],
+        help="external attention memory slots to show (default: 0,1)",
+    )
+    p.add_argument(
+        "--max-heads", type=opt.positive_int, default=24, help="heads / key channels shown per layer (default: 24)"
+    )
+    p.add_argument("--img-size", type=opt.image_size, help="build the model for this input size")
+    p.add_argument("--in-chans", type=opt.positive_int, help="build the model for this many input channels")
+    p.add_argument(
+        "--num-classes", type=opt.positive_int, help="classes of the head (default: the checkpoint's, else 1000)"
+    )
+    p.add_argument("--batch-size", type=opt.positive_int, default=8, help="images per forward pass (default: 8)")
     add_device_argument(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default: 0)")
+    p.add_argument("--seed", type=opt.seed, default=0, help="seed of the random initialisation (default: 0)")
     p.add_argument("--out", default="analysis", help="output folder (default: ./analysis)")
+
+
+def parse_query(spec: str) -> str:
+    """``cls`` or a patch index (whether the grid has it is known once the model is built)."""
+    if spec.strip().lower() != "cls" and not spec.strip().isdigit():
+        raise ValueError(f"--query must be 'cls' or a patch index (0, 1, ...), got {spec!r}")
+    return spec.strip()
 
 
 def parse_slots(spec: str) -> list[int]:
@@ -63,17 +93,15 @@ def parse_slots(spec: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    what = parse_what(args.what)
-    slots = parse_slots(args.slots)
+    what, slots = args.what, args.slots  # parsed and checked with the command line
     check_writable_folder(args.out)  # before the model and the images are loaded
     sizes = (("img_size", args.img_size), ("in_chans", args.in_chans), ("num_classes", args.num_classes))
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})
     model.to(resolve_device(args.device))
     weights = model.meta["weights"] if args.checkpoint else f"random init (seed {args.seed})"
-    images, x, data = load_images(
-        model, data=args.data, files=args.images, split=args.split, num_images=args.num_images
-    )
+    data = args.data or (None if args.images else model.pretrained_cfg.get("data"))
+    images, x, data = load_images(model, data=data, files=args.images, split=args.split, num_images=args.num_images)
     print(f"{args.model} [{weights}] on {data}; analyses: {', '.join(what)}")
     report = analyze(
         model,

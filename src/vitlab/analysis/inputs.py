@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ..data import load_dataset, make_transform, resize
+from ..data.config import spec_kind
 from ..data.datasets import load_image
 
 
@@ -48,7 +49,7 @@ def _read_files(files: Sequence[str | Path], size: int, chans: int) -> Tensor:
 
 
 def _read_dataset(spec: str, split: str, n: int, size: int, chans: int) -> tuple[Tensor, Sequence, Sequence, str]:
-    if spec.partition(":")[0].lower() == "folder":  # decode only the images used, not the whole tree
+    if spec_kind(spec) == "folder":  # decode only the images used, not the whole tree
         try:
             ds = load_dataset(spec, split, img_size=size, channels=chans, lazy=True)
         except ValueError:  # no train/test subfolders: every image of the folder

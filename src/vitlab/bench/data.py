@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .. import options as opt
 from ..measure.machine import machine_info
 from ..measure.sweep import csv_list, write_json, write_text
 
@@ -41,15 +42,21 @@ STEP_MODELS = ("deit_tiny_patch16_224", "deit_small_patch16_224")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="folder:ROOT to read (default: generate a synthetic ImageNet-like folder)")
-    p.add_argument("--images", type=int, default=1000, help="images to generate without --data (default 1000)")
-    p.add_argument("--img-size", type=int, default=224, help="output size (default 224)")
-    p.add_argument("--workers", type=csv_list(int), default=[0, 1, 2], help="worker counts (default 0,1,2)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--batches", type=int, default=12, help="timed batches per measurement (default 12)")
-    p.add_argument("--rounds", type=int, default=2, help="A/B rounds per worker count (default 2)")
+    p.add_argument(
+        "--images", type=opt.positive_int, default=1000, help="images to generate without --data (default 1000)"
+    )
+    p.add_argument("--img-size", type=opt.image_size, default=224, help="output size (default 224)")
+    p.add_argument(
+        "--workers", type=csv_list(opt.non_negative_int), default=[0, 1, 2], help="worker counts (default 0,1,2)"
+    )
+    p.add_argument("--batch-size", type=opt.positive_int, default=32)
+    p.add_argument("--batches", type=opt.positive_int, default=12, help="timed batches per measurement (default 12)")
+    p.add_argument("--rounds", type=opt.positive_int, default=2, help="A/B rounds per worker count (default 2)")
     p.add_argument("--decoder", default="auto", choices=["auto", "pillow", "simplejpeg"])
     p.add_argument("--step-models", type=csv_list(str), default=list(STEP_MODELS), help="models for step time")
-    p.add_argument("--step-batch", type=int, default=32, help="batch of the training step timing (default 32)")
+    p.add_argument(
+        "--step-batch", type=opt.positive_int, default=32, help="batch of the training step timing (default 32)"
+    )
     p.add_argument("--no-step", action="store_true", help="skip the training step timing")
     p.add_argument("--no-memory", action="store_true", help="skip the loader memory measurement")
     p.add_argument("--out", default="runs/bench-data", help="folder for report.json and report.txt")

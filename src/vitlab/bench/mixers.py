@@ -61,6 +61,7 @@ from ..measure.sweep import (
     write_text,
 )
 from ..mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
+from ..options import Int, non_negative_int, positive_float, positive_int
 from .report import (
     figure_grid,
     legend_entries,
@@ -475,9 +476,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_selection_arguments(parser)
     opt = parser.add_argument_group("mixer options")
-    opt.add_argument("--heads", type=int, help="attention heads (default dim/64, head width 64)")
-    opt.add_argument("--window", type=int, default=32, help="AFT-local window s (default 32)")
-    opt.add_argument("--kernel", type=int, default=11, help="AFT-conv kernel size (default 11)")
+    opt.add_argument("--heads", type=positive_int, help="attention heads (default dim/64, head width 64)")
+    opt.add_argument("--window", type=positive_int, default=32, help="AFT-local window s (default 32)")
+    opt.add_argument("--kernel", type=positive_int, default=11, help="AFT-conv kernel size (default 11)")
     add_measuring_arguments(parser)
 
 
@@ -486,10 +487,10 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     sel = parser.add_argument_group("what to run (any of these runs a sweep of just that, without the targets)")
     sel.add_argument("--mixers", type=csv_list(str, kinds), help=f"comma-separated subset of: {', '.join(kinds)}")
     sel.add_argument(
-        "--tokens", type=csv_list(int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})"
+        "--tokens", type=csv_list(positive_int), help=f"token counts T (default {','.join(map(str, DEFAULT_TOKENS))})"
     )
-    sel.add_argument("--dim", type=int, help=f"token width (default {TARGET_DIM})")
-    sel.add_argument("--batch", type=int, help=f"batch size (default {TARGET_BATCH})")
+    sel.add_argument("--dim", type=positive_int, help=f"token width (default {TARGET_DIM})")
+    sel.add_argument("--batch", type=positive_int, help=f"batch size (default {TARGET_BATCH})")
     sel.add_argument("--dtypes", type=csv_list(str, DTYPES), help="fp32,bf16 (default both)")
     sel.add_argument("--modes", type=csv_list(str, MODES), help="forward,train (default both)")
     sel.add_argument("--quick", action="store_true", help="a tiny run (3 mixers, T=16,64, dim 32, batch 2, 1 repeat)")
@@ -499,19 +500,19 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_measuring_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("measuring")
-    how.add_argument("--repeats", type=int, help="timed calls per case (default 5; 1 with --quick)")
-    how.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
+    how.add_argument("--repeats", type=positive_int, help="timed calls per case (default 5; 1 with --quick)")
+    how.add_argument("--warmup", type=non_negative_int, default=1, help="untimed calls first (default 1)")
     how.add_argument(
         "--max-time",
-        type=float,
+        type=positive_float,
         default=3.0,
         help="about this many seconds of timed calls per case: fewer repeats for slow cases, at least 1 (default 3)",
     )
-    how.add_argument("--threads", type=int, default=2, help="torch threads in each case (default 2)")
+    how.add_argument("--threads", type=Int(1, 1024), default=2, help="torch threads in each case (default 2)")
     add_device_argument(how, default="cpu")
     how.add_argument(
         "--mem-budget",
-        type=float,
+        type=positive_float,
         default=8.0,
         help="GB; skip cases estimated to need more (default 8: the machine is shared; capped at 60%% of the "
         "available memory, of the GPU's free memory on a GPU)",
@@ -522,7 +523,9 @@ def add_measuring_arguments(parser: argparse.ArgumentParser) -> None:
         default="forkserver",
         help="fresh process per case: forked from a clean preloaded server (default) or a new interpreter",
     )
-    how.add_argument("--timeout", type=float, default=600.0, help="seconds before a case is killed (default 600)")
+    how.add_argument(
+        "--timeout", type=positive_float, default=600.0, help="seconds before a case is killed (default 600)"
+    )
     how.add_argument(
         "--out", type=Path, default=Path("runs/bench-mixers"), help="output folder (default runs/bench-mixers)"
     )

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from .. import options as opt
 from ..device import add_device_argument, resolve_device, time_call
 from ..io import write_csv_atomic
 from ..measure.machine import machine_info
@@ -567,8 +568,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtypes fp32,bf16 --modes infer,train"
     )
     p.add_argument("models", nargs="*", help="registered model names (vitlab models lists them)")
-    p.add_argument("--batch", type=csv_list(int), default=[1, 8], help="batch sizes (default 1,8)")
-    p.add_argument("--img-size", type=csv_list(int), default=None, help="input resolutions (default: the model's)")
+    p.add_argument("--batch", type=csv_list(opt.positive_int), default=[1, 8], help="batch sizes (default 1,8)")
+    p.add_argument(
+        "--img-size", type=csv_list(opt.image_size), default=None, help="input resolutions (default: the model's)"
+    )
     p.add_argument(
         "--dtypes", type=csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16,fp16 (fp16: GPU only; default fp32)"
     )
@@ -591,18 +594,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--grad-checkpointing = on; 'both' also runs without)",
     )
     add_device_argument(p, default="cpu")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per case (default 2)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per case (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls besides the setup's warm call (default 1)")
+    p.add_argument("--threads", type=opt.Int(1, 1024), default=2, help="torch threads per case (default 2)")
+    p.add_argument("--repeats", type=opt.positive_int, default=5, help="timed calls per case (default 5)")
+    p.add_argument(
+        "--warmup", type=opt.non_negative_int, default=1, help="untimed calls besides the setup's warm call (default 1)"
+    )
     p.add_argument(
         "--max-time",
-        type=float,
+        type=opt.positive_float,
         default=30.0,
         help="seconds of timed calls per case; fewer repeats (>= 3) for slow cases (default 30)",
     )
     p.add_argument(
         "--gemm-rounds",
-        type=int,
+        type=opt.positive_int,
         default=5,
         help="at least this many timed calls of the GEMM yardstick, over at least 2 s (default 5)",
     )
@@ -638,7 +643,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         default="forkserver",
         help="fresh process per pass: forked from a clean server (default) or a new interpreter",
     )
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds before a case pass is killed")
+    p.add_argument("--timeout", type=opt.positive_float, default=1200.0, help="seconds before a case pass is killed")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="output folder (default runs/bench)")
 
 

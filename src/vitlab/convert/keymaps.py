@@ -35,6 +35,8 @@ SOURCES: dict[str, str] = {
     "tnt_timm": "timm tnt.py, legacy=False (tnt_s_patch16_224 / tnt_b_patch16_224)",
     "cpvt": "DeiT-style CPVT: timm blocks + Twins PosCNN as pos_block (paper Algorithm 1)",
     "twins_peg": "Meituan-AutoML/Twins gvt.py PosCNN on its own",
+    "twins_cpvtv2": "Meituan-AutoML/Twins gvt.py CPVTV2 (PCPVT pcpvt_*_v0, the pyramid with PEGs)",
+    "eanet": "MenghaoGuo/EANet model_torch.py External_attention (the module for CNN feature maps)",
     "deepvit": "zhoudaquan/dvit_repo DeepVisionTransformer (official DeepViT)",
     "refiner": "zhoudaquan/Refiner_ViT Refiner_ViT (official Refined-ViT)",
     "eamlp": "MenghaoGuo/EANet EAMLP/models t2t_vit.py (official EAMLP)",
@@ -68,6 +70,13 @@ KEY_RULES: dict[str, list[Rule]] = {
     "deit": _VIT,
     # Twins' PosCNN: proj is Sequential(conv) there
     "twins_peg": [(r"^proj\.0\.", "proj.")],
+    # Twins' CPVTV2 pyramid: blocks per stage keep their names, attn -> mixer, the stage PEGs -> pegs
+    "twins_cpvtv2": [
+        (r"^(blocks\.\d+\.\d+\.)attn\.", r"\1mixer."),
+        (r"^pos_block\.(\d+)\.proj\.0\.", r"pegs.\1.proj."),
+    ],
+    # EANet: the memories linear_0 / linear_1 (1-D convolutions, reshaped by _eanet_memories) -> ea.mk / ea.mv
+    "eanet": [(r"^linear_0\.", "ea.mk."), (r"^linear_1\.", "ea.mv.")],
     # re-attention keeps the official submodule names (reatten_matrix, var_norm)
     "deepvit": [*_VIT, *_stem(2)],
     # Refined-ViT: DLA submodules renamed, the MLP's scale_channel is the MLP LayerScale
@@ -219,7 +228,17 @@ def _eamlp_token_memories(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], 
     return out, notes
 
 
+def _eanet_memories(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """EANet's memories are ``Conv1d`` weights ``(out, in, 1)``; vitlab's are ``Linear`` weights ``(out, in)``."""
+    out = dict(state)
+    squeezed = [k for k in ("linear_0.weight", "linear_1.weight") if k in out and out[k].dim() == 3]
+    for key in squeezed:
+        out[key] = out[key][..., 0]
+    return out, ([f"Conv1d -> Linear weights: {', '.join(squeezed)}"] if squeezed else [])
+
+
 TRANSFORMS: dict[str, Transform] = {
+    "eanet": _eanet_memories,
     "tnt_huawei": _fuse_qk_v,
     "tnt_timm": _tnt_timm,
     "eamlp": _eamlp_token_memories,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..io import atomic_path
+from ..io import write_safetensors_atomic
 from ..layers import resample_pos_embed
 from .keymaps import SOURCES, check_source, compact_keys, convert_state
 from .safeload import load_file
@@ -89,10 +89,14 @@ def detect_source(state: Mapping[str, Any]) -> str:
         return any(rx.search(k) for k in keys)
 
     if has(r"^patch_embeds\.\d+\.") or (has(r"^pos_block\.\d+\.proj\.0\.") and has(r"^blocks\.\d+\.\d+\.")):
-        raise ValueError(
-            "this looks like a Twins CPVTV2 / PCPVT pyramid checkpoint (patch_embeds.N, per-stage blocks); "
-            "vitlab implements the DeiT-style CPVT only"
-        )
+        if has(r"^blocks\.\d+\.\d+\.attn\.qkv\.") or not has(r"^pos_block\."):
+            raise ValueError(
+                "this looks like a Twins pyramid with timm blocks or position tables (Twins-SVT / ALTGVT, PVT); "
+                "vitlab implements the CPVTV2 pyramid (pcpvt_*) only"
+            )
+        return "twins_cpvtv2"
+    if has(r"^linear_0\.weight$") and has(r"^conv2\.1\.running_mean$"):
+        return "eanet"
     if has(r"^tokens_to_token\.attention\d\.") or has(r"\.attn\.trans_dims\."):
         return "eamlp"
     if "outer_pos" in keys or "outer_tokens" in keys or has(r"\.outer_attn\.qk\."):
@@ -305,25 +309,9 @@ def load_reference(
 def save_weights(
     model_or_state: nn.Module | Mapping[str, Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
 ) -> Path:
-    """Write a state_dict as safetensors, atomically (:func:`vitlab.io.atomic_path`).
-
-    Tensors are saved contiguous, on the CPU; tensors sharing storage are saved as separate copies.
-    """
-    from safetensors.torch import save_file
-
+    """Write a state_dict as safetensors, atomically (:func:`vitlab.io.write_safetensors_atomic`)."""
     state = model_or_state.state_dict() if isinstance(model_or_state, nn.Module) else dict(model_or_state)
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for key, t in state.items():
-        if not isinstance(t, Tensor):
-            raise ValueError(f"save_weights: {key!r} is a {type(t).__name__}, not a tensor")
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        out[key] = t.clone() if ptr in seen else t  # safetensors refuses tensors that share memory
-        seen.add(ptr)
-    with atomic_path(path) as tmp:
-        save_file(out, tmp, metadata=dict(metadata or {"format": "pt", "writer": "vitlab"}))
-    return Path(path)
+    return write_safetensors_atomic(state, path, metadata)
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:

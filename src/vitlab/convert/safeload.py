@@ -166,6 +166,8 @@ def load_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
             f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}, expected a checkpoint file"
         )
     kind, head = file_kind(path)
+    if not head:
+        raise ValueError(f"cannot read {path}: the file is empty; re-create it or pass another file")
     if kind == "other":
         name = refused_import(path, kind)
         if name is not None:

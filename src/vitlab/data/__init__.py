@@ -19,6 +19,7 @@ The in-memory sets with the batched path (also reachable through ``create_loader
 """
 
 from .augment import RandAugment
+from .config import resolve_data_config
 from .crop import load_sample
 from .datasets import (
     ImageDataset,
@@ -95,6 +96,7 @@ __all__ = [
     "open_folder",
     "open_source",
     "resize",
+    "resolve_data_config",
     "smooth_one_hot",
     "soft_target_cross_entropy",
     "stratified_holdout",

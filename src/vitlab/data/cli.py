@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+from .. import options as opt
 from ..io import check_writable_folder
 
 
@@ -14,18 +15,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = sub.add_parser("synth", help="write a synthetic ImageNet-layout folder of JPEGs (train/ and val/)")
     s.add_argument("out", help="folder to write (OUT/train/<class>/*.JPEG, OUT/val/<class>/*.JPEG)")
-    s.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
-    s.add_argument("--train-per-class", type=int, default=100, help="training images per class (default 100)")
-    s.add_argument("--val-per-class", type=int, default=20, help="validation images per class (default 20)")
+    s.add_argument("--classes", type=opt.Int(2), default=10, help="number of classes (default 10)")
     s.add_argument(
-        "--size", type=int, nargs=2, default=None, metavar=("W", "H"), help="one image size (default: ImageNet's mix)"
+        "--train-per-class", type=opt.positive_int, default=100, help="training images per class (default 100)"
     )
-    s.add_argument("--quality", type=int, default=90, help="JPEG quality (default 90)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--val-per-class", type=opt.non_negative_int, default=20, help="validation images per class (default 20)"
+    )
+    s.add_argument(
+        "--size",
+        type=opt.image_size,
+        nargs=2,
+        default=None,
+        metavar=("W", "H"),
+        help="one image size (default: ImageNet's mix)",
+    )
+    s.add_argument("--quality", type=opt.Int(1, 100), default=90, help="JPEG quality (default 90)")
+    s.add_argument("--seed", type=opt.seed, default=0)
     w = sub.add_parser("shards", help="write an image folder (ImageNet layout) as WebDataset tar shards")
     w.add_argument("src", help="image folder: SRC/train/<class>/* and SRC/val/<class>/*")
     w.add_argument("out", help="folder for OUT/<split>-NNNNNN.tar and OUT/shards.json (read back as wds:OUT)")
-    w.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
+    w.add_argument("--shard-size", type=opt.positive_int, default=1000, help="samples per shard (default 1000)")
     i = sub.add_parser("info", help="what a data spec holds: images, classes, per-class counts")
     i.add_argument("spec", help="folder:ROOT, wds:DIR or wds:PATTERN, mnist, cifar10:DIR, ...")
     i.add_argument("--split", default="train", choices=["train", "val"])

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..options import Validated
 from .readers import CIFAR_FIX, MNIST_FIX, read_cifar_batch, read_cifar_meta, read_idx
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
@@ -374,27 +375,56 @@ def load_dataset(
       ``mnist:<folder>`` is read as ``mnist-idx:<folder>``.
     """
     _check_split(split)
+    kind, path = parse_spec(spec)
+    if kind == "mnist":
+        return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
+    if kind == "cifar10":
+        return cifar10(path, split)
+    if kind == "mnist-idx":
+        return mnist_idx(path, split)
+    _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)  # before asking for a size
+    if img_size is None:
+        raise ValueError(
+            "folder datasets need img_size (images are resized to img_size x img_size; --img-size on the command line)"
+        )
+    holdout = 0.1 if holdout is None else holdout
+    return _folder_split(Path(path).expanduser(), split, img_size, holdout, seed, channels, lazy)
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``(kind, path)`` of a dataset spec (see :func:`load_dataset`); ValueError for an unknown kind or a
+    missing path. Looks at nothing on disk but a bare path's folder."""
     kind, sep, path = spec.partition(":")
     if not sep and Path(spec).expanduser().is_dir():
         kind, path = _guess_kind(Path(spec).expanduser()), spec
     kind = kind.lower()
-    if kind == "mnist" and not path:
-        return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
+    if kind == "mnist" and path:
+        kind = "mnist-idx"  # mnist:<folder> reads idx files
     if kind in ("cifar10", "mnist-idx", "folder") and not path:
         raise ValueError(f"dataset {spec!r} needs a path: write {kind}:/path/to/data")
+    if kind not in ("mnist", "cifar10", "mnist-idx", "folder"):
+        raise ValueError(
+            f"unknown dataset {spec!r}; use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>' or 'folder:<path>'"
+        )
+    return kind, path
+
+
+def check_spec(spec: str) -> str:
+    """``spec`` when it names a known kind of dataset whose folder exists; else the loader's one line (unknown
+    kind, no path, a missing folder or a file where the folder should be). Reads no data: a quick check of a
+    command-line option before any work."""
+    kind, path = parse_spec(spec)
     if kind == "cifar10":
-        return cifar10(path, split)
-    if kind in ("mnist-idx", "mnist"):
-        return mnist_idx(path, split)
-    if kind == "folder":
-        _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)  # before asking for a size
-        if img_size is None:
-            raise ValueError("folder datasets need img_size (images are resized to img_size x img_size)")
-        holdout = 0.1 if holdout is None else holdout
-        return _folder_split(Path(path).expanduser(), split, img_size, holdout, seed, channels, lazy)
-    raise ValueError(
-        f"unknown dataset {spec!r}; use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>' or 'folder:<path>'"
-    )
+        _cifar_dir(path)
+    elif kind == "mnist-idx":
+        _data_dir(path, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
+    elif kind == "folder":
+        _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)
+    return spec
+
+
+#: the argparse type of every ``--data`` option: the spec, checked as :func:`check_spec` says
+data_spec = Validated(check_spec, "a dataset spec")
 
 
 def _guess_kind(path: Path) -> str:

@@ -11,12 +11,34 @@ from .drop import DropPath
 from .mlp import LayerScale, Mlp
 
 
+class TokenBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over the channels of tokens ``(B, N, C)``: statistics over the batch and the tokens (MoCo v3's
+    replacement for LayerNorm, tried in EAMLP; docs/semantics.md, Decision E4)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__(dim, eps=eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+NORMS = ("layer", "batch")
+
+
+def token_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``LayerNorm(dim, eps)`` (``"layer"``) or :class:`TokenBatchNorm` (``"batch"``, BatchNorm's own eps 1e-5)."""
+    if kind not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {kind!r}")
+    return nn.LayerNorm(dim, eps=eps) if kind == "layer" else TokenBatchNorm(dim)
+
+
 class Block(nn.Module):
     """``x += DP(ls1(mixer(LN(s·x))))/s ; x += DP(ls2(MLP(LN(s·x))))/s``.
 
     ``residual_scale`` s = 0.5 reproduces the official Refiner/DeepViT code
     ("adjust_ratio" / "scale_adjustment"); s = 1 is the standard pre-norm block.
     ``ls_init`` enables LayerScale per branch (Refiner: MLP branch only, 1e-5).
+    ``norm="batch"`` puts :class:`TokenBatchNorm` in place of both LayerNorms (EAMLP's BatchNorm ablation).
     """
 
     def __init__(
@@ -29,14 +51,15 @@ class Block(nn.Module):
         norm_eps: float = 1e-6,
         ls_init: tuple[float | None, float | None] = (None, None),
         residual_scale: float = 1.0,
+        norm: str = "layer",
     ) -> None:
         super().__init__()
         self.residual_scale = residual_scale
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.norm1 = token_norm(norm, dim, norm_eps)
         self.mixer = mixer
         self.ls1 = LayerScale(dim, ls_init[0]) if ls_init[0] is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.norm2 = token_norm(norm, dim, norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.ls2 = LayerScale(dim, ls_init[1]) if ls_init[1] is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
@@ -59,11 +82,13 @@ class Block(nn.Module):
 
     # Speed: the scale s, LayerScale and the residual add cost one full pass over the tokens each; on CPU
     # these passes are a good part of a block's time, so they are folded into the norm and the add.
-    def _norm(self, norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    def _norm(self, norm: nn.Module, x: Tensor) -> Tensor:
         """``norm(s·x)``, computed as LayerNorm of x with eps / s² (the same function, one pass fewer)."""
         s = self.residual_scale
         if s == 1.0:
             return norm(x)
+        if not isinstance(norm, nn.LayerNorm):
+            return norm(x * s)
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps / (s * s))
 
     def _residual(self, x: Tensor, y: Tensor, ls: nn.Module, drop: DropPath) -> Tensor:

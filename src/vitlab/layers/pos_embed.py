@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mixers.base import TokenLayout, grid_to_tokens, tokens_to_grid
+from ..mixers.base import TokenLayout, grid_residual
 
 
 def resample_pos_embed(
@@ -49,25 +49,73 @@ def sinusoid_1d(num_positions: int, dim: int) -> Tensor:
     return table.float()
 
 
+#: the forms of CPVT's PEG the paper compares (docs/semantics.md, Decision C2)
+PEG_KINDS = ("dw", "separable", "fc")
+PEG_PADDINGS = ("zero", "circular", "replicate")
+
+
 class PositionEncodingGenerator(nn.Module):
-    """CPVT's PEG (Chu et al., Algorithm 1): ``x + DWConv_kxk(x)`` over the patch grid, zero padding k//2.
+    """CPVT's PEG (Chu et al., Algorithm 1): ``x + F(x)`` over the patch grid; by default ``F`` is one depth-wise
+    k×k conv with bias and zero padding k//2.
 
     The conditional encoding comes from the zero padding at the borders; prefix
     tokens (class token) skip the convolution and are re-attached unchanged.
     Works at any grid size, which is why CPVT needs no position table.
+
+    The paper's ablations (Decision C2): ``kind="separable"`` makes ``F`` a stack of ``layers`` depth-wise k×k +
+    point-wise 1×1 convolutions (``d·l·k² + l·d²`` weights), ``kind="fc"`` a stack of ``layers`` token-wise
+    Linear maps (1×1 convolutions, no locality); ``padding="circular"`` / ``"replicate"`` pads the grid by
+    wrapping around / repeating the border instead of with zeros; ``frozen=True`` keeps the random initial
+    weights (no gradient). There is no nonlinearity inside ``F``.
     """
 
-    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+    def __init__(
+        self,
+        dim: int,
+        kernel_size: int = 3,
+        kind: str = "dw",
+        layers: int = 1,
+        padding: str = "zero",
+        frozen: bool = False,
+    ) -> None:
         super().__init__()
-        if kernel_size % 2 == 0:
+        if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"PEG kernel size must be odd (zero padding k//2 keeps the grid), got {kernel_size}")
-        self.proj = nn.Conv2d(dim, dim, kernel_size, 1, kernel_size // 2, groups=dim)
+        if kind not in PEG_KINDS or padding not in PEG_PADDINGS or layers < 1:
+            raise ValueError(
+                f"PEG: kind must be one of {PEG_KINDS}, padding one of {PEG_PADDINGS} and layers >= 1; "
+                f"got kind={kind!r}, padding={padding!r}, layers={layers}"
+            )
+        k = 1 if kind == "fc" else kernel_size
+        self.pad = (k // 2,) * 4 if padding != "zero" and k > 1 else None
+        self.padding_mode = padding
+        if kind == "dw" and layers == 1:
+            self.proj = self._depthwise(dim, k)  # the official single conv (Twins' PosCNN ``proj.0``)
+        else:
+            convs: list[nn.Module] = []
+            for _ in range(layers):
+                convs += [self._depthwise(dim, k)] if kind != "fc" else []
+                convs += [nn.Conv2d(dim, dim, 1)] if kind != "dw" else []
+            self.proj = nn.Sequential(*convs)
+        if frozen:
+            self.proj.requires_grad_(False)
+
+    def _depthwise(self, dim: int, k: int) -> nn.Conv2d:
+        conv = nn.Conv2d(dim, dim, k, 1, k // 2 if self.pad is None else 0, groups=dim)
         # Twins initialises the PEG conv as a conv layer: normal(0, sqrt(2 / fan_out))
-        nn.init.normal_(self.proj.weight, 0.0, math.sqrt(2.0 / kernel_size**2))  # fan_out of a depth-wise conv
-        nn.init.zeros_(self.proj.bias)
+        nn.init.normal_(conv.weight, 0.0, math.sqrt(2.0 / k**2))  # fan_out of a depth-wise conv
+        nn.init.zeros_(conv.bias)
+        return conv
+
+    def transform(self, grid: Tensor) -> Tensor:
+        """``F`` on a ``(B, C, H, W)`` grid; non-zero padding is applied before each depth-wise conv."""
+        if self.pad is None:
+            return self.proj(grid)
+        for layer in self.proj if isinstance(self.proj, nn.Sequential) else [self.proj]:
+            if layer.groups > 1:
+                grid = F.pad(grid, self.pad, mode=self.padding_mode)
+            grid = layer(grid)
+        return grid
 
     def forward(self, x: Tensor, layout: TokenLayout) -> Tensor:
-        if layout.grid is None:
-            raise ValueError("PositionEncodingGenerator needs the patch grid (layout.grid)")
-        prefix, grid = tokens_to_grid(x, layout)
-        return grid_to_tokens(prefix, grid + self.proj(grid))
+        return grid_residual(x, layout, self.transform)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .. import options as opt
 from ..device import add_device_argument, resolve_device
 from ..measure.machine import machine_info
 from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
@@ -120,7 +121,7 @@ def _step(lm, seqs, dtype: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 3072], help="sequence lengths T")
+    p.add_argument("--tokens", type=opt.positive_int, nargs="+", default=[1024, 3072], help="sequence lengths T")
     p.add_argument(
         "--models",
         nargs="+",
@@ -134,9 +135,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also the Transformer without attention dropout (SDPA's flash kernel: no T x T maps stored)",
     )
     p.add_argument(
-        "--layers", type=int, default=4, help="blocks L (paper 24; fewer keeps the run short, ratios stay side by side)"
+        "--layers",
+        type=opt.Int(1, 1024),
+        default=4,
+        help="blocks L (paper 24; fewer keeps the run short, ratios stay side by side)",
     )
-    p.add_argument("--dim", type=int, default=256, help="width d (paper 256)")
+    p.add_argument("--dim", type=opt.positive_int, default=256, help="width d (paper 256)")
     p.add_argument(
         "--dtypes",
         type=csv_list(str, ("fp32", *LOW_PRECISION)),
@@ -144,12 +148,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fp32,bf16,fp16: the step in fp32, or under autocast (fp16 with a gradient scaler, GPU only; default fp32)",
     )
     add_device_argument(p, default="cpu")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per case")
-    p.add_argument("--repeats", type=int, default=2, help="timed steps per case")
-    p.add_argument("--rounds", type=int, default=1, help="run every case this many times, interleaved (noisy machines)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per case (0: torch's default)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is killed")
+    p.add_argument("--batch", type=opt.positive_int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
+    p.add_argument("--warmup", type=opt.non_negative_int, default=1, help="untimed steps per case")
+    p.add_argument("--repeats", type=opt.positive_int, default=2, help="timed steps per case")
+    p.add_argument(
+        "--rounds",
+        type=opt.positive_int,
+        default=1,
+        help="run every case this many times, interleaved (noisy machines)",
+    )
+    p.add_argument("--threads", type=opt.threads, default=1, help="torch threads per case (0: torch's default)")
+    p.add_argument("--timeout", type=opt.positive_float, default=900.0, help="seconds before a case is killed")
     p.add_argument("--out", default="runs/bench-lm", help="folder for lm_bench.json and lm_bench.md")
     p.add_argument("--quick", action="store_true", help="smoke run: L=1, d=64, T = 256 and 512")
 

@@ -5,19 +5,39 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .. import options as opt
 from ..device import AMP_CHOICES, add_device_argument, amp_dtype, resolve_device
 from ..io import atomic_open, check_writable_file, write_json_atomic
 
+FULL_BIAS = "full"  # --bias-dim full: a full T x T position bias (AFT Table 3)
+
+
+class BiasDim(opt.Check):
+    """``--bias-dim``: d' of the factorised bias (a positive integer), or ``full`` (also ``none``) for the
+    non-factorised ``T x T`` bias of the AFT paper's Table 3."""
+
+    what = "a positive integer or 'full' (a T x T bias)"
+
+    def parse(self, text: str) -> int | str:
+        return FULL_BIAS if text.lower() in (FULL_BIAS, "none") else int(text, 10)
+
+    def accepts(self, value: object) -> bool:
+        return value == FULL_BIAS or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+bias_dim = BiasDim()
+
+
 # CausalLM options settable from the command line (None: the named config's value)
 MODEL_FLAGS = {
-    "dim": (int, "model width d"),
-    "depth": (int, "number of blocks L"),
-    "heads": (int, "attention heads (Transformer baseline)"),
-    "dropout": (float, "dropout (paper 0.1)"),
-    "window": (int, "AFT-local window s"),
-    "bias_dim": (int, "d' of the factorised AFT position bias"),
-    "max_len": (int, "position-table length (default: the data's sequence length)"),
-    "channels": (int, "1: embedding/head shared across RGB (paper); 3: one per channel"),
+    "dim": (opt.positive_int, "model width d"),
+    "depth": (opt.Int(1, 1024), "number of blocks L"),
+    "heads": (opt.positive_int, "attention heads (Transformer baseline)"),
+    "dropout": (opt.rate, "dropout (paper 0.1)"),
+    "window": (opt.positive_int, "AFT-local window s"),
+    "bias_dim": (bias_dim, "d' of the factorised AFT position bias, or 'full' for a T x T bias (Table 3)"),
+    "max_len": (opt.positive_int, "position-table length (default: the data's sequence length)"),
+    "channels": (opt.Choice(1, 3), "1: embedding/head shared across RGB (paper); 3: one per channel"),
 }
 
 
@@ -28,24 +48,26 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="named LM config (see `vitlab lm list`)")
     p.add_argument("--data", required=True, help="a text/byte file, or a CIFAR-10 batches folder (cifar10:<folder>)")
     p.add_argument("--out", default=None, help="output folder: last.pt, metrics.json (default runs/lm/<model>)")
-    p.add_argument("--seq-len", type=int, default=None, help="text window length (default: the config's max_len)")
+    p.add_argument(
+        "--seq-len", type=opt.positive_int, default=None, help="text window length (default: the config's max_len)"
+    )
     for name, kind, text in (
-        ("batch_size", int, "batch size"),
-        ("steps", int, "optimisation steps"),
-        ("lr", float, "peak learning rate (paper 3e-3)"),
-        ("min_lr", float, "final learning rate"),
-        ("warmup_steps", int, "linear warmup steps"),
-        ("weight_decay", float, "AdamW decay of the linear weights (paper 0.1, enwik8 0.5)"),
-        ("clip_grad", float, "gradient-norm clip (0: off)"),
-        ("eval_every", int, "evaluate and checkpoint every N steps"),
-        ("eval_symbols", int, "symbols scored per split and evaluation (0: whole split)"),
-        ("eval_batch_size", int, "evaluation batch size"),
-        ("log_every", int, "progress line every N steps"),
-        ("holdout", float, "text: held-out tail, fraction or bytes"),
-        ("img_size", int, "images: average-pool to this side first (quick runs)"),
-        ("seed", int, "seed of the weights and the data order"),
-        ("threads", int, "torch threads (0: torch's default)"),
-        ("accum_steps", int, "micro-batches per optimisation step (gradient accumulation)"),
+        ("batch_size", opt.positive_int, "batch size"),
+        ("steps", opt.positive_int, "optimisation steps"),
+        ("lr", opt.positive_float, "peak learning rate (paper 3e-3)"),
+        ("min_lr", opt.non_negative_float, "final learning rate"),
+        ("warmup_steps", opt.non_negative_int, "linear warmup steps"),
+        ("weight_decay", opt.non_negative_float, "AdamW decay of the linear weights (paper 0.1, enwik8 0.5)"),
+        ("clip_grad", opt.non_negative_float, "gradient-norm clip (0: off)"),
+        ("eval_every", opt.positive_int, "evaluate and checkpoint every N steps"),
+        ("eval_symbols", opt.non_negative_int, "symbols scored per split and evaluation (0: whole split)"),
+        ("eval_batch_size", opt.positive_int, "evaluation batch size"),
+        ("log_every", opt.positive_int, "progress line every N steps"),
+        ("holdout", opt.positive_float, "text: held-out tail, fraction or bytes"),
+        ("img_size", opt.image_size, "images: average-pool to this side first (quick runs)"),
+        ("seed", opt.seed, "seed of the weights and the data order"),
+        ("threads", opt.threads, "torch threads (0: torch's default)"),
+        ("accum_steps", opt.positive_int, "micro-batches per optimisation step (gradient accumulation)"),
     ):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
@@ -60,9 +82,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model over the processes (FSDP2)")
     p.add_argument("--tf32", action="store_true", help="GPU: TF32 tensor cores for fp32 matrix products")
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="recompute each block's activations in the backward pass"
+    )
     p.add_argument("--tensorboard", action="store_true", help="also write the metrics to OUT/tb (tensorboard extra)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last.pt")
-    p.add_argument("--force", action="store_true", help="start over even if --out holds a run (moved aside)")
+    start = p.add_mutually_exclusive_group()  # continue the run in --out, or start over: not both
+    start.add_argument("--resume", action="store_true", help="continue the run in --out from its last.pt")
+    start.add_argument("--force", action="store_true", help="start over even if --out holds a run (moved aside)")
     g = p.add_argument_group("model options (override the named config)")
     for name, (kind, text) in MODEL_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
@@ -77,32 +103,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("checkpoint", help="last.pt written by `vitlab lm train`")
     e.add_argument("--data", default=None, help="data to score (default: the data it was trained on)")
     e.add_argument("--split", nargs="+", choices=("train", "test"), default=["train", "test"])
-    e.add_argument("--eval-symbols", type=int, default=0, help="symbols per split (0: whole split)")
-    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--eval-symbols", type=opt.non_negative_int, default=0, help="symbols per split (0: whole split)")
+    e.add_argument("--batch-size", type=opt.positive_int, default=16)
     e.add_argument("--json", default=None, help="write the figures to this JSON file")
-    e.add_argument("--threads", type=int, default=0)
+    e.add_argument("--threads", type=opt.threads, default=0)
     add_device_argument(e)
     e.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype (fp16: GPU)")
 
     s = sub.add_parser("sample", help="generate text, or images as a PNG grid, by incremental decoding")
     s.add_argument("checkpoint")
-    s.add_argument("--num", type=int, default=4, help="number of samples")
-    s.add_argument("--length", type=int, default=None, help="symbols to generate (default: text 200, images all)")
+    s.add_argument("--num", type=opt.positive_int, default=4, help="number of samples")
+    s.add_argument(
+        "--length", type=opt.positive_int, default=None, help="symbols to generate (default: text 200, images all)"
+    )
     s.add_argument("--prompt", default=None, help="text models: start every sample with this text")
     s.add_argument(
-        "--prompt-rows", type=int, default=0, help="image models: complete held-out images from their top rows"
+        "--prompt-rows",
+        type=opt.non_negative_int,
+        default=0,
+        help="image models: complete held-out images from their top rows",
     )
     s.add_argument("--data", default=None, help="image prompts come from this data (default: the training data)")
-    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--temperature", type=opt.non_negative_float, default=1.0, help="0: greedy")
+    s.add_argument("--top-k", type=opt.positive_int, default=None, help="sample from the k likeliest symbols")
+    s.add_argument("--seed", type=opt.seed, default=0)
     s.add_argument(
         "--out",
         default=None,
         help="write to this file (.txt, or .png for images; default: print text, "
         "images to samples.png next to the checkpoint)",
     )
-    s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--threads", type=opt.threads, default=0)
     add_device_argument(s)
 
     from .bench import add_arguments as bench_args
@@ -128,6 +159,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train import LMTrainConfig, train
 
     overrides = {k: getattr(args, k) for k in [*MODEL_FLAGS, "tie_head"] if getattr(args, k) is not None}
+    if overrides.get("bias_dim") == FULL_BIAS:
+        overrides["bias_dim"] = None  # the mixers' spelling of a full T x T bias
     fields = set(LMTrainConfig.__dataclass_fields__) - {"overrides", "out"}
     cfg = LMTrainConfig(
         **{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}", overrides=overrides
@@ -188,9 +221,12 @@ def _sample(args: argparse.Namespace) -> int:
     model.to(device)
     info = ckpt["data"]
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    if args.num < 1:
-        raise ValueError(f"--num must be >= 1, got {args.num}")
-    if info["kind"] == "images":
+    images = info["kind"] == "images"
+    if args.prompt_rows and not images:
+        raise ValueError("--prompt-rows completes images, but this is a text model; start the samples with --prompt")
+    if args.prompt is not None and images:
+        raise ValueError("--prompt starts text, but this is an image model; complete images with --prompt-rows")
+    if images:
         size, ch = tuple(info["size"]), info["channels"]
         prompt = None
         if args.prompt_rows:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Block
+from ..layers.checkpointing import checkpoint_active, checkpointed
 from ..mixers import build
 from ..mixers.base import TokenLayout
 from ..registry import Registry
@@ -75,6 +76,8 @@ class CausalLM(nn.Module):
         channels: 1 = one embedding and head shared by all positions (the paper's RGB sharing);
             c > 1 = separate embedding rows and head per channel ``t % c``.
     """
+
+    grad_checkpointing = False  # set_grad_checkpointing
 
     def __init__(
         self,
@@ -206,9 +209,14 @@ class CausalLM(nn.Module):
         self.check_tokens(inputs)
         x = self.embed_tokens(inputs)
         layout = TokenLayout.sequence()
+        ckpt = checkpoint_active(self.grad_checkpointing)
         for block in self.blocks:
-            x = block(x, layout)
+            x = checkpointed(block, block, x, layout) if ckpt else block(x, layout)
         return self.logits(x)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block in backward instead of keeping its activations (timm's method name)."""
+        self.grad_checkpointing = bool(enable)
 
     def loss(self, targets: Tensor) -> Tensor:
         """Mean cross-entropy (nats) of the model on symbol sequences (B, T), predicted from BOS."""

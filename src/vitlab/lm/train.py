@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import (
+    is_lm_checkpoint,
     load_checkpoint,
     load_state_checked,
     prune_shards,
@@ -80,6 +81,7 @@ class LMTrainConfig:
     accum_steps: int = 1  # micro-batches per optimisation step (gradient accumulation)
     fsdp: bool = False  # under torchrun: shard the model with FSDP2, one unit per block
     tf32: bool = False
+    grad_checkpointing: bool = False  # recompute each block's activations in the backward pass
     tensorboard: bool = False
     overrides: dict[str, Any] = field(default_factory=dict)  # CausalLM options: dim, depth, dropout, window...
     resume: bool = False
@@ -127,8 +129,11 @@ def evaluate(
 def load_lm(path: str | Path) -> tuple[CausalLM, dict[str, Any]]:
     """A trained model and its checkpoint (read with ``weights_only=True``; sharded weights gathered)."""
     ckpt = load_checkpoint(path)
-    if "data" not in ckpt or not isinstance(ckpt.get("model_kwargs"), dict) or "vocab_size" not in ckpt["model_kwargs"]:
-        raise ValueError(f"{ckpt['path']} is not a `vitlab lm train` checkpoint")
+    if not is_lm_checkpoint(ckpt):
+        raise ValueError(
+            f"{ckpt['path']} is not a `vitlab lm train` checkpoint (it holds the image model "
+            f"{ckpt.get('model_name')!r}); use `vitlab eval` with it"
+        )
     model = CausalLM(**ckpt["model_kwargs"])
     load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
     return model.eval(), ckpt
@@ -239,6 +244,7 @@ def setup(cfg: LMTrainConfig, log: Callable[[str], None], world: World, device: 
     if data.seq_len > raw.max_len:
         raise ValueError(f"sequences of {data.seq_len} symbols do not fit max_len = {raw.max_len}")
     dtype = amp_dtype(cfg.amp, device)
+    raw.set_grad_checkpointing(cfg.grad_checkpointing)
     model = parallelize(raw.to(device), device, world, cfg.fsdp)
     opt = create_optimizer(raw, cfg.lr, cfg.weight_decay)
     sched = WarmupCosine(opt, cfg.lr, cfg.steps, min(cfg.warmup_steps, cfg.steps), cfg.min_lr)
@@ -301,7 +307,7 @@ def train_step(run: LMRun) -> float:
             run.scaler.scale(loss).backward()
         total += loss.detach()
     if not math.isfinite(total.item()):
-        raise FloatingPointError(f"loss is {total.item()} at step {run.step}; lower --lr")
+        raise ValueError(f"the training loss became {total.item()} at step {run.step + 1}; lower --lr")
     run.scaler.unscale_(run.opt)
     params = [p for p in run.raw.parameters() if p.grad is not None]
     clip = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")

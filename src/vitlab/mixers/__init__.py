@@ -11,10 +11,18 @@ import inspect
 from ..registry import check_options, unknown_name_error
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .attention import Attention, attention_map
+from .attention_variants import (
+    DoubleNormAttention,
+    DropAttention,
+    PEGQKAttention,
+    RelPos2dAttention,
+    TemperatureAttention,
+)
 from .base import TokenLayout, TokenMixer
 from .external import ExternalAttention, MultiHeadExternalAttention
 from .reattention import ReAttention
 from .refiner import DistributedLocalAttention, RefinerAttention
+from .spatial_reduction import SpatialReductionAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {
     "attention": Attention,
@@ -27,6 +35,18 @@ MIXERS: dict[str, type[TokenMixer]] = {
     "aft_simple": AFTSimple,
     "aft_conv": AFTConv,
 }
+#: further kinds ``build`` knows: the alternatives the papers' ablations compare against (docs/semantics.md,
+#: Decisions C2, D3, E3) and the attention of Twins' pyramid. Not in :data:`MIXERS`, the methods' own mixers that
+#: the mixer benchmark sweeps.
+EXTRA_MIXERS: dict[str, type[TokenMixer]] = {
+    "attention_temperature": TemperatureAttention,
+    "attention_dropmap": DropAttention,
+    "attention_double_norm": DoubleNormAttention,
+    "attention_rpe2d": RelPos2dAttention,
+    "attention_peg_qk": PEGQKAttention,
+    # Twins PCPVT / CPVT-v2: keys and values from a spatially reduced grid
+    "sr_attention": SpatialReductionAttention,
+}
 
 
 def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMixer:
@@ -34,21 +54,27 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
 
     ``defaults`` are model-wide settings (num_heads, qkv_bias, max_len, ...) given
     only to mixers whose constructor takes them, so one model config can place
-    any mixer in any block. ``external`` with ``num_heads > 1`` builds the
-    official multi-head external attention (:class:`MultiHeadExternalAttention`).
+    any mixer in any block. ``external`` is the paper's single-head Algorithm 1
+    whatever the model's head count (a model-wide ``num_heads`` default is not
+    applied to it); an explicit ``num_heads > 1`` builds the official multi-head
+    external attention (:class:`MultiHeadExternalAttention`).
     """
-    if kind not in MIXERS:
-        raise unknown_name_error("mixer kind", kind, MIXERS)
-    cls = MIXERS[kind]
+    kinds = {**MIXERS, **EXTRA_MIXERS}
+    if kind not in kinds:
+        raise unknown_name_error("mixer kind", kind, kinds)
+    cls = kinds[kind]
     if kind == "external" and kw.get("num_heads", 1) > 1:
         cls = MultiHeadExternalAttention
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
+    if cls is ExternalAttention:  # single-head by definition: the model's head count is not its own
+        accepted.remove("num_heads")
     kw = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **kw}
     check_options(f"mixer {kind!r}", kw, cls)
     return cls(dim, **kw)
 
 
 __all__ = [
+    "EXTRA_MIXERS",
     "MIXERS",
     "AFTConv",
     "AFTFull",
@@ -56,10 +82,16 @@ __all__ = [
     "AFTSimple",
     "Attention",
     "DistributedLocalAttention",
+    "DoubleNormAttention",
+    "DropAttention",
     "ExternalAttention",
     "MultiHeadExternalAttention",
+    "PEGQKAttention",
     "ReAttention",
     "RefinerAttention",
+    "RelPos2dAttention",
+    "SpatialReductionAttention",
+    "TemperatureAttention",
     "TokenLayout",
     "TokenMixer",
     "attention_map",

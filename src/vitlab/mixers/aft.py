@@ -255,7 +255,13 @@ def _conv_bias_rows(
 
 
 def aft_conv(
-    q: Tensor, k: Tensor, v: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int = 0, global_context: bool = True
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    grid: tuple[int, int],
+    num_prefix: int = 0,
+    global_context: bool = True,
 ) -> Tensor:
     """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
 
@@ -271,7 +277,8 @@ def aft_conv(
     with ``m = max(max w^i, 0)`` (same value as Eq. 6, whose ``e^w - 1`` form cancels for w << 0).
 
     ``global_context=False`` is the paper's ablation with ``w = -inf`` outside the window: only the local
-    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0).
+    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0). ``q=None`` is the
+    paper's Table 12 ablation without the query term: the gate ``sigmoid(Q)`` is left out.
     """
     b, n, c = v.shape
     h, s = k.shape[-1], w.shape[-1]
@@ -295,7 +302,7 @@ def aft_conv(
     nd = torch.cat([prefix, patch.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
     rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
     y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
-    return _gate(q, y.reshape(b, n, c))
+    return y.reshape(b, n, c) if q is None else _gate(q, y.reshape(b, n, c))
 
 
 # --------------------------------------------------------------------------- elementwise FLOPs of the cores
@@ -315,19 +322,27 @@ def aft_simple_flops(batch: int, tokens: int, channels: int) -> int:
 
 
 def aft_conv_flops(
-    batch: int, tokens: int, channels: int, heads: int, kernel: int, grid: tuple[int, int], global_context: bool = True
+    batch: int,
+    tokens: int,
+    channels: int,
+    heads: int,
+    kernel: int,
+    grid: tuple[int, int],
+    global_context: bool = True,
+    query: bool = True,
 ) -> int:
     """AFT-conv core besides its convolution and band-matrix products (MACs): ``e^{K - max}`` 3 per key,
     ``e^K ⊙ V`` 1 per value, the kernel ``e^{w - m}`` 2 per tap, the row sums of the outside-window term 1 and
     ``local + e^{-m} · outside`` 2 per grid element of the C + h channels, the prefix tokens' global sums
-    1 per token and channel, then divide 1, ``sigmoid(Q)`` 3 and the gate 1 per output element."""
+    1 per token and channel, then divide 1, ``sigmoid(Q)`` 3 and the gate 1 per output element (without the
+    query term, Table 12: the division only)."""
     width = channels + heads
     cells = grid[0] * grid[1]
     total = 3 * batch * tokens * heads + batch * tokens * channels + 2 * heads * kernel * kernel
     if global_context:
         total += 3 * batch * width * cells
     total += batch * tokens * width  # prefix: the sum over all tokens
-    return total + 5 * batch * tokens * channels
+    return total + (5 if query else 1) * batch * tokens * channels
 
 
 # --------------------------------------------------------------------------- incremental decoding (causal)
@@ -700,8 +715,10 @@ class AFTConv(TokenMixer):
     and the standardisation makes its scale otherwise irrelevant). ``gamma, beta`` start at 0, so at
     initialisation ``e^w - 1 = 0`` and AFT-conv is AFT-simple with each key repeated over its head.
 
-    ``outside="-inf"`` is the paper's global-connectivity ablation (w = -inf outside the window: a purely
-    local operator). Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
+    Ablations (docs/semantics.md, Decision A4): ``reparam=False`` uses the raw kernel ``w`` (paper Table 10; no
+    gamma, beta); ``query=False`` drops the query term, ``Y = Σ ... / Σ ...`` without ``sigmoid(Q)``, and Q's
+    projection with it (Table 12). ``outside="-inf"`` is the paper's global-connectivity ablation (w = -inf outside
+    the window: a purely local operator). Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
     paper evaluates at 384 a model trained at 224). ``return_aux=True`` gives ``aux["keys"]`` (B, N, h).
     """
 
@@ -710,7 +727,14 @@ class AFTConv(TokenMixer):
     flops_label = "AFT"
 
     def __init__(
-        self, dim: int, num_heads: int, kernel_size: int = 11, qkv_bias: bool = True, outside: str = "zero"
+        self,
+        dim: int,
+        num_heads: int,
+        kernel_size: int = 11,
+        qkv_bias: bool = True,
+        outside: str = "zero",
+        reparam: bool = True,
+        query: bool = True,
     ) -> None:
         super().__init__(dim)
         check_divisible("AFTConv", dim, num_heads)
@@ -723,23 +747,32 @@ class AFTConv(TokenMixer):
             )
         self.num_heads = num_heads
         self.kernel_size = kernel_size
-        # fused [Q (dim) | K (num_heads) | V (dim)]
-        self.qkv = nn.Linear(dim, 2 * dim + num_heads, bias=qkv_bias)
+        self.reparam = reparam
+        self.query = query
+        # fused [Q (dim, unless query=False) | K (num_heads) | V (dim)]
+        self.split = [dim, num_heads, dim] if query else [num_heads, dim]
+        self.qkv = nn.Linear(dim, sum(self.split), bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
-        self.gamma = nn.Parameter(torch.zeros(num_heads))
-        self.beta = nn.Parameter(torch.zeros(num_heads))
+        self.gamma = nn.Parameter(torch.zeros(num_heads)) if reparam else None
+        self.beta = nn.Parameter(torch.zeros(num_heads)) if reparam else None
 
     def no_weight_decay(self) -> set[str]:
         """The kernel and its re-parameterisation gains are not weight-decayed (decay would pull gamma to 0)."""
-        return {"w", "gamma", "beta"}
+        return {"w", "gamma", "beta"} if self.reparam else {"w"}
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
+        ablations = ("" if self.reparam else ", reparam=False") + ("" if self.query else ", query=False")
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
+            + ablations
+        )
 
     def position_bias(self) -> Tensor:
-        """The re-parameterised bias w (h, s, s), fp32 (Eq. 8)."""
+        """The re-parameterised bias w (h, s, s), fp32 (Eq. 8); the raw kernel when ``reparam=False``."""
         w = self.w.float()
+        if not self.reparam:
+            return w
         mean = w.mean((1, 2), keepdim=True)
         var = w.var((1, 2), unbiased=False, keepdim=True)
         return (
@@ -752,7 +785,9 @@ class AFTConv(TokenMixer):
     ) -> int:
         """:func:`aft_conv_flops` on the layout's grid (without one, N x 1)."""
         grid = layout.grid if layout is not None and layout.grid is not None else (tokens, 1)
-        return aft_conv_flops(batch, tokens, self.dim, self.num_heads, self.kernel_size, grid, self.outside == "zero")
+        return aft_conv_flops(
+            batch, tokens, self.dim, self.num_heads, self.kernel_size, grid, self.outside == "zero", self.query
+        )
 
     def effective_kernel(self) -> Tensor:
         """``exp(w) - 1`` per head (h, s, s): the relative weight the paper plots (Fig. 1)."""
@@ -761,10 +796,10 @@ class AFTConv(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.outside == "-inf" and layout.num_prefix:
             raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
-        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], -1)
+        q, k, v = self.qkv(x).split(self.split, -1) if self.query else (None, *self.qkv(x).split(self.split, -1))
         with _no_autocast(x):
             y = aft_conv(
-                q.float(),
+                None if q is None else q.float(),
                 k.float(),
                 v.float(),
                 self.position_bias(),
@@ -772,5 +807,5 @@ class AFTConv(TokenMixer):
                 layout.num_prefix,
                 self.outside == "zero",
             )
-        out = self.proj(y.to(q.dtype)).to(x.dtype)
+        out = self.proj(y.to(k.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})

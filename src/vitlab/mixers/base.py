@@ -21,6 +21,7 @@ over a model), and causal mixers decode one token at a time through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -236,3 +237,12 @@ def fold_bn(weight: Tensor, bias: Tensor | None, bn: nn.BatchNorm2d) -> tuple[Te
     shift = (bn.bias if bn.affine else 0) - bn.running_mean * g
     w = weight * g.view(-1, *[1] * (weight.dim() - 1))
     return w, shift if bias is None else bias * g + shift
+
+
+def grid_residual(x: Tensor, layout: TokenLayout, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``x + fn(x)`` on the patch grid ``(B, C, H, W)``, prefix tokens (class token) passed through unchanged: the
+    form of CPVT's position encoding generator, shared by the PEG layers and the PEG-on-Q/K mixer."""
+    if layout.grid is None:
+        raise ValueError("a position encoding generator needs the patch grid (layout.grid)")
+    prefix, grid = tokens_to_grid(x, layout)
+    return grid_to_tokens(prefix, grid + fn(grid))

@@ -45,6 +45,34 @@ def double_normalize(
     return attn.to(logits.dtype)
 
 
+#: how external attention normalises its map over the memory slots (docs/semantics.md, Decision E3)
+MEMORY_NORMS = ("double", "softmax")
+
+
+def normalize_memory(
+    logits: Tensor, norm: str, token_dim: int, memory_dim: int, eps: float = 1e-9, inplace: bool = False
+) -> Tensor:
+    """EA's map from its logits: ``"double"`` = :func:`double_normalize`; ``"softmax"`` = the paper's softmax-only
+    ablation, the double normalisation without its ℓ1 step: a softmax over the tokens for each memory slot
+    (computed in fp32 for half-precision logits). A softmax over the slots instead would leave every token
+    alone with the memories (no token would see another), so that is not the reading (Decision E3)."""
+    if norm == "double":
+        return double_normalize(logits, token_dim, memory_dim, eps, inplace)
+    low = logits.dtype in (torch.float16, torch.bfloat16)
+    return logits.softmax(dim=token_dim, dtype=torch.float32 if low else None).to(logits.dtype)
+
+
+def check_memory_norm(name: str, norm: str) -> str:
+    if norm not in MEMORY_NORMS:
+        raise ValueError(f"{name}: norm must be one of {', '.join(MEMORY_NORMS)}, got {norm!r}")
+    return norm
+
+
+def memory_norm_flops(norm: str, maps: int, tokens: int, slots: int) -> int:
+    """Elementwise FLOPs of :func:`normalize_memory`: :func:`double_norm_flops`, or one softmax per element."""
+    return double_norm_flops(maps, tokens, slots) if norm == "double" else maps * SOFTMAX * tokens * slots
+
+
 def double_norm_flops(maps: int, tokens: int, slots: int) -> int:
     """Elementwise FLOPs of :func:`double_normalize` on ``maps`` (tokens x slots) logits: softmax over the
     tokens (5 per element), then ℓ1 over the slots (sum 1, divide 1 per element, + eps once per row)."""
@@ -57,7 +85,8 @@ class ExternalAttention(TokenMixer):
     ``mk = Linear(dim → S)`` and ``mv = Linear(S → dim)`` are the memories
     (``bias=False`` as the paper); ``aux["memory_attn"]`` is the (B, N, S) normalised
     map. ``num_heads`` exists so that configs can pass it to every mixer; it must
-    be 1 (``build("external", dim, num_heads=h > 1)`` gives the multi-head class).
+    be 1 (``build("external", dim, num_heads=h > 1)`` gives the multi-head class). ``norm="softmax"`` drops
+    the ℓ1 step of the double normalisation (the paper's softmax-only ablation, :func:`normalize_memory`).
     """
 
     flops_label = "external attention norm"
@@ -70,8 +99,10 @@ class ExternalAttention(TokenMixer):
         attn_drop: float = 0.0,
         eps: float = 1e-9,
         num_heads: int = 1,
+        norm: str = "double",
     ) -> None:
         super().__init__(dim)
+        self.memory_norm = check_memory_norm("ExternalAttention", norm)
         if memory_size < 1:
             raise ValueError(f"ExternalAttention: memory_size must be positive, got {memory_size}")
         if num_heads != 1:
@@ -88,7 +119,7 @@ class ExternalAttention(TokenMixer):
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
     ) -> int:
-        return double_norm_flops(batch, tokens, self.memory_size)
+        return memory_norm_flops(self.memory_norm, batch, tokens, self.memory_size)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -101,7 +132,7 @@ class ExternalAttention(TokenMixer):
             self.mv.bias.zero_()
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        attn = double_normalize(self.mk(x), token_dim=1, memory_dim=2, eps=self.eps)
+        attn = normalize_memory(self.mk(x), self.memory_norm, token_dim=1, memory_dim=2, eps=self.eps)
         out = self.mv(self.attn_drop(attn))
         return out, ({"memory_attn": attn} if return_aux else {})
 
@@ -113,7 +144,8 @@ class MultiHeadExternalAttention(TokenMixer):
     of width ``dim / num_heads``; every head uses the same ``mk`` (d_h → S) and
     ``mv`` (S → d_h) memories; softmax over tokens, ℓ1 over slots (eps 1e-9);
     heads are merged and ``proj`` maps coef·dim → dim. ``memory_size`` defaults
-    to 256 // coef (64 for coef 4). ``aux["memory_attn"]`` is the (B, heads, N, S) map.
+    to 256 // coef (64 for coef 4). ``aux["memory_attn"]`` is the (B, heads, N, S) map. ``norm="softmax"``: the
+    softmax-only ablation (:func:`normalize_memory`).
     """
 
     flops_label = "external attention norm"
@@ -128,8 +160,10 @@ class MultiHeadExternalAttention(TokenMixer):
         memory_bias: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
+        norm: str = "double",
     ) -> None:
         super().__init__(dim)
+        self.memory_norm = check_memory_norm("MultiHeadExternalAttention", norm)
         head_dim = check_divisible("MultiHeadExternalAttention", dim, num_heads)
         if coef < 1:
             raise ValueError(f"MultiHeadExternalAttention: coef must be a positive integer, got {coef}")
@@ -149,7 +183,7 @@ class MultiHeadExternalAttention(TokenMixer):
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
     ) -> int:
-        return double_norm_flops(batch * self.num_heads, tokens, self.memory_size)
+        return memory_norm_flops(self.memory_norm, batch * self.num_heads, tokens, self.memory_size)
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         b, n, _ = x.shape
@@ -157,11 +191,11 @@ class MultiHeadExternalAttention(TokenMixer):
         # the merged (B, N, heads · d_h) layout -- no head split/merge copies (the same function as the
         # official (B, heads, N, d_h) layout; the softmax runs over the token axis 1)
         t = self.query(x).view(b, n, self.num_heads, -1)
-        if can_fold(self, x):
+        if can_fold(self, x) and self.memory_norm == "double":  # the fold relies on the softmax over the tokens
             attn, out = self._memories_folded(t)
             out = F.linear(out.view(b, n, -1), self.proj.weight, self._proj_bias())
         else:
-            attn = double_normalize(self.mk(t), token_dim=1, memory_dim=-1)
+            attn = normalize_memory(self.mk(t), self.memory_norm, token_dim=1, memory_dim=-1)
             out = self.proj(self.mv(self.attn_drop(attn)).view(b, n, -1))
         return self.proj_drop(out), ({"memory_attn": attn.transpose(1, 2)} if return_aux else {})
 

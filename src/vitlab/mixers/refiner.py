@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
 from .base import RELU6, TokenLayout, batchnorm_flops, can_fold, check_divisible, fold_bn, merge_heads, split_heads
@@ -87,6 +88,38 @@ class SameDepthwiseConv2d(nn.Conv2d):
         return super().forward(x if self.same_pad is None else F.pad(x, self.same_pad))
 
 
+#: Refiner Table 4: which taps of the k×k DLA kernel may be non-zero (docs/semantics.md, Decision R4). The kernel's
+#: first axis runs over queries (rows of the map), the second over keys.
+KERNEL_CONSTRAINTS = ("none", "spatial", "rowcol")
+
+
+def kernel_mask(kernel_size: int, constraint: str) -> Tensor:
+    """The 0/1 (k, k) tap mask of a DLA kernel constraint: ``none`` all taps; ``spatial`` the centre row only
+    (offsets along the key axis: each query's map is smoothed over neighbouring keys, never mixed with other
+    queries' maps); ``rowcol`` the centre row and the centre column (a cross of 2k - 1 taps)."""
+    if constraint not in KERNEL_CONSTRAINTS:
+        raise ValueError(f"kernel_constraint must be one of {', '.join(KERNEL_CONSTRAINTS)}, got {constraint!r}")
+    mask = torch.zeros(kernel_size, kernel_size) if constraint != "none" else torch.ones(kernel_size, kernel_size)
+    centre = (kernel_size - 1) // 2  # the tap at offset 0 under TF-"same" padding
+    if constraint in ("spatial", "rowcol"):
+        mask[centre, :] = 1.0
+    if constraint == "rowcol":
+        mask[:, centre] = 1.0
+    return mask
+
+
+class MaskedKernel(nn.Module):
+    """Parametrisation ``w -> w * mask``: the constrained taps are 0 wherever the weight is read (forward, the
+    inference fold, ``state_dict`` consumers of ``conv.weight``), and receive no gradient."""
+
+    def __init__(self, mask: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, w: Tensor) -> Tensor:
+        return w * self.mask.to(w.dtype)
+
+
 class DistributedLocalAttention(nn.Module):
     """The refiner on attention maps: expansion H → rH, depth-wise k×k conv (DLA), reduction rH → H.
 
@@ -95,7 +128,8 @@ class DistributedLocalAttention(nn.Module):
     ``expansion=1`` skips the expansion conv (as the official code), ``dla=False``
     the local convolution, ``reduction=False`` the reduction. With
     ``official_extras`` each conv is followed by BatchNorm (+ ReLU6 after the
-    first two) and the input map is added back (official ``DLA``).
+    first two) and the input map is added back (official ``DLA``). ``kernel_constraint`` restricts the
+    taps of the local kernel (Refiner Table 4, :func:`kernel_mask`).
     """
 
     def __init__(
@@ -106,6 +140,7 @@ class DistributedLocalAttention(nn.Module):
         dla: bool = True,
         reduction: bool = True,
         official_extras: bool = False,
+        kernel_constraint: str = "none",
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -128,6 +163,10 @@ class DistributedLocalAttention(nn.Module):
         self.expand = stage(HeadMix(num_heads, hidden, bias=False), True) if expansion > 1 else None
         self.local = stage(SameDepthwiseConv2d(hidden, kernel_size), True) if dla else None
         self.reduce = stage(HeadMix(hidden, num_heads, bias=False), False) if reduction else None
+        mask = kernel_mask(kernel_size, kernel_constraint)
+        self.kernel_constraint = kernel_constraint
+        if dla and kernel_constraint != "none":
+            parametrize.register_parametrization(self.local[0], "weight", MaskedKernel(mask))
 
     def forward(self, attn: Tensor, post: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``."""
@@ -201,7 +240,8 @@ class DistributedLocalAttention(nn.Module):
             dest.addcmul_(attn.reshape(b, h, n * n), post[0].view(-1, 1).to(dest.dtype))
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, expansion={self.expansion}, kernel_size={self.kernel_size}"
+        constraint = f", kernel_constraint={self.kernel_constraint!r}" if self.kernel_constraint != "none" else ""
+        return f"num_heads={self.num_heads}, expansion={self.expansion}, kernel_size={self.kernel_size}{constraint}"
 
     def map_flops(self, batch: int, n: int) -> int:
         """Elementwise FLOPs on ``batch`` sets of (N, N) maps (expansion, conv and reduction are MACs): with
@@ -242,7 +282,8 @@ class RefinerAttention(Attention):
     ``reduction=False`` (paper Table 3 ablation: no linear reduction) leaves rH
     maps; vitlab's reading is that they multiply V split into rH heads of width
     dim / (rH), so the output width stays dim (ValueError if not divisible).
-    ``adapt_bn`` (BatchNorm2d on the refined map) defaults to ``official_extras``.
+    ``adapt_bn`` (BatchNorm2d on the refined map) defaults to ``official_extras``. ``kernel_constraint``
+    (``"none"``, ``"spatial"``, ``"rowcol"``) restricts the DLA kernel's taps (paper Table 4, Decision R4).
 
     The released Refined-ViT models alternate ``RefinerAttention(refine=False,
     residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
@@ -271,6 +312,7 @@ class RefinerAttention(Attention):
         share: bool = False,
         residual_attention: bool = False,
         refine: bool = True,
+        kernel_constraint: str = "none",
     ) -> None:
         super().__init__(dim, num_heads, qkv_bias, qk_scale, attn_drop, proj_drop, fused=False)
         if share and not refine:
@@ -280,7 +322,9 @@ class RefinerAttention(Attention):
         if share:
             self.qkv = nn.Linear(dim, dim, bias=qkv_bias)  # values only: the map comes from the previous block
         self.refiner = (
-            DistributedLocalAttention(num_heads, expansion, kernel_size, dla, reduction, official_extras)
+            DistributedLocalAttention(
+                num_heads, expansion, kernel_size, dla, reduction, official_extras, kernel_constraint
+            )
             if refine
             else None
         )

@@ -4,6 +4,10 @@ number comes from: docs/models.md).
 Parameter/MAC targets are for 1000 classes at the default input size. The
 ``*_mini`` rows are small variants of each family (patch 4, 32 px input) for
 CPU training; build them with ``img_size=28, in_chans=1`` for MNIST.
+
+Each row also carries how its official code evaluates (crop fraction, interpolation, normalisation: the
+``default_cfgs`` of that code), the ImageNet top-1 its paper or README reports, and where the official
+checkpoint is published; these become the model's ``pretrained_cfg``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,17 @@ AFT = "Zhai et al. 2021, An Attention Free Transformer"
 
 # width, heads of the DeiT backbones
 DEIT_SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
-MINI = dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2, mlp_ratio=4.0)
+# evaluation protocols of the official code (its default_cfgs / evaluation transform); DeiT's: resize to 256,
+# centre-crop 224, ImageNet mean/std
+HALF = (0.5, 0.5, 0.5)
+DEIT_EVAL = dict(crop_pct=0.875, interpolation="bicubic")
+DEEPVIT_EVAL = dict(crop_pct=0.9, interpolation="bicubic", mean=HALF, std=HALF)  # dvit_repo default_cfgs
+TNT_EVAL = dict(crop_pct=0.9, interpolation="bicubic", mean=HALF, std=HALF)  # tnt_pytorch default_cfgs
+T2T_EVAL = dict(crop_pct=0.9, interpolation="bicubic")  # EANet EAMLP/models/t2t_vit.py default_cfgs
+MINI_EVAL = dict(crop_pct=1.0, interpolation="bilinear")  # small images are used whole, as vitlab trains
+MINI = dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2, mlp_ratio=4.0, evaluation=MINI_EVAL)
+DEIT_URL = "https://dl.fbaipublicfiles.com/deit/"
+DVIT_README = "zhoudaquan/dvit_repo README (Google Drive file {})"
 
 
 def alternate(depth: int, even: Any, odd: Any) -> list[Any]:
@@ -41,10 +55,16 @@ def vit(
     params: float | None = None,
     macs: float | None = None,
     notes: str = "",
+    evaluation: dict[str, Any] | None = None,
+    top1: float | None = None,
+    weights_url: str = "",
     **kw: Any,
 ) -> ModelConfig:
+    """A VisionTransformer row: ``kw`` are constructor arguments, ``evaluation`` the official evaluation
+    protocol (ModelConfig's crop_pct / interpolation / mean / std; default DeiT's)."""
     base = dict(patch_size=16, mlp_ratio=4.0, qkv_bias=True, norm_eps=1e-6)
-    return ModelConfig(name, "vit", {**base, **kw}, paper, source, params, macs, notes=notes)
+    facts = dict(notes=notes, top1=top1, weights_url=weights_url, **(evaluation or DEIT_EVAL))
+    return ModelConfig(name, "vit", {**base, **kw}, paper, source, params, macs, **facts)
 
 
 # Refined-ViT (official code): even blocks = attention + s·(map two blocks back), odd blocks = the shared
@@ -60,20 +80,34 @@ _rows: list[ModelConfig] = []
 
 # --- DeiT / ViT baselines -------------------------------------------------------------------------------
 # distilled: + distillation token, its position row and a second head
-for size, params, params_dist, macs in (
-    ("tiny", 5.72, 5.91, 1.25),
-    ("small", 22.05, 22.44, 4.60),
-    ("base", 86.57, 87.34, 17.56),
+# top-1: DeiT paper Table 5 (the README lists DeiT-S at 79.9); checkpoints: the official release
+for size, params, params_dist, macs, top1, top1_dist, url, url_dist in (
+    ("tiny", 5.72, 5.91, 1.25, 72.2, 74.5, "deit_tiny_patch16_224-a1311bcf.pth", "b40b3cf7"),
+    ("small", 22.05, 22.44, 4.60, 79.8, 81.2, "deit_small_patch16_224-cd65a155.pth", "649709d9"),
+    ("base", 86.57, 87.34, 17.56, 81.8, 83.4, "deit_base_patch16_224-b5f2ef4d.pth", "df68dfff"),
 ):
     dim, heads = DEIT_SIZES[size]
     src = f"facebookresearch/deit models.py deit_{size}_patch16_224"
     _rows += [
-        vit(f"deit_{size}_patch16_224", DEIT, src, params, macs, embed_dim=dim, depth=12, num_heads=heads),
+        vit(
+            f"deit_{size}_patch16_224",
+            DEIT,
+            src,
+            params,
+            macs,
+            top1=top1,
+            weights_url=DEIT_URL + url,
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+        ),
         vit(
             f"deit_{size}_distilled_patch16_224",
             DEIT,
             src.replace("_patch", "_distilled_patch"),
             params_dist,
+            top1=top1_dist,
+            weights_url=f"{DEIT_URL}deit_{size}_distilled_patch16_224-{url_dist}.pth",
             embed_dim=dim,
             depth=12,
             num_heads=heads,
@@ -82,12 +116,26 @@ for size, params, params_dist, macs in (
     ]
 
 # --- DeepViT: ViT baselines of the paper, re-attention in every block, and the official S/L ----------
-for depth, params, params_re in ((16, 24.42, 24.43), (24, 36.26, 36.26), (32, 48.09, 48.10)):
-    deep = dict(embed_dim=384, depth=depth, num_heads=12, mlp_ratio=3.0)
+# top-1 and checkpoints: the dvit_repo README's first table (ViT-N / DeepViT-N, re-attention "FC")
+for depth, params, params_re, top1, top1_re, drive in (
+    (16, 24.42, 24.43, 78.88, 79.10, ""),
+    (24, 36.26, 36.26, 79.35, 79.99, "1lPmKdNMPJq-mq-4FivqIY4JNAPoQHYxV"),
+    (32, 48.09, 48.10, 79.27, 80.90, "1kUBrAbAQfMT5FQJprITRxDtOE6ECZM0M"),
+):
+    deep = dict(embed_dim=384, depth=depth, num_heads=12, mlp_ratio=3.0, evaluation=DEEPVIT_EVAL)
     src = f"zhoudaquan/dvit_repo deep_vision_transformer.py deepvit_patch16_224_re_attn_{depth}b"
     _rows += [
-        vit(f"vit_{depth}b", DEEPVIT, src + " (apply_transform off)", params, **deep),
-        vit(f"deepvit_{depth}b", DEEPVIT, src, params_re, mixer="reattention", **deep),
+        vit(f"vit_{depth}b", DEEPVIT, src + " (apply_transform off)", params, top1=top1, **deep),
+        vit(
+            f"deepvit_{depth}b",
+            DEEPVIT,
+            src,
+            params_re,
+            top1=top1_re,
+            weights_url=DVIT_README.format(drive) if drive else "",
+            mixer="reattention",
+            **deep,
+        ),
         vit(
             f"vit_{depth}b_dla",
             REFINER,
@@ -119,7 +167,10 @@ _rows += [
         num_heads=12,
         mixer=last(16, 5, "attention", ("reattention", dict(transform_scale=True))),
         **DEEPVIT_OFFICIAL,
-        notes="papers quote 27M",
+        notes="papers quote 27M; the README's second table lists it as DeepViT-16 (CNN patch stem, FC + BN)",
+        evaluation=DEEPVIT_EVAL,
+        top1=82.3,
+        weights_url=DVIT_README.format("1evhBjla4Nth7LawW2PAXnGEcpv3YBWEC"),
     ),
     vit(
         "deepvit_l",
@@ -132,15 +183,20 @@ _rows += [
         num_heads=12,
         mixer=last(32, 12, "attention", "reattention"),
         **DEEPVIT_OFFICIAL,
-        notes="the paper quotes 55M; the official config computes to 58.9M",
+        notes="the paper quotes 55M; the official config computes to 58.9M; README: DeepViT-32 (CNN stem, FC + BN)",
+        evaluation=DEEPVIT_EVAL,
+        top1=83.1,
+        weights_url=DVIT_README.format("1MTRm0NK_sPGRSyuD_hHJ1Zgw2diEaKLR"),
     ),
 ]
 
 # --- Refined-ViT (official configs; token-labelling aux head off by default) ---------------------------
-for size, dim, depth, heads, params, macs in (
-    ("s", 384, 16, 12, 25.02, 6.74),
-    ("m", 420, 32, 12, 55.03, 13.42),
-    ("l", 512, 32, 16, 80.64, 19.09),
+# evaluation: the official default_cfgs (crop 0.9 / 1.0 / 1.13, mean = std = 0.5); top-1: the README at 224
+# (the only released checkpoint is Refiner-ViT-L at 448 px)
+for size, dim, depth, heads, params, macs, crop, top1 in (
+    ("s", 384, 16, 12, 25.02, 6.74, 0.9, 83.6),
+    ("m", 420, 32, 12, 55.03, 13.42, 1.0, 84.6),
+    ("l", 512, 32, 16, 80.64, 19.09, 1.13, 84.9),
 ):
     _rows.append(
         vit(
@@ -154,25 +210,29 @@ for size, dim, depth, heads, params, macs in (
             num_heads=heads,
             mixer=alternate(depth, REFINER_NORMAL, REFINER_SHARED),
             **REFINER_OFFICIAL,
+            evaluation=dict(crop_pct=crop, interpolation="bicubic", mean=HALF, std=HALF),
+            top1=top1,
         )
     )
 
 # --- CPVT: DeiT without a position table, PEGs after blocks 0-4 (‡) ------------------------------------
-for size, short, params, params_gap in (
-    ("tiny", "ti", 5.69, 5.69),
-    ("small", "s", 21.99, 21.99),
-    ("base", "b", 86.46, 86.46),
+# top-1: CPVT paper Table 5 (CPVT-B-GAP is not reported); no official checkpoint of these models
+for size, short, params, params_gap, top1, top1_gap in (
+    ("tiny", "ti", 5.69, 5.69, 73.4, 74.9),
+    ("small", "s", 21.99, 21.99, 80.5, 81.5),
+    ("base", "b", 86.46, 86.46, 82.3, None),
 ):
     dim, heads = DEIT_SIZES[size]
     cpvt = dict(embed_dim=dim, depth=12, num_heads=heads, pos_embed="none", peg_at=(0, 1, 2, 3, 4))
     src = "paper Algorithm 1 + Meituan-AutoML/Twins gvt.py PosCNN"
     _rows += [
-        vit(f"cpvt_{short}", CPVT, src, params, **cpvt),
+        vit(f"cpvt_{short}", CPVT, src, params, top1=top1, **cpvt),
         vit(
             f"cpvt_{short}_gap",
             CPVT,
             src + " (GAP, no class token)",
             params_gap,
+            top1=top1_gap,
             class_token=False,
             global_pool="avg",
             **cpvt,
@@ -184,6 +244,7 @@ _rows.append(
         CPVT,
         "CPVT Table 2: a single PEG after block 0",
         5.68,
+        top1=72.4,
         embed_dim=192,
         depth=12,
         num_heads=3,
@@ -193,7 +254,8 @@ _rows.append(
 )
 
 # --- AFT on the DeiT backbone (AFT Table 7) -------------------------------------------------------------
-for size, params in (("tiny", 6.32), ("small", 22.66)):
+# top-1: AFT paper Table 7 and the kernel-7 ablation of §6.3.2; no official code or checkpoints
+for size, params, top1 in (("tiny", 6.32, 72.4), ("small", 22.66, 79.8)):
     dim, heads = DEIT_SIZES[size]
     _rows.append(
         vit(
@@ -201,18 +263,19 @@ for size, params in (("tiny", 6.32), ("small", 22.66)):
             AFT,
             "AFT Table 7 (d' = 128)",
             params,
+            top1=top1,
             embed_dim=dim,
             depth=12,
             num_heads=heads,
             mixer=("aft_full", dict(bias_dim=128)),
         )
     )
-for size, heads_aft, k, params in (
-    ("tiny", 32, 11, 5.36),
-    ("tiny", 192, 11, 5.96),
-    ("small", 16, 11, 20.30),
-    ("small", 384, 11, 22.54),
-    ("small", 384, 15, 23.02),
+for size, heads_aft, k, params, top1 in (
+    ("tiny", 32, 11, 5.36, 73.9),
+    ("tiny", 192, 11, 5.96, 74.8),
+    ("small", 16, 11, 20.30, 80.2),
+    ("small", 384, 11, 22.54, 80.8),
+    ("small", 384, 15, 23.02, 81.0),
 ):
     dim, heads = DEIT_SIZES[size]
     _rows.append(
@@ -221,6 +284,7 @@ for size, heads_aft, k, params in (
             AFT,
             "AFT Table 7 (no class token, no position table, GAP)",
             params,
+            top1=top1,
             embed_dim=dim,
             depth=12,
             num_heads=heads,
@@ -231,12 +295,13 @@ for size, heads_aft, k, params in (
         )
     )
 # AFT §6.3.2 global-connectivity ablation: kernel 7, w = -inf outside the window (79.9 vs 80.8 with the global sum)
-for suffix, outside in (("", "zero"), ("_noglobal", "-inf")):
+for suffix, outside, top1 in (("", "zero", 80.8), ("_noglobal", "-inf", 79.9)):
     _rows.append(
         vit(
             f"aft_conv_small_384_7{suffix}",
             AFT,
             f"AFT §6.3.2 ablation (kernel 7, outside={outside})",
+            top1=top1,
             embed_dim=384,
             depth=12,
             num_heads=6,
@@ -294,7 +359,14 @@ _rows += [
 
 # --- EAMLP: T2T-ViT with external attention everywhere (EA token layers S=128, multi-head EA blocks) ---
 # The position table is a fixed sinusoid recomputed for the input's token count, so every row runs at any size.
-for depth, dim, heads, mlp, params in ((7, 256, 4, 2.0, 6.10), (14, 384, 6, 3.0, 29.80), (19, 448, 7, 3.0, 54.47)):
+# top-1: EAMLP-7 at 384 px from the official README (its checkpoint is in the repository); EAMLP-14/19 from the
+# Vision Permutator README's comparison (no official checkpoint)
+EAMLP_7_WEIGHTS = "MenghaoGuo/EANet EAMLP/EAMLP_7_384/model_best.pth.tar"
+for depth, dim, heads, mlp, params, top1 in (
+    (7, 256, 4, 2.0, 6.10, 71.7),
+    (14, 384, 6, 3.0, 29.80, 78.9),
+    (19, 448, 7, 3.0, 54.47, 79.4),
+):
     _rows.append(
         ModelConfig(
             f"eamlp_{depth}",
@@ -306,8 +378,11 @@ for depth, dim, heads, mlp, params in ((7, 256, 4, 2.0, 6.10), (14, 384, 6, 3.0,
             notes=(
                 "official input 384 (EAMLP_7_384/args.yaml, 71.7% top-1); img_size=224 gives the same parameters"
                 if depth == 7
-                else ""
+                else "top-1 quoted by the Vision Permutator README, not by the EANet repository"
             ),
+            top1=top1,
+            weights_url=EAMLP_7_WEIGHTS if depth == 7 else "",
+            **T2T_EVAL,
         )
     )
 _rows.append(
@@ -327,12 +402,16 @@ _rows.append(
         "vitlab: small EAMLP (soft splits k/s/p 3/2/1, 3/2/1, 3/1/1: an 8x8 grid at 32 px, 7x7 at 28)",
         notes="the official 7/4/2 first split would leave a 2x2 grid at 32 px; stride 1 comes last so that the "
         "token layers see 256 and 64 tokens instead of 1024 and 256 (a third fewer MACs)",
+        **MINI_EVAL,
     )
 )
 
 # --- TNT (official non-legacy Huawei code, no frozen unused outer_tokens: docs/semantics.md, Decision T2) ------
 TNT_SRC = "huawei-noah/Efficient-AI-Backbones tnt_pytorch/tnt.py"
 TNT_SIZES = {"ti": (192, 12, 3, 2, 6.08, 1.40), "s": (384, 24, 6, 4, 23.77, 5.22), "b": (640, 40, 10, 4, 65.43, 14.05)}
+# top-1: TNT paper Tables 4, 5, 12; checkpoints: the official release (also on BaiduDisk per its readme)
+TNT_TOP1 = {"ti": 73.9, "s": 81.5, "b": 82.9}
+TNT_WEIGHTS = "https://github.com/huawei-noah/Efficient-AI-Backbones/releases/download/tnt/tnt_{}.pth.tar"
 
 
 def tnt(
@@ -342,6 +421,9 @@ def tnt(
     macs: float | None = None,
     notes: str = "",
     size: str = "s",
+    evaluation: dict[str, Any] = TNT_EVAL,
+    top1: float | None = None,
+    weights_url: str = "",
     **kw: Any,
 ) -> ModelConfig:
     outer, inner, outer_heads, inner_heads = TNT_SIZES[size][:4]
@@ -355,7 +437,8 @@ def tnt(
         inner_stride=4,
         qkv_bias=False,
     )
-    return ModelConfig(name, "tnt", {**base, **kw}, TNT, source, params, macs, notes=notes)
+    facts = dict(notes=notes, top1=top1, weights_url=weights_url, **evaluation)
+    return ModelConfig(name, "tnt", {**base, **kw}, TNT, source, params, macs, **facts)
 
 
 for size, (*_, params, macs) in TNT_SIZES.items():
@@ -366,14 +449,22 @@ for size, (*_, params, macs) in TNT_SIZES.items():
             params,
             macs,
             size=size,
+            top1=TNT_TOP1[size],
+            weights_url=TNT_WEIGHTS.format({"s": "s_81.5", "b": "b_82.9"}[size]) if size != "ti" else "",
             notes="paper Table 1 only (no official registration)"
             if size == "ti"
             else "paper 23.8M / 65.6M include the frozen unused outer_tokens",
         )
     )
 # partial TNT (paper Table 5: inner transformer only in blocks [1,4,8,12], [1,6,12], [1,6], [1]; 1-based there)
-for i, (blocks, params, macs) in enumerate(
-    (((0, 3, 7, 11), 22.52, 4.8), ((0, 5, 11), 22.36, 4.7), ((0, 5), 22.21, 4.7), ((0,), 22.05, 4.6)), 1
+for i, (blocks, params, macs, top1) in enumerate(
+    (
+        ((0, 3, 7, 11), 22.52, 4.8, 81.4),
+        ((0, 5, 11), 22.36, 4.7, 81.3),
+        ((0, 5), 22.21, 4.7, 81.1),
+        ((0,), 22.05, 4.6, 80.8),
+    ),
+    1,
 ):
     _rows.append(
         tnt(
@@ -381,6 +472,7 @@ for i, (blocks, params, macs) in enumerate(
             f"TNT paper Table 5 (TNT-S-{i})",
             params,
             macs,
+            top1=top1,
             tnt_blocks=blocks,
             notes="params computed from the config; MACs are the paper's (0.1G rounding)",
         )
@@ -392,11 +484,13 @@ _rows += [
         24.67,
         5.22,
         se=4,
+        top1=81.7,
         notes="paper 24.7M",
     ),
     tnt(
         "tnt_mini",
         "vitlab: small TNT (patch 4 -> 2x2 words of 16 channels)",
+        evaluation=MINI_EVAL,
         img_size=32,
         patch_size=4,
         outer_dim=64,

@@ -1,9 +1,10 @@
 """The registry of named vision models: :class:`ModelConfig` rows (written in :mod:`vitlab.models.configs`),
-one constructor per architecture."""
+one constructor per architecture, and the description of a model's expected input (``pretrained_cfg``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,16 +12,58 @@ from torch import nn
 
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
+from .base import FeatureGetter
+from .pyramid import PyramidCPVT
 from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
 
-ARCHITECTURES: dict[str, type[nn.Module]] = {"vit": VisionTransformer, "tnt": TNT, "t2t": T2TViT}
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "vit": VisionTransformer,
+    "tnt": TNT,
+    "t2t": T2TViT,
+    "pyramid": PyramidCPVT,
+}
+#: what ``pretrained_cfg_overlay`` may change (timm's keys of a pretrained configuration)
+CFG_KEYS = (
+    "input_size",
+    "interpolation",
+    "crop_pct",
+    "crop_mode",
+    "mean",
+    "std",
+    "num_classes",
+    "first_conv",
+    "classifier",
+    "top1",
+    "weights_url",
+    "file",
+    "url",
+    "paper",
+    "source",
+    "notes",
+    "architecture",
+    "data",
+    "holdout",
+)
+LUMINANCE = (0.299, 0.587, 0.114)  # ITU-R 601: RGB statistics -> one grey channel
+
+
+def channel_stats(values: Sequence[float], chans: int) -> tuple[float, ...]:
+    """Per-channel normalisation statistics for ``chans`` input channels: RGB ones are combined by luminance
+    for one channel; otherwise their mean is used for every channel."""
+    values = tuple(float(v) for v in values)
+    if len(values) == chans:
+        return values
+    if chans == 1 and len(values) == 3:
+        return (sum(w * v for w, v in zip(LUMINANCE, values)),)
+    return (sum(values) / len(values),) * chans
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One named configuration: the architecture, its arguments and where they come from."""
+    """One named configuration: the architecture, its arguments, where they come from, and the evaluation
+    protocol and result of its paper / official checkpoint (docs/models.md)."""
 
     name: str
     arch: str
@@ -33,12 +76,23 @@ class ModelConfig:
     std: tuple[float, ...] = IMAGENET_STD
     notes: str = ""
     tags: tuple[str, ...] = field(default_factory=tuple)
+    crop_pct: float = 0.875  # evaluation: resize the shorter side to size / crop_pct, centre-crop size
+    interpolation: str = "bicubic"
+    top1: float | None = None  # the ImageNet top-1 (%) the paper / official README reports for this config
+    weights_url: str = ""  # where the official checkpoint is published ("" = none)
 
     @property
     def input_size(self) -> tuple[int, int, int]:
         size = self.kwargs.get("img_size", 224)
         h, w = (size, size) if isinstance(size, int) else size
         return (self.kwargs.get("in_chans", 3), h, w)
+
+    @property
+    def weights_file(self) -> str:
+        """The official checkpoint's file name, where its address names one."""
+        name = self.weights_url.rsplit("/", 1)[-1]
+        direct = self.weights_url.startswith("https://") and name.endswith((".pth", ".tar", ".bin", ".safetensors"))
+        return name if direct else ""
 
     def meta(self) -> dict[str, Any]:
         return {
@@ -52,6 +106,28 @@ class ModelConfig:
             "params_m": self.params_m,
             "macs_g": self.macs_g,
             "notes": self.notes,
+        }
+
+    def pretrained_cfg(self, model: nn.Module) -> dict[str, Any]:
+        """timm's ``pretrained_cfg`` of ``model`` built from this row: its input as built, the evaluation
+        protocol (crop, interpolation, normalisation for its channels), head, and the published result."""
+        chans = model.in_chans
+        return {
+            "architecture": self.name,
+            "input_size": (chans, *model.img_size),
+            "interpolation": self.interpolation,
+            "crop_pct": self.crop_pct,
+            "crop_mode": "center",
+            "mean": channel_stats(self.mean, chans),
+            "std": channel_stats(self.std, chans),
+            "num_classes": model.num_classes,
+            "first_conv": model.first_conv,
+            "classifier": model.classifier_names(),
+            "paper": self.paper,
+            "source": self.source,
+            "top1": self.top1,
+            "weights_url": self.weights_url,
+            "file": self.weights_file,
         }
 
 
@@ -71,19 +147,57 @@ def register(*configs: ModelConfig) -> None:
         MODELS.register(cfg.name, cfg)
 
 
-def list_models(pattern: str = "*") -> list[str]:
-    """Registered model names matching the shell-style ``pattern``, sorted."""
-    return MODELS.names(pattern)
+def list_models(filter: str | Sequence[str] = "*", exclude_filters: str | Sequence[str] = ()) -> list[str]:
+    """Registered model names matching the shell-style ``filter`` (or any of a list) and none of
+    ``exclude_filters``, sorted (timm's ``list_models``)."""
+    return MODELS.names(filter or "*", exclude_filters or ())
 
 
 def get_config(name: str) -> ModelConfig:
     return MODELS.get(name)
 
 
-def create_model(name: str, **overrides: Any) -> nn.Module:
-    """Build the named model; ``overrides`` replace config arguments (num_classes, img_size, in_chans,
-    drop_path_rate, ...). The model carries ``model.meta`` (paper, source, input size, mean/std)."""
-    model = MODELS.create(name, **overrides)
+def check_overlay(overlay: dict[str, Any] | None) -> dict[str, Any]:
+    overlay = dict(overlay or {})
+    unknown = sorted(set(overlay) - set(CFG_KEYS))
+    if unknown:
+        raise ValueError(f"pretrained_cfg_overlay: unknown key(s) {', '.join(unknown)}; known: {', '.join(CFG_KEYS)}")
+    return overlay
+
+
+def create_model(
+    name: str,
+    pretrained_cfg_overlay: dict[str, Any] | None = None,
+    features_only: bool = False,
+    out_indices: int | Sequence[int] | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Build the named model with random weights; ``overrides`` replace config arguments (num_classes,
+    img_size, in_chans, drop_path_rate, ...).
+
+    The model carries how it was built (``model_name``, ``model_kwargs``: what ``save_pretrained`` writes),
+    timm's ``pretrained_cfg`` (``pretrained_cfg_overlay`` replaces entries of it) and ``model.meta`` (paper,
+    source, input size, mean/std). ``features_only=True`` returns timm's feature extractor
+    (:class:`~vitlab.models.base.FeatureGetter`) of the blocks ``out_indices`` (default: the last 3).
+    ``vitlab.create_model`` adds weights (``pretrained=``, ``checkpoint_path=``).
+    """
+    overlay = check_overlay(pretrained_cfg_overlay)
     cfg = get_config(name)
+    model = MODELS.create(name, **overrides)
+    describe(model, cfg, overrides, overlay)
+    return FeatureGetter(model, out_indices) if features_only else model
+
+
+def describe(model: nn.Module, cfg: ModelConfig, overrides: dict[str, Any], overlay: dict[str, Any]) -> None:
+    """Attach the build description (``model_name``, ``model_kwargs``, ``pretrained_cfg``, ``meta``)."""
+    model.model_name = cfg.name
+    model.model_kwargs = dict(overrides)
+    model.pretrained_cfg = cfg.pretrained_cfg(model)
     model.meta = dataclasses.replace(cfg, kwargs={**cfg.kwargs, **overrides}).meta()  # input size as built
-    return model
+    overlay_cfg(model, overlay)
+
+
+def overlay_cfg(model: nn.Module, overlay: dict[str, Any]) -> None:
+    """Replace entries of ``model.pretrained_cfg`` (and the normalisation ``model.meta`` reports)."""
+    model.pretrained_cfg = {**model.pretrained_cfg, **check_overlay(overlay)}
+    model.meta = {**model.meta, "mean": model.pretrained_cfg["mean"], "std": model.pretrained_cfg["std"]}

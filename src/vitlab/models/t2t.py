@@ -16,7 +16,8 @@ uses multi-head external attention (``transformer_block.py``; vitlab's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -120,7 +121,57 @@ class TokenSelfAttention(ElementwiseFlops, nn.Module):
         return (out, {"attn": attn}) if return_aux else out
 
 
-TOKEN_MIXERS = {"external": TokenExternalAttention, "attention": TokenSelfAttention}
+class TokenPerformerAttention(ElementwiseFlops, nn.Module):
+    """T2T-ViT's default token-layer attention (``token_performer.py``): one-head Performer (FAVOR+), ``in_dim →
+    out_dim``, linear in the number of tokens.
+
+    ``k, q, v = kqv(x)`` (that order, each ``out_dim`` wide); positive random features
+    ``φ(u) = exp(w u - ‖u‖² / 2) / sqrt(m)`` with ``m = out_dim · kernel_ratio`` fixed orthogonal rows ``w``
+    (scaled by sqrt(m), drawn at construction, never trained: a buffer); ``y = φ(q) (φ(k)ᵀ v) / (φ(q) · Σ_t φ(k_t)
+    + 1e-8)``; ``out = v + proj(y)`` (the residual from ``v``, the width changes).
+    """
+
+    flops_label = "attention softmax"
+
+    def __init__(
+        self, in_dim: int, out_dim: int, attn_drop: float = 0.0, proj_drop: float = 0.0, kernel_ratio: float = 0.5
+    ) -> None:
+        super().__init__()
+        self.kqv = nn.Linear(in_dim, 3 * out_dim)
+        self.proj = nn.Linear(out_dim, out_dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.num_features = m = int(out_dim * kernel_ratio)
+        w = torch.randn(m, out_dim)
+        if not w.is_meta:  # counting MACs on the meta device needs no values
+            w = nn.init.orthogonal_(w) * m**0.5
+        self.register_buffer("w", w)
+
+    def features(self, u: Tensor) -> Tensor:
+        """Positive random features ``exp(w u - ‖u‖² / 2) / sqrt(m)``, (B, N, m), in fp32 (or float64 input's)."""
+        u = u.to(torch.promote_types(u.dtype, torch.float32))
+        return torch.exp(u @ self.w.to(u.dtype).T - u.square().sum(-1, keepdim=True) / 2) / self.num_features**0.5
+
+    def extra_flops(
+        self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
+    ) -> int:
+        """The features (square, sum, subtract, exp, divide: 5 per feature of q and k), the division and the
+        residual (2 per output element); the products are MACs."""
+        return 2 * 5 * batch * tokens * self.num_features + 2 * batch * tokens * self.proj.out_features
+
+    def forward(self, x: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+        k, q, v = self.kqv(x).chunk(3, dim=-1)
+        kp, qp = self.features(k), self.features(q)
+        den = qp @ kp.sum(1).unsqueeze(-1)  # (B, N, 1)
+        y = (qp @ (kp.transpose(1, 2) @ v.to(kp.dtype))) / (den + 1e-8)
+        out = v + self.proj_drop(self.proj(y.to(v.dtype)))
+        return (out, {}) if return_aux else out
+
+
+TOKEN_MIXERS = {
+    "external": TokenExternalAttention,
+    "attention": TokenSelfAttention,
+    "performer": TokenPerformerAttention,
+}
 
 
 class TokenLayer(nn.Module):
@@ -221,16 +272,19 @@ class T2TViT(Classifier):
         embed_dim, depth, num_heads, mlp_ratio, qkv_bias: the backbone, as T2T-ViT
             (qkv_bias False; EAMLP's query projection has a bias regardless).
         token_dim: width of the T2T token layers (64).
-        token_mixer: ``"external"`` (EAMLP: single-head EA, S = 128) or
-            ``"attention"`` (T2T-ViT-t: single-head self-attention).
+        token_mixer: ``"external"`` (EAMLP: single-head EA, S = 128),
+            ``"attention"`` (T2T-ViT-t: single-head self-attention) or ``"performer"`` (T2T-ViT's default).
         token_drop: dropout on the token layers' map and projection; None = the
-            official value: 0.1 for EAMLP (hard-coded in token_performer.py), 0 for attention.
+            official value: 0.1 for EAMLP and the Performer (hard-coded in token_performer.py), 0 for attention.
         soft_split: ``(kernel, stride, padding)`` per soft split (small variants use
             smaller strides to keep a usable grid at 32 px).
         mixer: one spec for every block or a per-block list (as VisionTransformer);
             num_heads, qkv_bias, attn_drop, proj_drop and max_len are passed to mixers that take them.
         norm_eps: LayerNorm eps (1e-5: the official code uses nn.LayerNorm's default).
-        global_pool: ``"token"`` (class token, as T2T-ViT) or ``"avg"`` (mean of the patch tokens).
+        global_pool: ``"token"`` (class token, as T2T-ViT), ``"avg"`` / ``"max"`` / ``"avgmax"`` (over the
+            patch tokens) or ``""`` (no pooling).
+        norm: ``"layer"``, or ``"batch"`` for BatchNorm in place of the backbone blocks' LayerNorms (the EA
+            paper's EAMLP-7 experiment; docs/semantics.md, Decision E4).
     """
 
     def __init__(
@@ -253,11 +307,12 @@ class T2TViT(Classifier):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         global_pool: str = "token",
+        norm: str = "layer",
     ) -> None:
         super().__init__()
         check_pool(global_pool)
         if token_drop is None:
-            token_drop = 0.1 if token_mixer == "external" else 0.0
+            token_drop = 0.0 if token_mixer == "attention" else 0.1
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.global_pool = global_pool
@@ -267,6 +322,7 @@ class T2TViT(Classifier):
             in_chans, embed_dim, token_dim, soft_split, token_mixer, token_drop, norm_eps
         )
         self.grid = self.tokens_to_token.grid_size(img_size)
+        self._img_size = _as_pair(img_size)
         num_tokens = 1 + self.grid[0] * self.grid[1]
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # fixed table (requires_grad=False in the official code); a function of the token count, so not saved
@@ -278,11 +334,47 @@ class T2TViT(Classifier):
             num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate, max_len=num_tokens
         )
         self.blocks = build_blocks(
-            embed_dim, depth, mixer, defaults, drop_path_rate, mlp_ratio=mlp_ratio, drop=drop_rate, norm_eps=norm_eps
+            embed_dim,
+            depth,
+            mixer,
+            defaults,
+            drop_path_rate,
+            mlp_ratio=mlp_ratio,
+            drop=drop_rate,
+            norm_eps=norm_eps,
+            norm=norm,
         )
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head = self.new_head(num_classes)
         self.init_weights()
+
+    STEM = ("cls_token", "pos_embed", "tokens_to_token")
+
+    @property
+    def first_conv(self) -> str:
+        """The first layer that sees the image's channels (the first token layer's projection)."""
+        if not len(self.tokens_to_token.layers):
+            return "tokens_to_token.project"
+        attn = self.tokens_to_token.layers[0].attn
+        return "tokens_to_token.layers.0.attn." + ("q_linear" if hasattr(attn, "q_linear") else "qkv")
+
+    @property
+    def reduction(self) -> int:
+        return math.prod(s for _, s, _ in self.tokens_to_token.soft_split)
+
+    @property
+    def in_chans(self) -> int:
+        return int(self.tokens_to_token.in_chans)
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        return self._img_size
+
+    def _set_img_size(self, size: tuple[int, int]) -> None:
+        self.grid = self.tokens_to_token.grid_size(size)
+        table = sinusoid_1d(1 + self.grid[0] * self.grid[1], self.embed_dim)[None]
+        self.pos_embed = table.to(self.pos_embed)
+        self._img_size = size
 
     def init_weights(self) -> None:
         """As the official T2T-ViT (trunc-normal 0.02 for the class token and Linear weights); then the token
@@ -309,8 +401,11 @@ class T2TViT(Classifier):
         x = x + self.position_table(x.shape[1]).to(x.dtype)
         return self.pos_drop(x), TokenLayout(grid, self.num_prefix)
 
-    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
-        """Every block's output and its mixer's aux: ``{"tokens", "aux", "features", "layout"}`` (as VisionTransformer)."""
+    def _trace(
+        self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
+    ) -> dict[str, Any]:
         x, layout = self._embed(x)
-        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux)
-        return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
+        x, tokens, auxes = run_blocks(
+            self.blocks, x, layout, return_aux, keep=keep, stop=stop, checkpointing=self.grad_checkpointing
+        )
+        return {"tokens": tokens, "aux": auxes, "last": x, "layout": layout}

@@ -31,13 +31,14 @@ tensor is not created (docs/semantics.md, Decision T2), so TNT-S/B have 23.77M /
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..layers import Block, Mlp, resample_pos_embed
+from ..layers.checkpointing import checkpoint_active, checkpointed
 from ..layers.patch_embed import _as_pair
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
@@ -224,9 +225,12 @@ class TNT(Classifier):
         se: SE reduction of the outer MLP output (paper Table 12; the official ``se > 0`` is ``se=4``); 0 = off.
         tnt_blocks: 0-based indices of the blocks with the inner transformer; None = all
             (partial TNT of Table 5: TNT-S-1 = ``(0, 3, 7, 11)``).
-        global_pool: ``"token"`` (class token) or ``"avg"`` (mean of the sentence tokens).
+        global_pool: ``"token"`` (class token), ``"avg"`` / ``"max"`` / ``"avgmax"`` (over the sentence tokens)
+            or ``""`` (no pooling).
         dynamic_img_size: resample the sentence position table (bicubic) for another
             patch grid; otherwise another grid is an error.
+        patch_pos, pixel_pos: the sentence (patch) and word (pixel) position tables; False removes one
+            (paper Table 6).
     """
 
     def __init__(
@@ -252,6 +256,8 @@ class TNT(Classifier):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         dynamic_img_size: bool = False,
+        patch_pos: bool = True,
+        pixel_pos: bool = True,
     ) -> None:
         super().__init__()
         check_pool(global_pool)
@@ -274,8 +280,9 @@ class TNT(Classifier):
         self.inner_layout = TokenLayout(self.pixel_embed.word_grid, 0)
         self.proj = WordsToSentence(num_words * inner_dim, outer_dim, bias=True, norm_eps=norm_eps)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, outer_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.grid[0] * self.grid[1], outer_dim))
-        self.inner_pos = nn.Parameter(torch.zeros(1, num_words, inner_dim))
+        num_patches = self.grid[0] * self.grid[1]
+        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, outer_dim)) if patch_pos else None
+        self.inner_pos = nn.Parameter(torch.zeros(1, num_words, inner_dim)) if pixel_pos else None
         self.pos_drop = nn.Dropout(drop_rate)
 
         dpr = drop_path_rates(drop_path_rate, depth)
@@ -303,6 +310,22 @@ class TNT(Classifier):
         self.init_weights()
 
     NO_WEIGHT_DECAY = ("pos_embed", "inner_pos", "cls_token")  # the official outer_pos, inner_pos, cls_token
+    STEM = ("cls_token", "pos_embed", "inner_pos", "pixel_embed", "proj")
+    first_conv = "pixel_embed.proj"
+
+    @property
+    def reduction(self) -> int:
+        return int(self.patch_size[0])
+
+    @property
+    def in_chans(self) -> int:
+        return int(self.pixel_embed.in_chans)
+
+    def _set_img_size(self, size: tuple[int, int]) -> None:
+        grid = self.pixel_embed.grid_size(size)
+        if grid != self.grid:
+            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+        self.grid = grid
 
     def init_weights(self) -> None:
         """Official init: trunc-normal(0.02) on Linear weights, class token and both position tables;
@@ -312,36 +335,40 @@ class TNT(Classifier):
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
         inner, grid = self.pixel_embed(x)
-        if grid != self.grid and not self.dynamic_img_size:
+        if self.pos_embed is not None and grid != self.grid and not self.dynamic_img_size:
             ph, pw = self.patch_size
             raise ValueError(
                 f"this model's position table is for a {self.grid[0]}x{self.grid[1]} patch grid "
                 f"({self.grid[0] * ph}x{self.grid[1] * pw} px), got {grid[0]}x{grid[1]} "
                 f"({x.shape[-2]}x{x.shape[-1]} px); build it with img_size=... or dynamic_img_size=True"
             )
-        inner = inner + self.inner_pos
+        if self.inner_pos is not None:
+            inner = inner + self.inner_pos
         b = x.shape[0]
         outer = torch.cat([self.cls_token.expand(b, -1, -1), self.proj(inner, b)], dim=1)
-        outer = self.pos_drop(outer + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+        if self.pos_embed is not None:
+            outer = outer + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix)
+        outer = self.pos_drop(outer)
         return inner, outer, TokenLayout(grid, self.num_prefix)
 
-    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
-        """Run the trunk; return every block's outer tokens and, with ``return_aux``, its attention maps.
-
-        Returns ``{"tokens": [(B, n+1, d) per block], "aux": [dict per block], "features":
-        final normed outer tokens, "layout": TokenLayout of the outer tokens, "inner_tokens":
-        [(B*n, m, c) per block]}``. ``aux`` holds ``"attn"`` (outer map, (B, H, n+1, n+1)) and,
-        in blocks with the inner transformer, ``"inner_attn"`` ((B*n, h, m, m)). Attention then
-        takes its explicit path, which computes the same output as SDPA.
-        """
+    def _trace(
+        self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
+    ) -> dict[str, Any]:
+        """The outer tokens of the blocks in ``keep`` (and, in ``"inner_tokens"``, their words) plus, with
+        ``return_aux``, each block's ``"attn"`` (outer map, (B, H, n+1, n+1)) and, in blocks with the inner
+        transformer, ``"inner_attn"`` ((B*n, h, m, m))."""
         inner, outer, layout = self._embed(x)
         tokens, auxes, inners = [], [], []
-        for blk in self.blocks:
+        ckpt = checkpoint_active(self.grad_checkpointing)
+        for i, blk in enumerate(self.blocks):
+            if stop is not None and i > stop:
+                break
+            args = (inner, outer, layout, self.inner_layout, return_aux)
+            out = checkpointed(blk, blk, *args) if ckpt else blk(*args)
+            inner, outer = out[:2]
+            if keep is None or i in keep:
+                tokens.append(outer)
+                inners.append(inner)
             if return_aux:
-                inner, outer, aux = blk(inner, outer, layout, self.inner_layout, return_aux=True)
-            else:
-                (inner, outer), aux = blk(inner, outer, layout, self.inner_layout), {}
-            tokens.append(outer)
-            auxes.append(aux)
-            inners.append(inner)
-        return {"tokens": tokens, "aux": auxes, "features": self.norm(outer), "layout": layout, "inner_tokens": inners}
+                auxes.append(out[2])
+        return {"tokens": tokens, "aux": auxes, "last": outer, "layout": layout, "inner_tokens": inners}

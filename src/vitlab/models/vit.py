@@ -9,7 +9,7 @@ Refined-ViT's token-labelling aux head).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +33,10 @@ class VisionTransformer(Classifier):
         class_token, dist_token: prefix tokens (DeiT distillation adds a second head).
         pos_embed: ``"learned"``, ``"sincos"`` or ``"none"``.
         peg_at: block indices whose output passes through a PEG (CPVT); -1 = before block 0.
-        global_pool: ``"token"`` (class token) or ``"avg"`` (mean of patch tokens).
+        peg_kernel, peg_options: the PEGs' kernel size and further options of
+            :class:`~vitlab.layers.PositionEncodingGenerator` (kind, layers, padding, frozen: CPVT's ablations).
+        global_pool: ``"token"`` (class token), ``"avg"`` / ``"max"`` / ``"avgmax"`` (over the patch tokens),
+            or ``""`` (no pooling: every token goes to the head).
         residual_scale, ls_init: the official Refiner/DeepViT residual rescaling and LayerScale.
         aux_head: Refined-ViT's token-labelling head: logits = head(cls) + 0.5·max_n aux_head(patch_n).
         dynamic_img_size: resample the learned position table (bicubic) when the
@@ -58,6 +61,7 @@ class VisionTransformer(Classifier):
         pos_embed: str = "learned",
         peg_at: Sequence[int] = (),
         peg_kernel: int = 3,
+        peg_options: dict[str, Any] | None = None,
         global_pool: str = "token",
         norm_eps: float = 1e-6,
         residual_scale: float = 1.0,
@@ -91,7 +95,10 @@ class VisionTransformer(Classifier):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
         self.pos_drop = nn.Dropout(drop_rate)
-        self.pegs = nn.ModuleDict({str(i): PositionEncodingGenerator(embed_dim, peg_kernel) for i in peg_at})
+        peg_options = peg_options or {}
+        self.pegs = nn.ModuleDict(
+            {str(i): PositionEncodingGenerator(embed_dim, peg_kernel, **peg_options) for i in peg_at}
+        )
 
         defaults = dict(num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop_rate, max_len=num_tokens)
         self.blocks = build_blocks(
@@ -118,12 +125,35 @@ class VisionTransformer(Classifier):
         embedding keep their conv init."""
         self.init_trunc_normal(self.pos_embed, self.cls_token, self.dist_token)
 
+    STEM = ("cls_token", "dist_token", "pos_embed", "patch_embed", "pegs.-1")
+    BLOCK_GROUPS = ((r"^pegs\.(\d+)\.", None),)  # the PEG after block N learns with block N
+
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         super().reset_classifier(num_classes, global_pool)
         if self.head_dist is not None:
             self.head_dist = self.new_head(num_classes)
         if self.aux_head is not None:
             self.aux_head = self.new_head(num_classes)
+
+    def get_classifier(self) -> nn.Module | tuple[nn.Module, nn.Module]:
+        """The head; DeiT's two heads as a pair (as timm)."""
+        return (self.head, self.head_dist) if self.head_dist is not None else self.head
+
+    def classifier_names(self) -> str | tuple[str, ...]:
+        return ("head", "head_dist") if self.head_dist is not None else "head"
+
+    def _prune_after(self, last: int) -> None:
+        for key in [k for k in self.pegs if int(k) > last]:
+            del self.pegs[key]
+
+    def _set_img_size(self, size: tuple[int, int]) -> None:
+        grid = self.patch_embed.grid_size(size)
+        if self.pos_embed is not None and grid != self.grid:
+            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+        for blk in self.blocks:  # AFT-full/local: position biases built for a token count are resampled
+            if isinstance(getattr(blk.mixer, "resample", None), bool) and grid != self.grid:
+                blk.mixer.resample = True
+        self.grid = grid
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
@@ -144,14 +174,9 @@ class VisionTransformer(Classifier):
             x = torch.cat([x[:, : self.num_prefix], x[:, self.num_prefix :] + table], dim=1)
         return self.pos_drop(x), layout
 
-    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
-        """Run the trunk and return every block's output and its mixer's aux (attention maps, keys...).
-
-        Returns ``{"tokens": [B,N,C per block], "aux": [dict per block], "features":
-        final normed tokens, "layout": TokenLayout}``. This is the single path the
-        analysis tools read; attention switches from SDPA to its explicit path,
-        which computes the same output.
-        """
+    def _trace(
+        self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
+    ) -> dict[str, Any]:
         x, layout = self._embed(x)
         if "-1" in self.pegs:
             x = self.pegs["-1"](x, layout)
@@ -159,14 +184,20 @@ class VisionTransformer(Classifier):
         def peg(i: int, t: Tensor) -> Tensor:
             return self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
 
-        x, tokens, auxes = run_blocks(self.blocks, x, layout, return_aux, peg)
-        return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
+        x, tokens, auxes = run_blocks(
+            self.blocks, x, layout, return_aux, peg, keep=keep, stop=stop, checkpointing=self.grad_checkpointing
+        )
+        return {"tokens": tokens, "aux": auxes, "last": x, "layout": layout}
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present."""
+        """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present.
+
+        With ``global_pool=''`` every token goes through the main head only: the distillation and
+        token-labelling heads combine pooled logits, so they have no per-token meaning.
+        """
         pooled = self.pool(x)
-        if pre_logits:
-            return pooled
+        if pre_logits or not self.global_pool:
+            return pooled if pre_logits else self.head(pooled)
         logits = self.head(pooled)
         if self.head_dist is not None:
             logits_dist = self.head_dist(x[:, 1])

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
+from typing import Any
 
 from ..device import add_device_argument
-from .engine import AMP_CHOICES, TrainConfig
+from ..options import key_value
+from .engine import AMP_CHOICES, OPTION_CHECKS, TrainConfig
 
 HELP = {
     "model": "registered model name (see `vitlab models`)",
@@ -60,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", help=HELP[f.name])
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        kind = OPTION_CHECKS.get(f.name, kind)  # the option's range, checked while parsing
         extra: dict = {"choices": AMP_CHOICES} if f.name == "amp" else {}
         default = f.default if f.name != "out" else None
         show = "" if default is None else f" (default {default})"
@@ -68,11 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-arg",
         dest="model_args",
         action="append",
+        type=key_value,
         default=[],
         metavar="KEY=VALUE",
         help="model constructor override, repeatable, e.g. --model-arg patch_size=7",
     )
-    p.add_argument(
+    start = p.add_mutually_exclusive_group()  # continue the run in OUT, or start over: not both
+    start.add_argument(
         "--resume",
         nargs="?",
         const="auto",
@@ -80,23 +84,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="CKPT",
         help="continue a run: OUT/last.pt, or the given checkpoint",
     )
-    p.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
+    start.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or lines")
     add_device_argument(p)
 
 
-def parse_model_args(items: list[str]) -> dict:
-    """``["patch_size=7", "mixer=aft_full"]`` -> ``{"patch_size": 7, "mixer": "aft_full"}`` (Python literals)."""
+def parse_model_args(items: list[str | tuple[str, Any]]) -> dict[str, Any]:
+    """``["patch_size=7", "mixer=aft_full"]`` (or the pairs ``--model-arg`` parsed them into) ->
+    ``{"patch_size": 7, "mixer": "aft_full"}`` (Python literals)."""
     out = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ValueError(f"--model-arg takes KEY=VALUE, got {item!r}")
         try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value  # a bare string
+            key, value = key_value(item) if isinstance(item, str) else item
+        except argparse.ArgumentTypeError:
+            raise ValueError(f"--model-arg {item!r}: must be {key_value.what}") from None
+        out[key] = value
     return out
+
+
+# constructor options `vitlab train` sets itself, and from where
+SET_BY_TRAIN = {
+    "img_size": "--img-size",
+    "in_chans": "the data",
+    "num_classes": "the data",
+    "drop_path_rate": "--drop-path",
+    "dist_token": "--dist-token",
+}
+# (channels, side) of the datasets whose images have one size; a folder's images are resized to --img-size
+DATA_SIZES = {"mnist": (1, 28), "mnist-idx": (1, 28), "cifar10": (3, 32)}
+MAX_DEPTH = 1024  # a bound for blocks (the papers' deepest model has 32), so a typo cannot exhaust the memory
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """``--model-arg`` values that cannot make a model, as one line before any work: options the model
+    does not take or that ``vitlab train`` sets itself, values of the wrong type or sign (judged from the
+    constructor's signature), and whatever the constructor refuses when the model is built on the meta
+    device (no memory) at the input size of the data."""
+    import torch
+
+    from ..data.datasets import parse_spec
+    from ..models import create_model
+    from ..models.registry import MODELS
+    from ..options import check_keyword_values
+
+    kind, _ = parse_spec(args.data)
+    if kind == "folder" and args.img_size is None:
+        raise ValueError(f"--data {args.data}: an image folder needs --img-size (its images are resized to it)")
+    overrides = parse_model_args(args.model_args)
+    if not overrides:
+        return
+    for key, source in SET_BY_TRAIN.items():
+        if key in overrides:
+            raise ValueError(f"--model-arg {key}: vitlab train sets {key} from {source}; drop the --model-arg")
+    try:
+        factory, _ = MODELS.arguments(args.model, overrides)
+    except ValueError as e:  # options the model does not take
+        raise ValueError(f"--model-arg: {e}") from None
+    check_keyword_values(factory, overrides, "--model-arg")
+    if isinstance(overrides.get("depth"), int) and overrides["depth"] > MAX_DEPTH:
+        raise ValueError(f"--model-arg depth={overrides['depth']}: depth must be at most {MAX_DEPTH}")
+    chans, side = DATA_SIZES.get(kind, (3, None))
+    sizes = {"img_size": args.img_size or side, "in_chans": chans}
+    try:
+        with torch.device("meta"):
+            create_model(args.model, **{k: v for k, v in sizes.items() if v is not None}, **overrides)
+    except Exception as e:  # whatever the constructor raises for options it cannot build
+        given = " ".join(f"{k}={v!r}" for k, v in overrides.items())
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"--model-arg {given}: {args.model} cannot be built with these options ({detail})") from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -111,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed import close_distributed
     from .engine import train
 
+    check_model_args(args)
     try:
         train(config_from_args(args))
     finally:

@@ -11,9 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import options as opt
 from ..data import BatchLoader
+from ..data.augment import RandAugment
+from ..data.datasets import data_spec
 from ..device import AMP_CHOICES
 from ..distributed import World
+from ..models import get_config
 from ..optim import WarmupCosine
 from ..tracking import StepLog
 from .ema import ModelEma
@@ -67,18 +71,15 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
-            raise TrainingError(f"need epochs, batch size >= 1, got {self.epochs}, {self.batch_size}")
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
-        if not 0 <= self.drop_path < 1 or not 0 <= self.smoothing < 1 or not 0 <= self.ema < 1:
-            raise TrainingError("drop_path, smoothing and ema must lie in [0, 1)")
-        if self.clip_grad < 0 or self.warmup_epochs < 0 or self.min_lr < 0:
-            raise TrainingError("clip_grad, warmup_epochs and min_lr must be >= 0")
-        if self.log_every < 1 or self.progress_every < 0:
-            raise TrainingError(
-                f"need log_every >= 1 and progress_every >= 0, got {self.log_every}, {self.progress_every}"
-            )
+        for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check.check(value, "--" + name.replace("_", "-"))
+                except ValueError as e:
+                    raise TrainingError(str(e)) from None
         if self.fsdp and self.ema > 0:
             raise TrainingError("--ema keeps a whole copy of the weights, which --fsdp does not; drop one of them")
 
@@ -87,6 +88,47 @@ class TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+
+def _registered_model(name: str) -> str:
+    get_config(name)  # ValueError naming the closest registered names
+    return name
+
+
+def _rand_augment_spec(spec: str) -> str:
+    RandAugment.from_spec(spec)  # ValueError saying what is wrong with it
+    return spec
+
+
+# the range of every option of TrainConfig that has one: the argparse types of `vitlab train` (checked while
+# the command line is parsed, before any work) and TrainConfig's own check of values given in code
+OPTION_CHECKS: dict[str, opt.Check] = {
+    "model": opt.Validated(_registered_model, "a registered model name"),
+    "data": data_spec,
+    "epochs": opt.positive_int,
+    "batch_size": opt.positive_int,
+    "lr": opt.positive_float,
+    "min_lr": opt.non_negative_float,
+    "warmup_epochs": opt.non_negative_float,
+    "weight_decay": opt.non_negative_float,
+    "clip_grad": opt.non_negative_float,
+    "drop_path": opt.rate,
+    "smoothing": opt.rate,
+    "mixup": opt.non_negative_float,
+    "cutmix": opt.non_negative_float,
+    "ema": opt.rate,
+    "seed": opt.seed,
+    "threads": opt.threads,
+    "device": opt.device,
+    "img_size": opt.image_size,
+    "holdout": opt.positive_int,
+    "train_limit": opt.positive_int,
+    "crop_padding": opt.non_negative_int,
+    "hflip": opt.probability,
+    "auto_augment": opt.Validated(_rand_augment_spec, "a RandAugment spec"),
+    "eval_batch_size": opt.positive_int,
+    "log_every": opt.positive_int,
+    "progress_every": opt.non_negative_float,
+}
 
 # what a run writes into OUT: a folder holding any of them holds a run
 RUN_FILES = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "tb", "shards")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,27 +35,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import check_model_name, load_checkpoint
+from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
 from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
 from ..distributed import World, all_reduce_sum, barrier, init_distributed, parallelize
 from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
 from ..rundir import check_free_space, checkpoint_bytes, own_folder
+from ..runtime import is_out_of_memory as is_oom
 from ..tracking import StepLog, memory_probe
 from .checkpointing import check_resume, open_checkpoint, restore, save_epoch
-from .config import RUN_FILES, Run, TrainConfig, TrainingError
+from .config import OPTION_CHECKS, RUN_FILES, Run, TrainConfig, TrainingError
 from .ema import ModelEma
 
-__all__ = ["AMP_CHOICES", "RUN_FILES", "TrainConfig", "TrainingError", "amp_dtype", "evaluate", "train"]
+__all__ = [
+    "AMP_CHOICES",
+    "OPTION_CHECKS",
+    "RUN_FILES",
+    "TrainConfig",
+    "TrainingError",
+    "amp_dtype",
+    "evaluate",
+    "train",
+]
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def is_oom(e: BaseException) -> bool:
-    msg = str(e)
-    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in msg or "out of memory" in msg.lower()
 
 
 def class_targets(y: Tensor) -> Tensor:
@@ -131,10 +137,12 @@ def init_weights_from(model: nn.Module, path: str) -> str:
     from ..convert import init_from
 
     try:
-        source = load_checkpoint(path)["model"]  # a vitlab checkpoint: its model weights
+        ckpt = load_checkpoint(path)
     except ValueError:
-        source = path  # another format: vitlab.convert reads it (weights_only / safetensors)
-    report = init_from(model, source)
+        ckpt = None  # another format: vitlab.convert reads it (weights_only / safetensors)
+    if ckpt is not None:
+        check_image_classifier(ckpt)  # a sequence model's tensors are no start for an image model
+    report = init_from(model, path if ckpt is None else ckpt["model"])
     if not report.matched:
         raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
     return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
@@ -209,6 +217,7 @@ def setup_data(run: Run) -> None:
     if cfg.train_limit:
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
         train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
+    warn_one_class(train_ds)
     if cfg.batch_size > len(train_ds):
         raise TrainingError(
             f"batch size {cfg.batch_size} exceeds the {len(train_ds)} training images; use a smaller --batch-size"
@@ -230,6 +239,18 @@ def setup_data(run: Run) -> None:
             f"no full batch of {run.per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
         )
     run.train_ds, run.val_ds = train_ds, val_ds
+
+
+def warn_one_class(train_ds) -> None:
+    """A warning when every training image has the same label: the model then learns to answer that class
+    whatever it sees (the training loss goes to 0 and says nothing)."""
+    labels = torch.unique(train_ds.labels)
+    if len(labels) == 1:
+        warnings.warn(
+            f"all {len(train_ds)} training images are of one class (label {labels.item()}): the model can only "
+            "learn to predict it; use more data (a larger --train-limit) or data with several classes",
+            stacklevel=2,
+        )
 
 
 def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:

@@ -1,6 +1,10 @@
 """``vitlab eval``: top-1 / top-5 and throughput of a checkpoint on held-out data, at its training input
 size or others (``--img-size 28 56``): the CPVT paper's "train at 224, test at 384 without fine-tuning".
 
+Official or timm weights (``vitlab eval refiner_vit_s --weights official.pth --data folder:<imagenet>/val``)
+are evaluated with the model's data configuration (``vitlab.data.resolve_data_config``: resize the shorter
+side to size / crop_pct, centre crop, the official mean/std), as the official evaluation does.
+
 At another size the held-out images are resized (bilinear, antialiased) and the model runs on the larger
 patch grid: PEG and AFT-conv adapt by construction, a learned position table and AFT-full/local's position
 biases are resampled (bicubic over the patch grid).
@@ -14,24 +18,47 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import options as opt
+from ..data.datasets import data_spec
 from ..device import add_device_argument, resolve_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a checkpoint written by `vitlab train` (or its output folder)")
+    p.add_argument(
+        "checkpoint",
+        help="a checkpoint written by `vitlab train` (or its output folder), a model folder, or a registered "
+        "model name with --weights",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        help="weights of the named model: an official / timm checkpoint, safetensors, or a model folder; "
+        "evaluated with the model's data configuration (resize to size / crop_pct, centre crop, its mean/std)",
+    )
     p.add_argument(
         "--img-size",
-        type=int,
+        type=opt.image_size,
         nargs="+",
         default=None,
         metavar="N",
         help="evaluate at these input sizes (default: the training size)",
     )
-    p.add_argument("--data", default=None, help="dataset spec (default: the one the checkpoint was trained on)")
+    p.add_argument(
+        "--data",
+        type=data_spec,
+        default=None,
+        help="dataset spec (default: the one the checkpoint was trained on; required otherwise)",
+    )
     p.add_argument("--model", default=None, help="check that the checkpoint holds this model")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    p.add_argument("--batch-size", type=int, default=256, help="evaluation batch size (default 256)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default; default 2)")
+    p.add_argument("--batch-size", type=opt.positive_int, default=256, help="evaluation batch size (default 256)")
+    p.add_argument("--threads", type=opt.threads, default=2, help="torch threads (0: torch's default; default 2)")
+    p.add_argument(
+        "--workers",
+        type=opt.non_negative_int,
+        default=0,
+        help="DataLoader workers decoding a folder: dataset (default 0)",
+    )
     add_device_argument(p)
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -44,6 +71,79 @@ def supports_dynamic_size(model_name: str) -> bool:
     return "dynamic_img_size" in inspect.signature(architecture(get_config(model_name).arch).__init__).parameters
 
 
+def load_for_eval(
+    path: str | Path, weights: str | Path | None, model_name: str | None, ema: bool, other_sizes: bool
+) -> tuple[Any, dict[str, Any]]:
+    """The model, and what evaluating it needs from its weights: ``{"data": the spec it was trained on or None,
+    "holdout", "trained": True for a `vitlab train` checkpoint}``."""
+    from ..checkpoint import load_checkpoint, load_model
+    from ..models import list_models
+    from ..models.folder import is_model_folder, read_config
+
+    if weights is None and str(path) not in list_models() and not is_model_folder(path):
+        ckpt = load_checkpoint(path)
+        dynamic = other_sizes and supports_dynamic_size(ckpt["model_name"])
+        model = load_model(
+            model_name or ckpt["model_name"], ckpt, ema=ema, **({"dynamic_img_size": True} if dynamic else {})
+        )
+        cfg = ckpt.get("config", {})
+        return model, {"data": cfg.get("data", "mnist"), "holdout": cfg.get("holdout"), "trained": True}
+    if ema:
+        raise ValueError("--ema needs a checkpoint written by `vitlab train`")
+    name = read_config(path)["model_name"] if is_model_folder(path) else str(path)
+    if model_name and model_name != name:
+        raise ValueError(f"{path} holds a {name!r} model, not {model_name!r}")
+    if not is_model_folder(path) and weights is None:
+        raise ValueError(
+            f"{name} is a model name: give its weights with --weights (a random model has nothing to evaluate)"
+        )
+    dynamic = other_sizes and supports_dynamic_size(name)
+    model = load_model(str(path), weights, **({"dynamic_img_size": True} if dynamic else {}))
+    cfg = model.pretrained_cfg
+    return model, {"data": cfg.get("data"), "holdout": cfg.get("holdout"), "trained": False}
+
+
+def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], batch_size: int, workers: int, dev):
+    """One evaluation loader per input size.
+
+    A `vitlab train` checkpoint is evaluated as its training evaluated (the held-out images resized whole,
+    the normalisation of its training data). Other weights are evaluated as their official code does, with
+    the model's data configuration (``resolve_data_config``: resize the shorter side to size / crop_pct,
+    centre crop, the model's mean/std) through ``vitlab.data``'s loaders (a ``folder:`` spec streams)."""
+    from ..data import (
+        BatchLoader,
+        create_loader,
+        create_transform,
+        load_dataset,
+        make_transform,
+        open_source,
+        resolve_data_config,
+    )
+
+    data_cfg = resolve_data_config(model)
+    if trained["trained"]:
+        ds = load_dataset(spec, "test", img_size=model.img_size[0], holdout=trained["holdout"])
+        _check_data(spec, ds.num_classes, ds.in_chans, model)
+        recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
+        mean, std = (data_cfg["mean"], data_cfg["std"]) if recorded else (ds.mean, ds.std)
+        tf = lambda size: make_transform(False, size, mean, std)  # noqa: E731
+        return [BatchLoader(ds, batch_size, shuffle=False, transform=tf(s), device=dev) for s in sizes]
+    source = open_source(spec, "val", holdout=trained["holdout"])
+    _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
+    loaders = []
+    for size in sizes:
+        tf = create_transform(**{**data_cfg, "input_size": (model.in_chans, size, size)}, is_training=False)
+        loaders.append(create_loader(source, tf, batch_size, is_training=False, workers=workers, device=dev))
+    return loaders
+
+
+def _check_data(spec: str, num_classes: int, in_chans: int, model: Any) -> None:
+    if num_classes != model.num_classes:
+        raise ValueError(f"{spec!r} has {num_classes} classes, the model predicts {model.num_classes}")
+    if in_chans != model.in_chans:
+        raise ValueError(f"{spec!r} has {in_chans}-channel images, the model takes {model.in_chans}")
+
+
 def evaluate_checkpoint(
     path: str | Path,
     img_sizes: list[int] | None = None,
@@ -54,12 +154,12 @@ def evaluate_checkpoint(
     device: str = "auto",
     amp: str = "none",
     threads: int = 2,
+    weights: str | Path | None = None,
+    workers: int = 0,
 ) -> list[dict[str, Any]]:
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
-    from ..checkpoint import load_checkpoint, load_model
-    from ..data import BatchLoader, load_dataset, make_transform
     from ..device import amp_dtype
     from .engine import evaluate, is_oom
 
@@ -67,55 +167,35 @@ def evaluate_checkpoint(
         torch.set_num_threads(threads)
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    ckpt = load_checkpoint(path)
-    cfg = ckpt.get("config", {})
-    spec = data or cfg.get("data", "mnist")
-    train_size = int(ckpt.get("model_kwargs", {}).get("img_size") or 224)
+    if img_sizes and any(s < 1 for s in img_sizes):
+        raise ValueError(f"--img-size must be positive, got {img_sizes}")
+    model, trained = load_for_eval(path, weights, model_name, ema, other_sizes=bool(img_sizes))
+    name, train_size = model.model_name, model.img_size[0]
     sizes = img_sizes or [train_size]
-    if any(s < 1 for s in sizes):
-        raise ValueError(f"--img-size must be positive, got {sizes}")
-    other = any(s != train_size for s in sizes)
-    overrides = {"dynamic_img_size": True} if other and supports_dynamic_size(ckpt["model_name"]) else {}
-    model = load_model(model_name or ckpt["model_name"], ckpt, ema=ema, **overrides)  # a --model is checked
-    if other:  # AFT-full/local: interpolate the learned position biases to the new token count, as the table
+    if any(s != train_size for s in sizes):  # AFT-full/local: interpolate the learned position biases as the table
         for m in model.modules():
             if isinstance(getattr(m, "resample", None), bool):
                 m.resample = True
+    spec = data or trained["data"]
+    if spec is None:
+        raise ValueError(f"--data is needed: the weights of {name} do not say what data they were trained on")
     dev = resolve_device(device)
     model.to(dev).eval()
-    ds = load_dataset(spec, "test", img_size=train_size, holdout=cfg.get("holdout"))
-    num_classes = ckpt.get("model_kwargs", {}).get("num_classes")
-    if num_classes is not None and ds.num_classes != num_classes:
-        raise ValueError(f"{spec!r} has {ds.num_classes} classes, the checkpoint's model predicts {num_classes}")
-    if ds.in_chans != ckpt["model_kwargs"].get("in_chans", ds.in_chans):
-        raise ValueError(
-            f"{spec!r} has {ds.in_chans}-channel images, the model takes {ckpt['model_kwargs']['in_chans']}"
-        )
     dtype = amp_dtype(amp, dev)
+    weights_used = ("ema" if ema else "model") if trained["trained"] else model.meta.get("weights", "")
     rows = []
-    for size in sizes:
-        loader = BatchLoader(
-            ds, batch_size, shuffle=False, transform=make_transform(False, size, ds.mean, ds.std), device=dev
-        )
+    for size, loader in zip(sizes, _loaders(model, trained, spec, sizes, batch_size, workers, dev)):
         try:
             res = evaluate(model, loader, dev, dtype)
         except ValueError as e:
-            raise ValueError(f"{ckpt['model_name']} cannot run at {size}px: {e}") from None
+            raise ValueError(f"{name} cannot run at {size}px: {e}") from None
         except RuntimeError as e:
             if is_oom(e):
                 raise ValueError(
                     f"a batch of {batch_size} images at {size}px does not fit in memory; use a smaller --batch-size"
                 ) from None
             raise
-        rows.append(
-            {
-                "model": ckpt["model_name"],
-                "img_size": size,
-                "trained_at": train_size,
-                "weights": "ema" if ema else "model",
-                **res,
-            }
-        )
+        rows.append({"model": name, "img_size": size, "trained_at": train_size, "weights": weights_used, **res})
     return rows
 
 
@@ -134,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         args.device,
         args.amp,
         args.threads,
+        args.weights,
+        args.workers,
     )
     print(f"{'model':20s} {'size':>5s} {'top-1 %':>8s} {'top-5 %':>8s} {'loss':>7s} {'img/s':>8s}  (trained at)")
     for r in rows:

@@ -1,0 +1,230 @@
+"""The timm plug-in and the Hugging Face Trainer adapter.
+
+timm and transformers cannot be installed beside this project's CPU torch, so both are exercised through
+stand-ins that follow their documented behaviour: the timm registry as timm 1.0 implements it (a model name
+splits at its first dot into architecture and pretrained tag; ``create_model`` drops None options and calls
+the architecture's entry point with ``pretrained``, ``pretrained_cfg`` (the tag) and
+``pretrained_cfg_overlay``; ``register_model`` reads the entry point's module's ``default_cfgs``; the
+pretrained configs are a dataclass that refuses unknown fields), and the Trainer's calling convention
+(batch columns filtered by ``forward``'s parameters, ``model(**batch)``, the loss from ``outputs["loss"]``,
+predictions from the other entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import inspect
+import sys
+import types
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.extras import MissingExtra
+from vitlab.integrations import timm as timm_plugin
+from vitlab.integrations.hf import TrainerModel
+
+
+@dataclasses.dataclass
+class PretrainedCfg:  # timm 1.0's fields; an unknown key is a TypeError, as there
+    url: Any = None
+    file: Any = None
+    state_dict: Any = None
+    hf_hub_id: Any = None
+    hf_hub_filename: Any = None
+    source: Any = None
+    architecture: Any = None
+    tag: Any = None
+    custom_load: bool = False
+    input_size: tuple = (3, 224, 224)
+    test_input_size: Any = None
+    min_input_size: Any = None
+    fixed_input_size: bool = False
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.875
+    test_crop_pct: Any = None
+    crop_mode: str = "center"
+    mean: tuple = (0.485, 0.456, 0.406)
+    std: tuple = (0.229, 0.224, 0.225)
+    num_classes: int = 1000
+    label_offset: Any = None
+    label_names: Any = None
+    label_descriptions: Any = None
+    pool_size: Any = None
+    test_pool_size: Any = None
+    first_conv: Any = None
+    classifier: Any = None
+    license: Any = None
+    description: Any = None
+    origin_url: Any = None
+    paper_name: Any = None
+    paper_ids: Any = None
+    notes: Any = None
+
+
+def timm_standin() -> types.SimpleNamespace:
+    """A minimal timm registry: register_model, generate_default_cfgs, create_model, list_models,
+    resolve_data_config."""
+    entrypoints: dict[str, Any] = {}
+    tags: dict[str, list[str]] = {}
+    cfgs: dict[str, PretrainedCfg] = {}
+
+    def split(name: str) -> tuple[str, str]:
+        arch, _, tag = name.partition(".")
+        return arch, tag
+
+    def generate_default_cfgs(table: dict[str, dict]) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for name, cfg in table.items():
+            arch, tag = split(name)
+            entry = out.setdefault(arch, {"tags": deque(), "cfgs": {}})
+            entry["tags"].append(tag)
+            entry["cfgs"][tag] = PretrainedCfg(**cfg)
+        return out
+
+    def register_model(fn):
+        arch = fn.__name__
+        entrypoints[arch] = fn
+        default = getattr(sys.modules[fn.__module__], "default_cfgs", {}).get(arch)
+        for tag in default["tags"] if default else ():
+            cfgs[f"{arch}.{tag}"] = dataclasses.replace(default["cfgs"][tag], architecture=arch, tag=tag)
+            tags.setdefault(arch, []).append(f"{arch}.{tag}")
+        return fn
+
+    def create_model(name, pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        arch, tag = split(name)
+        if arch not in entrypoints:
+            raise RuntimeError(f"Unknown model ({arch})")
+        return entrypoints[arch](
+            pretrained=pretrained,
+            pretrained_cfg=pretrained_cfg or tag or None,
+            pretrained_cfg_overlay=pretrained_cfg_overlay,
+            **kwargs,
+        )
+
+    def list_models(pattern="*", include_tags=False):
+        names = [n for a in entrypoints for n in (tags.get(a, [a]) if include_tags else [a])]
+        return sorted(fnmatch.filter(names, pattern))
+
+    def resolve_data_config(args=None, model=None):
+        cfg = dict(getattr(model, "pretrained_cfg", {}))
+        keys = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+        return {k: cfg.get(k, getattr(PretrainedCfg, k)) for k in keys}
+
+    return types.SimpleNamespace(
+        register_model=register_model,
+        generate_default_cfgs=generate_default_cfgs,
+        create_model=create_model,
+        list_models=list_models,
+        resolve_data_config=resolve_data_config,
+        cfgs=cfgs,
+    )
+
+
+@pytest.fixture
+def timm(monkeypatch):
+    monkeypatch.setattr(timm_plugin, "default_cfgs", {})  # a fresh registration for each stand-in
+    standin = timm_standin()
+    names = timm_plugin.register(standin)
+    assert timm_plugin.register(standin) == names  # twice: nothing more
+    return standin
+
+
+def test_every_model_is_registered_with_its_config(timm):
+    listed = timm.list_models("vitlab*", include_tags=True)
+    assert listed == sorted(f"vitlab.{n}" for n in vitlab.list_models()) and timm.list_models("vitlab*") == ["vitlab"]
+    refiner = timm.cfgs["vitlab.refiner_vit_s"]
+    assert (refiner.crop_pct, refiner.mean, refiner.input_size) == (0.9, (0.5, 0.5, 0.5), (3, 224, 224))
+    assert refiner.first_conv == "patch_embed.proj" and "83.6" in refiner.notes[0]
+    deit = timm.cfgs["vitlab.deit_small_distilled_patch16_224"]
+    assert deit.classifier == ("head", "head_dist") and deit.origin_url.endswith("649709d9.pth")
+    assert timm.cfgs["vitlab.tnt_mini"].input_size == (3, 32, 32)
+
+
+def test_timm_create_model_and_a_train_step(timm):
+    # what timm's train.py passes: unset options are None and dropped by timm before the entry point
+    model = timm.create_model(
+        "vitlab.tnt_mini", pretrained=False, num_classes=10, drop_rate=0.0, drop_path_rate=0.1, global_pool=None
+    )
+    assert isinstance(model, vitlab.models.TNT) and model.num_classes == 10
+    data = timm.resolve_data_config({}, model=model)
+    assert data["input_size"] == (3, 32, 32)  # the model's own size, not timm's default 224
+    model.set_grad_checkpointing(True)
+    x = torch.randn(4, *data["input_size"])
+    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3]))
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    feats = timm.create_model("vitlab.deit_mini", features_only=True, out_indices=(1, 3))
+    assert [tuple(f.shape) for f in feats(torch.randn(1, 3, 32, 32))] == [(1, 64, 8, 8)] * 2
+
+
+def test_timm_pretrained_reads_local_files_only(timm, tmp_path, monkeypatch):
+    monkeypatch.setenv("VITLAB_WEIGHTS", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        timm.create_model("vitlab.deit_mini", pretrained=True)
+    trained = vitlab.create_model("deit_mini", num_classes=4)
+    trained.save_pretrained(tmp_path / "run")
+    # train.py --pretrained-path: pretrained_cfg_overlay=dict(file=..., num_classes=-1)
+    model = timm.create_model(
+        "vitlab.deit_mini", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / "run")}
+    )
+    assert torch.equal(model.head.weight, trained.head.weight)
+    with pytest.raises(ValueError, match=r"timm\.create_model\('vitlab\.<name>'\)"):
+        timm.create_model("vitlab")
+    with pytest.raises(ValueError, match="unknown model 'no_such'"):
+        timm.create_model("vitlab.no_such")
+
+
+def test_register_without_timm_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)
+    monkeypatch.setitem(sys.modules, "timm.models", None)
+    monkeypatch.setattr(timm_plugin, "default_cfgs", {})
+    with pytest.raises(MissingExtra, match=r"the timm plug-in needs timm .*pip install timm"):
+        timm_plugin.register()
+
+
+# ------------------------------------------------------------------------------- Hugging Face Trainer
+def trainer_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+    """What transformers.Trainer does with a batch: keep the columns forward() names, call model(**batch),
+    take the loss from outputs["loss"] and the predictions from the other entries."""
+    accepted = set(inspect.signature(model.forward).parameters)
+    outputs = model(**{k: v for k, v in batch.items() if k in accepted})
+    loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+    logits = tuple(v for k, v in outputs.items() if k != "loss")
+    return loss, logits
+
+
+def test_trainer_adapter():
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_mini", num_classes=3)
+    wrapped = TrainerModel(model, label_smoothing=0.1)
+    assert wrapped.main_input_name == "pixel_values"
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 2, 1, 0])
+    batch = {"pixel_values": x, "labels": y, "image_id": torch.arange(4)}  # an extra column is filtered out
+    loss, (logits,) = trainer_step(wrapped, batch)
+    torch.testing.assert_close(logits, model(x))
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1))
+    loss.backward()
+    assert model.head.weight.grad is not None
+    soft = torch.softmax(torch.randn(4, 3), 1)  # Mixup / CutMix targets
+    loss_soft, _ = trainer_step(wrapped, {"pixel_values": x, "labels": soft})
+    torch.testing.assert_close(loss_soft, -(soft * model(x).log_softmax(1)).sum(1).mean())
+    assert list(wrapped(pixel_values=x)) == ["logits"]
+    wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.grad_checkpointing and wrapped.is_gradient_checkpointing
+    wrapped.gradient_checkpointing_disable()
+    assert not model.grad_checkpointing
+
+
+def test_trainer_adapter_saves_a_model_folder(tmp_path):
+    model = vitlab.create_model("aft_simple_mini", num_classes=3).eval()
+    TrainerModel(model).save_pretrained(tmp_path / "out", safe_serialization=True)
+    again = vitlab.from_pretrained(tmp_path / "out")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))

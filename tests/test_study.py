@@ -1,0 +1,151 @@
+"""vitlab study: every study's rows exist and build, recipes, two studies end to end (the rest in the slow suite)."""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.cli import main as cli_main
+from vitlab.models import get_config
+from vitlab.train.compare import adapt_to_size
+from vitlab.train.studies import STUDIES
+from vitlab.train.study import add_arguments, read_recipe, resolve
+
+NAMES = STUDIES.names()
+QUICK = ("cpvt-padding", "aft-global")  # in the default suite
+TINY = ["--epochs", "1", "--train-limit", "48", "--batch-size", "16", "--no-plots"]
+
+
+def test_list_shows_every_study(capsys):
+    assert cli_main(["study", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in NAMES) and len(NAMES) >= 20
+    for must in ("refiner-kernel", "tnt-pos", "cpvt-peg-form", "deepvit-depth", "ea-norm", "aft-reparam"):
+        assert must in NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rows_are_registered_configs_that_build_small(name):
+    study = STUDIES.get(name)
+    assert len({r.key for r in study.rows}) == len(study.rows) >= 2
+    assert {k for k, *_ in study.measures} >= {k for r in study.rows for k in r.paper}
+    for row in study.rows:
+        assert row.small.endswith("_mini") and get_config(row.small) and get_config(row.full)
+        with torch.device("meta"):  # the size the study trains at on the embedded data
+            vitlab.create_model(row.small, img_size=28, in_chans=1, num_classes=10, **adapt_to_size(row.small, 28))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_full_rows_build_with_their_switches(name):
+    for row in STUDIES.get(name).rows:
+        with torch.device("meta"):
+            vitlab.create_model(row.full, **row.full_args)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_recipe_files_and_their_precedence(tmp_path):
+    toml = tmp_path / "r.toml"
+    toml.write_text('epochs = 3\nbatch-size = 16\nseeds = 2\nweight_decay = 0.1\nscale = "small"\n')
+    yaml = tmp_path / "r.yaml"
+    yaml.write_text("epochs: 4\nlr: 0.001\ndata: mnist\n")
+    assert read_recipe(str(toml)) == {"epochs": 3, "batch_size": 16, "seeds": 2, "weight_decay": 0.1, "scale": "small"}
+    assert read_recipe(str(yaml)) == {"epochs": 4, "lr": 0.001, "data": "mnist"}
+    study = STUDIES.get("cpvt-padding")
+    args = parse("cpvt-padding", "--config", str(toml), "--epochs", "5")
+    recipe, scale = resolve(args, study)
+    # the flag over the file, the file over the study's defaults (3 seeds), those over compare's recipe
+    assert recipe["epochs"] == 5 and recipe["batch_size"] == 16 and recipe["weight_decay"] == 0.1
+    assert args.seeds == 2 and args.data == "mnist" and args.seed == 0 and scale == "small"
+    assert recipe["lr"] == 3e-3 and "seeds" not in recipe and "scale" not in recipe
+    recipe, scale = resolve(parse("cpvt-padding", "--scale", "full"), study)
+    assert scale == "full" and recipe["epochs"] == 8
+
+
+def test_recipe_mistakes_are_one_line(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("epochz = 3\n")
+    with pytest.raises(ValueError, match=r"unknown option.*epochz"):
+        read_recipe(str(bad))
+    bad.write_text("epochs = [\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        read_recipe(str(bad))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_recipe(str(tmp_path / "none.yaml"))
+    (tmp_path / "r.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.toml"):
+        read_recipe(str(tmp_path / "r.json"))
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        read_recipe(str(tmp_path / "list.yaml"))
+    real_import = builtins.__import__
+
+    def no_yaml(name, *a, **kw):
+        if name == "yaml":
+            raise ImportError("no yaml")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    with pytest.raises(ValueError, match=r"needs PyYAML: pip install 'vitlab\[recipes\]'"):
+        read_recipe(str(tmp_path / "list.yaml"))
+
+
+def test_study_user_errors_are_one_line(tmp_path, capsys):
+    def error(*argv: str) -> str:
+        assert cli_main(["study", *argv, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "Traceback" not in err, err
+        return err
+
+    assert "cpvt-padding" in error("cpvt-paddin")  # the closest name
+    assert "name a study" in error()
+    (tmp_path / "r.toml").write_text('scale = "huge"\n')
+    assert "scale must be one of" in error("cpvt-padding", "--config", str(tmp_path / "r.toml"))
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_quick_studies_end_to_end(name, tmp_path, capsys):
+    out = tmp_path / name
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text("seeds = 2\n")  # the second study also reads its seeds from a recipe file
+    extra = ["--seeds", "2"] if name == QUICK[0] else ["--config", str(recipe)]
+    assert cli_main(["study", name, *TINY[:-1], *extra, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = json.loads((out / "table.json").read_text())
+    study = STUDIES.get(name)
+    assert table["meta"]["seeds"] == 2 and table["meta"]["train_images"] == 48
+    for row, spec in zip(table["rows"], study.rows):
+        assert row["row"] == spec.label and row["model"] == spec.small and row["paper_top1"] == spec.paper["top1"]
+        assert len(row["top1_seeds"]) == 2 and row["top1"] == pytest.approx(sum(row["top1_seeds"]) / 2)
+        assert row["top1_std"] >= 0
+        for seed in (0, 1):
+            log = json.loads((out / spec.key / f"seed{seed}" / "log.json").read_text())
+            assert log[-1]["val_top1"] == row["top1_seeds"][seed]
+        assert spec.label in printed
+    md = (out / "table.md").read_text()
+    assert " ± " in md and study.source in md and "paper top-1 %" in md
+    assert (out / "study.png").read_bytes()[:4] == b"\x89PNG" and (out / "curves.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in QUICK])
+def test_every_other_study_end_to_end(name, tmp_path):
+    out = tmp_path / name
+    assert cli_main(["study", name, *TINY, "--seeds", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "table.json").read_text())["rows"]
+    assert len(rows) == len(STUDIES.get(name).rows) and all(r["top1"] is not None for r in rows)
+    if STUDIES.get(name).extra == "similarity":
+        curves = json.loads((out / "similarity.json").read_text())["adjacent_similarity"]
+        for row in rows:
+            depth = get_config(row["model"]).kwargs["depth"]
+            assert len(curves[row["row"]]) == depth - 1 and 0 <= row["similar"] <= depth - 1

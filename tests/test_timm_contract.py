@@ -1,0 +1,383 @@
+"""timm's model contract, method for method, on every registered model (timm's own test style).
+
+The small ``*_mini`` models run the whole battery with real numbers (forward, backward, intermediates in
+each format, features_only, reset_classifier with each pool; TorchScript tracing and ONNX of every one of
+them are in test_export.py, torch.compile here in the slow suite); every full-size model gets the
+structural checks on the meta device (no memory, no initialisation), and its forward/backward battery on
+the meta device in the slow suite.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import vitlab
+from vitlab.data import resolve_data_config
+from vitlab.layers.checkpointing import checkpointed
+from vitlab.lm import CausalLM
+from vitlab.models import create_model
+from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, pool_tokens
+from vitlab.optim import WarmupCosine, param_groups_layer_decay
+
+MINI = vitlab.list_models("*_mini")
+FULL = vitlab.list_models(exclude_filters="*_mini")
+
+
+def mini(name: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create_model(name, num_classes=5, **kw)
+
+
+def image(model: torch.nn.Module, batch: int = 2) -> torch.Tensor:
+    return torch.randn(batch, *model.pretrained_cfg["input_size"], generator=torch.Generator().manual_seed(1))
+
+
+# ------------------------------------------------------------------------------------------- the battery
+@pytest.mark.parametrize("name", MINI)
+def test_forward_backward(name):
+    model = mini(name).train()
+    x = image(model)
+    out = model(x)
+    assert out.shape == (2, 5) and torch.isfinite(out).all()
+    out.logsumexp(1).mean().backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in trainable if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"parameters without a finite gradient: {missing}"
+    # frozen parameters (CPVT's frozen PEG ablation) stay out of autograd
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_forward_intermediates_match_the_trace(name):
+    model = mini(name).eval()
+    x = image(model)
+    n, p = len(model.blocks), model.num_prefix
+    with torch.no_grad():
+        trace = model.forward_trace(x, return_aux=False)
+        final, inter = model.forward_intermediates(x)  # NCHW, every block
+        nlc = model.forward_intermediates(x, indices=[0, -1], output_fmt="NLC", intermediates_only=True)
+        normed = model.forward_intermediates(x, indices=1, norm=True, stop_early=True, intermediates_only=True)
+        with_prefix = model.forward_intermediates(x, indices=2, output_fmt="NLC", return_prefix_tokens=True)[1]
+        assert torch.equal(final, trace["features"]) and torch.equal(final, model.forward_features(x))
+    gh, gw = trace["layout"].grid
+    assert len(inter) == n
+    for got, tokens in zip(inter, trace["tokens"]):
+        assert got.shape == (2, model.num_features, gh, gw)
+        torch.testing.assert_close(got.flatten(2).transpose(1, 2), tokens[:, p:], rtol=0, atol=0)
+    torch.testing.assert_close(nlc[0], trace["tokens"][0][:, p:], rtol=0, atol=0)
+    torch.testing.assert_close(nlc[1], trace["tokens"][-1][:, p:], rtol=0, atol=0)
+    torch.testing.assert_close(normed[0], model.norm(trace["tokens"][-1])[:, p:].transpose(1, 2).reshape(2, -1, gh, gw))
+    for (patches, prefix), tokens in zip(with_prefix, trace["tokens"][-2:]):
+        assert torch.equal(prefix, tokens[:, :p]) and torch.equal(patches, tokens[:, p:])
+    with pytest.raises(ValueError, match="output_fmt"):
+        model.forward_intermediates(x, output_fmt="NHWC")
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward_intermediates(x, indices=[n])
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_features_only(name):
+    model = mini(name).eval()
+    x = image(model)
+    with torch.no_grad():
+        expected = model.forward_intermediates(x, indices=[1, 2], intermediates_only=True)
+    feats = FeatureGetter(model, out_indices=(1, 2)).eval()  # what create_model(features_only=True) returns
+    with torch.no_grad():
+        out = feats(x)
+    assert [tuple(o.shape) for o in out] == [tuple(e.shape) for e in expected]
+    for o, e in zip(out, expected):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)
+    info = feats.feature_info
+    assert info.channels() == [model.num_features] * 2 and info.module_name() == ["blocks.1", "blocks.2"]
+    assert all(x.shape[-1] // r == o.shape[-1] for r, o in zip(info.reduction(), out))
+    assert len(feats.model.blocks) == 3 and isinstance(feats.model.head, torch.nn.Identity)
+    default = create_model(name, features_only=True)
+    assert isinstance(default, FeatureGetter) and default.out_indices == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_reset_classifier_and_pools(name):
+    model = mini(name).eval()
+    x = image(model)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        p = model.num_prefix
+        naive = {
+            "avg": feats[:, p:].mean(1),
+            "max": feats[:, p:].max(1).values,
+            "avgmax": (feats[:, p:].mean(1) + feats[:, p:].max(1).values) / 2,
+        }
+        if p:
+            naive["token"] = feats[:, 0]
+        for pool, pooled in naive.items():
+            model.reset_classifier(0, pool)
+            torch.testing.assert_close(model.forward_head(feats), pooled)
+            model.reset_classifier(7, pool)
+            assert model.forward_head(feats).shape == (2, 7)
+            torch.testing.assert_close(model.forward_head(feats, pre_logits=True), pooled)
+        model.reset_classifier(0, "avg")
+        torch.testing.assert_close(model(x), naive["avg"])  # the whole forward pools as forward_head
+        model.reset_classifier(0, "")
+        assert torch.equal(model(x), feats)  # no pooling, no head: the tokens
+        model.reset_classifier(3)
+        assert model(x).shape == (2, feats.shape[1], 3) and model.get_classifier().out_features == 3
+    with pytest.raises(ValueError, match="global_pool must be one of"):
+        model.reset_classifier(3, "mean")
+    assert model.model_kwargs == {"num_classes": 3, "global_pool": ""}  # what save_pretrained writes
+
+
+@pytest.mark.parametrize("name", MINI)
+def test_pretrained_cfg_and_names(name):
+    model = mini(name)
+    cfg = model.pretrained_cfg
+    state = model.state_dict()
+    classifiers = cfg["classifier"] if isinstance(cfg["classifier"], tuple) else (cfg["classifier"],)
+    assert all(f"{c}.weight" in state for c in classifiers)
+    assert cfg["input_size"][0] == state[f"{cfg['first_conv']}.weight"].shape[1] // _per_channel(model)
+    assert cfg["num_classes"] == 5 and model.default_cfg is cfg
+    assert set(model.no_weight_decay()) <= set(dict(model.named_parameters()))
+    assert cfg == resolve_data_config(model) | {k: v for k, v in cfg.items() if k not in resolve_data_config(model)}
+
+
+def _per_channel(model) -> int:
+    """Input features of the first layer per image channel (T2T's first layer sees k x k windows)."""
+    return model.tokens_to_token.soft_split[0][0] ** 2 if hasattr(model, "tokens_to_token") else 1
+
+
+@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "eamlp_mini"])
+@pytest.mark.slow
+def test_compiled_matches_eager(name):
+    model = mini(name).eval()
+    x = image(model)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="aot_eager")(x), model(x))
+
+
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_structure_on_meta(name):
+    with torch.device("meta"):
+        model = create_model(name)
+    cfg, state = model.pretrained_cfg, model.state_dict()
+    assert cfg["architecture"] == name and cfg["num_classes"] == 1000
+    assert cfg["input_size"] == (3, *model.img_size) == vitlab.get_config(name).input_size
+    classifiers = cfg["classifier"] if isinstance(cfg["classifier"], tuple) else (cfg["classifier"],)
+    assert all(f"{c}.weight" in state for c in classifiers) and f"{cfg['first_conv']}.weight" in state
+    assert len(model.feature_info) == len(model.blocks)
+    assert all(g * model.reduction == s for g, s in zip(model.grid, model.img_size))
+    groups = layer_ids(dict(model.named_parameters()), model.group_matcher())
+    assert max(groups.values()) == len(model.blocks) + 2  # stem, blocks, final norm, head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FULL)
+def test_full_size_battery_on_meta(name):
+    with torch.device("meta"):
+        model = create_model(name)
+        x = torch.empty(2, *model.pretrained_cfg["input_size"])
+        final, inter = model.forward_intermediates(x, indices=2)
+        assert final.shape[-1] == inter[0].shape[1] == model.num_features
+        assert inter[0].shape == (2, model.num_features, *model.grid)
+        model(x).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+        feats = create_model(name, features_only=True)
+        assert [o.shape[1] for o in feats(x)] == feats.feature_info.channels()
+
+
+# ------------------------------------------------------------------------------- gradient checkpointing
+def _step(model: torch.nn.Module, x: torch.Tensor, checkpointing: bool) -> tuple[dict, dict, int]:
+    model.set_grad_checkpointing(checkpointing)
+    calls = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))  # recomputation may stop early
+    torch.manual_seed(5)  # dropout / drop-path draws
+    out = model(x)
+    (out.float().square().mean() if out.dtype.is_floating_point else out).backward()
+    hook.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, {n: b.clone() for n, b in model.named_buffers()}, len(calls)
+
+
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("refiner_vit_mini", dict(stem_channels=(8, 8))),  # BatchNorm in the refiner and the stem; chained maps
+        ("deepvit_mini", {}),  # BatchNorm in re-attention
+        ("tnt_mini", {}),  # (inner, outer) through each block
+        ("eamlp_mini", {}),
+        ("cpvt_mini", {}),  # PEG between blocks
+    ],
+)
+def test_grad_checkpointing_changes_nothing_but_memory(name, kw):
+    """Gradients, BatchNorm statistics and random draws are those without checkpointing; blocks run twice."""
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = create_model(name, num_classes=5, drop_path_rate=0.2, **kw).double().train()
+        results.append(_step(model, image(model).double(), ckpt))
+    (g0, b0, calls0), (g1, b1, calls1) = results
+    assert (calls0, calls1) == (1, 2)  # checkpointing recomputes the block in backward
+    assert g0.keys() == g1.keys() and len(g0) == sum(1 for _ in model.parameters())
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], msg=k)
+    for k in b0:
+        torch.testing.assert_close(b1[k], b0[k], msg=k)
+    counters = [v for k, v in b1.items() if k.endswith("num_batches_tracked")]
+    assert all(int(c) == 1 for c in counters)  # each BatchNorm saw the batch once
+
+
+def test_plain_checkpoint_would_count_batchnorm_twice():
+    """Why the recomputation hides BatchNorm buffers: without it the running statistics move twice."""
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    x = torch.randn(8, 4, requires_grad=True)
+    checkpoint(bn, x, use_reentrant=False).sum().backward()
+    assert int(bn[1].num_batches_tracked) == 2
+    bn[1].reset_running_stats()
+    checkpointed(bn, bn, x).sum().backward()
+    assert int(bn[1].num_batches_tracked) == 1
+
+
+def test_grad_checkpointing_causal_lm():
+    results = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        lm = CausalLM(vocab_size=16, max_len=12, dim=16, depth=2, mixer="aft_simple", dropout=0.1).double().train()
+        lm.set_grad_checkpointing(ckpt)
+        torch.manual_seed(3)
+        lm.loss(torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(0))).backward()
+        results.append({n: p.grad.clone() for n, p in lm.named_parameters()})
+    for k in results[0]:
+        torch.testing.assert_close(results[1][k], results[0][k], msg=k)
+
+
+def test_no_checkpointing_without_autograd():
+    model = mini("deepvit_mini").eval()
+    model.set_grad_checkpointing()
+    x = image(model)
+    with torch.no_grad():
+        y = model(x)
+    model.set_grad_checkpointing(False)
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
+
+
+# ---------------------------------------------------------------------------- layer-wise learning rates
+def test_group_matcher_layers():
+    model = mini("cpvt_mini")
+    layers = layer_ids(dict(model.named_parameters()), model.group_matcher())
+    assert layers["patch_embed.proj.weight"] == layers["cls_token"] == 0
+    for i in range(4):
+        assert layers[f"blocks.{i}.mixer.qkv.weight"] == i + 1
+    assert layers["pegs.2.proj.weight"] == layers["blocks.2.norm1.weight"] == 3  # the PEG after block 2
+    assert layers["norm.weight"] == 5 and layers["head.weight"] == 6
+    tnt = mini("tnt_mini")
+    tnt_layers = layer_ids(dict(tnt.named_parameters()), tnt.group_matcher())
+    assert tnt_layers["proj.fc.weight"] == tnt_layers["inner_pos"] == 0 and tnt_layers["blocks.0.proj.fc.weight"] == 1
+
+
+def test_layer_decay_learning_rates():
+    model = mini("deit_mini")
+    groups = param_groups_layer_decay(model, weight_decay=0.05, layer_decay=0.5)
+    opt = torch.optim.AdamW(groups, lr=1.0)
+    sched = WarmupCosine(opt, lr=1e-3, total_steps=10)
+    scale_of = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    assert scale_of[id(params["head.weight"])] == 1.0 and scale_of[id(params["norm.weight"])] == 0.5
+    assert scale_of[id(params["blocks.3.mlp.fc1.weight"])] == 0.25
+    assert scale_of[id(params["patch_embed.proj.weight"])] == 0.5**6
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert lr_of[id(params["blocks.0.mlp.fc1.weight"])] == pytest.approx(sched.current_lr * 0.5**5)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert id(params["pos_embed"]) not in decayed and id(params["blocks.0.mlp.fc1.weight"]) in decayed
+    assert sum(len(g["params"]) for g in groups) == len(params)
+
+
+# ------------------------------------------------------------------------------------------- input size
+@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "eamlp_mini", "aft_full_mini"])
+def test_set_input_size_matches_a_model_built_there(name):
+    model = mini(name).eval()
+    reference = mini(name, **({"dynamic_img_size": True} if "dynamic_img_size" in _args(name) else {})).eval()
+    reference.load_state_dict(model.state_dict())
+    for m in reference.modules():  # AFT-full: resample its position biases to the token count
+        if isinstance(getattr(m, "resample", None), bool):
+            m.resample = True
+    model.set_input_size(48)
+    x = torch.randn(2, model.in_chans, 48, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert model.pretrained_cfg["input_size"] == (model.in_chans, 48, 48) and model.model_kwargs["img_size"] == 48
+    with pytest.raises(ValueError, match="patch size"):
+        model.set_input_size(patch_size=7)
+
+
+def _args(name: str) -> set[str]:
+    import inspect
+
+    from vitlab.models.registry import architecture
+
+    return set(inspect.signature(architecture(vitlab.get_config(name).arch)).parameters)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def test_list_models_filters():
+    assert vitlab.list_models(["deit_mini", "tnt_*"], exclude_filters=["*_s_*", "tnt_mini"]) == [
+        "deit_mini",
+        "tnt_b_patch16_224",
+        "tnt_ti_patch16_224",
+    ]
+    assert vitlab.list_models("cpvt_*", exclude_filters="*_gap*") == [
+        "cpvt_b",
+        "cpvt_mini",
+        "cpvt_s",
+        "cpvt_ti",
+        "cpvt_ti_peg0",
+    ]
+    assert vitlab.list_models() == vitlab.list_models("") == sorted(vitlab.list_models())
+
+
+def test_take_indices_and_pools_follow_timm():
+    assert feature_take_indices(12, None) == (list(range(12)), 11)
+    assert feature_take_indices(12, 3) == ([9, 10, 11], 11)
+    assert feature_take_indices(12, [-1, 2]) == ([11, 2], 11)
+    x = torch.randn(2, 5, 3)
+    assert torch.equal(pool_tokens(x, "", 1), x) and torch.equal(pool_tokens(x, "token", 1), x[:, 0])
+    assert torch.equal(pool_tokens(x, "max", 2), x[:, 2:].amax(1))
+
+
+def test_resolve_data_config():
+    cfg = resolve_data_config(create_model("refiner_vit_mini"))
+    assert cfg == {
+        "input_size": (3, 32, 32),
+        "interpolation": "bilinear",
+        "mean": (0.485, 0.456, 0.406),
+        "std": (0.229, 0.224, 0.225),
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
+    with torch.device("meta"):
+        refiner = create_model("refiner_vit_s")
+    cfg = resolve_data_config({}, model=refiner)  # timm's calling convention
+    assert cfg["crop_pct"] == 0.9 and cfg["mean"] == (0.5, 0.5, 0.5) and cfg["input_size"] == (3, 224, 224)
+    assert resolve_data_config({"img_size": 288, "crop_pct": None}, model=refiner)["input_size"] == (3, 288, 288)
+    grey = create_model("deit_mini", in_chans=1, img_size=28)
+    cfg = resolve_data_config(grey)
+    assert cfg["input_size"] == (1, 28, 28) and len(cfg["mean"]) == 1
+    assert cfg["mean"][0] == pytest.approx(0.299 * 0.485 + 0.587 * 0.456 + 0.114 * 0.406)
+
+    class Other:  # any object with a pretrained_cfg (a timm model): attributes only, no vitlab model needed
+        def __init__(self) -> None:
+            self.pretrained_cfg = {"input_size": (3, 64, 64), "mean": (0.5,), "std": (0.5,)}
+
+    cfg = resolve_data_config(Other())
+    assert cfg["mean"] == (0.5, 0.5, 0.5) and cfg["crop_pct"] == 0.875 and cfg["interpolation"] == "bicubic"
+    with pytest.raises(ValueError, match="mean"):
+        resolve_data_config({"mean": (0.1, 0.2)}, model=Other())
+
+
+def test_overlay_and_unknown_keys():
+    model = create_model("deit_mini", pretrained_cfg_overlay={"crop_pct": 0.95, "mean": (0.5, 0.5, 0.5)})
+    assert model.pretrained_cfg["crop_pct"] == 0.95 and model.meta["mean"] == (0.5, 0.5, 0.5)
+    with pytest.raises(ValueError, match=re.escape("unknown key(s) crop")):
+        create_model("deit_mini", pretrained_cfg_overlay={"crop": 0.9})
