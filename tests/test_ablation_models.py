@@ -237,7 +237,7 @@ def test_eanet_module_init_and_input_checks():
 
 def test_pcpvt_structure_and_sizes():
     model = vitlab.create_model("pcpvt_mini", num_classes=4)
-    inter = model.forward_intermediates(torch.randn(2, 3, 32, 32))
+    inter = model.forward_trace(torch.randn(2, 3, 32, 32))
     assert [t.shape[1] for t in inter["tokens"]] == [64, 64, 16, 16]  # 8x8 then 4x4 tokens
     assert inter["features"].shape == (2, 16, 64) and inter["aux"][0]["attn"].shape == (2, 1, 64, 16)
     assert model.no_weight_decay() == {n for n, _ in model.named_parameters() if n.startswith("pegs.")}

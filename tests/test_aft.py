@@ -428,19 +428,33 @@ STRESS = [
 ]
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# every precision a module runs in: fp32, and autocast to each low-precision dtype the device has
+PRECISIONS = [
+    pytest.param("cpu", None, id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param("cuda", None, id="cuda-fp32", marks=needs_cuda),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=needs_cuda),
+    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize(("device", "low"), PRECISIONS)
 @pytest.mark.parametrize(("kind", "kw"), STRESS, ids=[s[0] for s in STRESS])
-def test_modules_stable_fp32_and_bf16_autocast(kind, kw):
+def test_modules_stable_in_fp32_and_under_autocast(kind, kw, device, low):
     m = huge_module(kind, kw)
     x = torch.randn(2, 21, 24)
-    out = m(x, GRID)
-    assert_rel(out, reference(m, x, GRID), 1e-4)  # K ~ 1e4 from an fp32 matmul: logits carry ~1e-3 abs error
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out16 = m(x, GRID)
-        qkv16 = split_qkv(m, x)  # F.linear under autocast: the same bf16 projections as the module's
+    on = m.to(device)
+    if low is None:  # K ~ 1e4 from an fp32 matmul: logits carry ~1e-3 abs error
+        assert_rel(on(x.to(device), GRID).cpu(), reference(m.cpu(), x, GRID), 1e-4)
+        return
+    with torch.autocast(device, dtype=low):
+        out16 = on(x.to(device), GRID).cpu()
+        qkv16 = [t.cpu() for t in split_qkv(on, x.to(device))]  # F.linear under autocast: the module's projections
     assert out16.dtype == x.dtype
-    assert qkv16[0].dtype == torch.bfloat16  # projections did run in bf16
-    # reference: the same bf16 projections, everything after them in float64; proj ran in bf16
-    assert_rel(out16, reference(m, x, GRID, qkv=qkv16), 3e-2)
+    assert qkv16[0].dtype == low  # projections did run in low precision
+    # reference: the same low-precision projections, everything after them in float64; proj ran in bf16 / fp16
+    assert_rel(out16, reference(m.cpu(), x, GRID, qkv=qkv16), 3e-2)
 
 
 # ---------------------------------------------------------------- causal AFT-local: the O(T·s·d) band

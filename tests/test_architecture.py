@@ -35,10 +35,12 @@ SERVICES = (
     "vitlab.optim",
     "vitlab.rundir",
     "vitlab.pretrained",
+    "vitlab.distributed",
+    "vitlab.tracking",
 )
 # the core, lowest first: a module may import its own rank or lower; data sits beside the models
 CORE = {"vitlab.mixers": 0, "vitlab.data": 0, "vitlab.layers": 1, "vitlab.models": 2}
-FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.options", "vitlab.extras")
+FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.options", "vitlab.extras", "vitlab.device")
 
 
 def module_name(path: Path) -> str:

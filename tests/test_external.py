@@ -114,6 +114,9 @@ def test_multi_head_matches_naive_per_head_loop():
 # ----------------------------------------------------------------------------- stability, init, dtypes
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_double_normalize_is_stable_for_huge_logits(dtype):
     torch.manual_seed(3)
@@ -127,21 +130,30 @@ def test_double_normalize_is_stable_for_huge_logits(dtype):
     assert (out == 0).any()
 
 
-def test_modules_stable_for_huge_logits_fp32_and_bf16_autocast():
+AUTOCAST = [
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param("cuda", torch.bfloat16, id="cuda-bf16", marks=needs_cuda),
+    pytest.param("cuda", torch.float16, id="cuda-fp16", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize(("device", "low"), [pytest.param("cpu", None, id="cpu-fp32"), *AUTOCAST])
+def test_modules_stable_for_huge_logits_in_fp32_and_under_autocast(device, low):
     torch.manual_seed(4)
     single, multi = ExternalAttention(16, memory_size=8), MultiHeadExternalAttention(16, num_heads=2)
-    x = torch.randn(2, 10, 16) * 1e3  # logits ~1e4
+    x = torch.randn(2, 10, 16) * 1e3  # logits ~1e4 (within fp16's range, 65504)
     logits = {single: lambda: single.mk(x), multi: lambda: multi.mk(split_heads(multi.query(x), multi.num_heads))}
     for m, make_logits in logits.items():
-        out, aux = m(x, return_aux=True)
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(
-            aux["memory_attn"].double(), naive_double_norm(make_logits().detach()), rtol=1e-5, atol=1e-6
-        )
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            low, aux_low = m(x, return_aux=True)
-        assert torch.isfinite(low).all() and aux_low["memory_attn"].dtype == torch.bfloat16
-        assert (aux_low["memory_attn"].float().sum(-1) <= 1.01).all()  # ℓ1 rows: 1, or 0 for unattended tokens
+        if low is None:
+            out, aux = m(x, return_aux=True)
+            assert torch.isfinite(out).all()
+            ref = naive_double_norm(make_logits().detach())
+            torch.testing.assert_close(aux["memory_attn"].double(), ref, rtol=1e-5, atol=1e-6)
+            continue
+        with torch.autocast(device, dtype=low):
+            out, aux = m.to(device)(x.to(device), return_aux=True)
+        assert torch.isfinite(out).all() and aux["memory_attn"].dtype == low
+        assert (aux["memory_attn"].float().sum(-1) <= 1.01).all()  # ℓ1 rows: 1, or 0 for unattended tokens
 
 
 def test_memory_init_mv_is_mk_transpose_copy():

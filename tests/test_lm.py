@@ -439,6 +439,7 @@ def test_bench_case_and_ratios():
         {
             "model": "aft_local",
             "T": 8,
+            "dtype": "fp32",
             "status": "ok",
             "step_s": 2.0,
             "median_s": 2.75,

@@ -39,7 +39,7 @@ TINY_RUN = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",
 ]  # fmt: skip
-OLD_RUN = ("last.pt", "log.json", "log.csv", "summary.json")
+OLD_RUN = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl")  # what a run writes
 
 
 def train(out: Path, *extra: str) -> int:
@@ -165,7 +165,7 @@ def test_a_run_removes_leftover_temporary_files_and_never_writes_through_links(t
     for p in [*links, out / ".last.pt.zzzzzzzz.tmp"]:
         os.utime(p, (past, past), follow_symlinks=False)
     assert train(out) == 0
-    assert "removed 5 temporary file(s)" in capsys.readouterr().out
+    assert f"removed {len(OLD_RUN) + 1} temporary file(s)" in capsys.readouterr().out
     assert victim.read_text() == "precious"
     left = sorted(p.name for p in out.iterdir())
     assert left == sorted([*OLD_RUN, *(f".{n}.tmp" for n in OLD_RUN)])  # old fixed names: not ours to remove
@@ -256,7 +256,7 @@ def test_lm_train_refuses_an_existing_run_unless_resumed_or_forced(tmp_path, cap
     assert lm_train(out, text) == 0
     metrics = (out / "metrics.json").read_bytes()
     assert lm_train(out, text) == 2
-    assert f"{out} already holds a run (last.pt, metrics.json); pass --resume" in one_line_error(capsys)
+    assert f"{out} already holds a run (last.pt, metrics.json, steps.jsonl); pass --resume" in one_line_error(capsys)
     assert (out / "metrics.json").read_bytes() == metrics
     for argv in (["eval", str(out), "--json", str(tmp_path)], ["sample", str(out / "last.pt"), "--out", str(out)]):
         assert cli_main(["lm", *argv]) == 2

@@ -24,6 +24,8 @@ from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, p
 from vitlab.optim import WarmupCosine, param_groups_layer_decay
 
 MINI = vitlab.list_models("*_mini")
+# models whose blocks all see one token sequence (the pyramid's "blocks" are stages: test_pyramid_features)
+PLAIN = [n for n in MINI if vitlab.get_config(n).arch != "pyramid"]
 FULL = vitlab.list_models(exclude_filters="*_mini")
 
 
@@ -51,7 +53,7 @@ def test_forward_backward(name):
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("name", MINI)
+@pytest.mark.parametrize("name", PLAIN)
 def test_forward_intermediates_match_the_trace(name):
     model = mini(name).eval()
     x = image(model)
@@ -79,9 +81,10 @@ def test_forward_intermediates_match_the_trace(name):
         model.forward_intermediates(x, indices=[n])
 
 
-@pytest.mark.parametrize("name", MINI)
+@pytest.mark.parametrize("name", PLAIN)
 def test_features_only(name):
     model = mini(name).eval()
+    depth = len(model.blocks)
     x = image(model)
     with torch.no_grad():
         expected = model.forward_intermediates(x, indices=[1, 2], intermediates_only=True)
@@ -96,7 +99,33 @@ def test_features_only(name):
     assert all(x.shape[-1] // r == o.shape[-1] for r, o in zip(info.reduction(), out))
     assert len(feats.model.blocks) == 3 and isinstance(feats.model.head, torch.nn.Identity)
     default = create_model(name, features_only=True)
-    assert isinstance(default, FeatureGetter) and default.out_indices == [1, 2, 3]
+    assert isinstance(default, FeatureGetter) and default.out_indices == list(range(depth - 3, depth))
+
+
+def test_pyramid_features():
+    """PCPVT's features are its stages (timm's Twins): each at its own width and stride, equal to the last
+    block of the stage in the per-block trace; features_only keeps the stages asked for."""
+    model = mini("pcpvt_mini").eval()
+    x = image(model)
+    with torch.no_grad():
+        trace = model.forward_trace(x, return_aux=False)
+        final, stages = model.forward_intermediates(x)
+        nlc = model.forward_intermediates(x, indices=1, output_fmt="NLC", intermediates_only=True)
+    ends = [sum(model.depths[: i + 1]) - 1 for i in range(len(model.depths))]
+    info = model.feature_info
+    assert torch.equal(final, trace["features"]) and len(stages) == len(info) == len(model.blocks)
+    for t, i, f in zip(stages, ends, info):
+        n, c = trace["tokens"][i].shape[1:]
+        assert t.shape == (2, f["num_chs"], x.shape[-2] // f["reduction"], x.shape[-1] // f["reduction"])
+        assert c == f["num_chs"] and n == t.shape[2] * t.shape[3]
+        assert torch.equal(t.flatten(2).transpose(1, 2), trace["tokens"][i])
+    assert torch.equal(nlc[0], trace["tokens"][ends[-1]])
+    feats = FeatureGetter(model, out_indices=(0,)).eval()
+    with torch.no_grad():
+        (out,) = feats(x)
+    assert torch.equal(out, stages[0]) and len(feats.model.blocks) == 1 and len(feats.model.pegs) == 1
+    with pytest.raises(ValueError, match="no prefix tokens"):
+        model.forward_intermediates(x, return_prefix_tokens=True)
 
 
 @pytest.mark.parametrize("name", MINI)
@@ -322,12 +351,12 @@ def _args(name: str) -> set[str]:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def test_list_models_filters():
-    assert vitlab.list_models(["deit_mini", "tnt_*"], exclude_filters=["*_s_*", "tnt_mini"]) == [
+    assert vitlab.list_models(["deit_mini", "tnt_*"], exclude_filters=["*_s_*", "tnt_*mini"]) == [
         "deit_mini",
         "tnt_b_patch16_224",
         "tnt_ti_patch16_224",
     ]
-    assert vitlab.list_models("cpvt_*", exclude_filters="*_gap*") == [
+    assert vitlab.list_models("cpvt_*", exclude_filters=("*_gap*", "cpvt_*_mini")) == [
         "cpvt_b",
         "cpvt_mini",
         "cpvt_s",

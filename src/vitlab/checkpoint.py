@@ -12,6 +12,13 @@ Layout (``format: "vitlab-checkpoint"``): ``model_name``, ``model_kwargs``, ``mo
 resuming ``optimizer``, ``scheduler``, ``ema``, ``scaler``, ``epoch`` (completed epochs), ``step``, ``rng``
 (per-rank torch RNG states), ``config`` (the training options) and ``metrics`` (the last epoch's); since
 version 2 ``checksum`` (crc32s of every tensor and of the plain values).
+
+A sharded run (FSDP) keeps its weights and optimizer state out of the file: ``sharded`` names a folder beside
+it (``shards/<name>``) written through ``torch.distributed.checkpoint`` by every process
+(:func:`write_run_checkpoint`), and ``model`` / ``optimizer`` are None in the file. The file is written last,
+so it is the commit point: a run killed while the shards are written still has its previous checkpoint.
+:func:`load_checkpoint` reads the whole weights back from the shards in one process; a resumed run loads
+them, re-sliced for its own number of processes, with :func:`restore_weights_and_optimizer`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch import Tensor, nn
 from .convert.load import load_reference, read_checkpoint
 from .convert.safeload import FORMAT, VERSION, load_file, state_checksum
 from .data.config import training_data_cfg
+from .distributed import SHARDS, World, load_sharded, read_sharded_weights, remove_unused_shards, save_sharded
 from .io import atomic_open
 from .models import create_model, get_config, list_models
 from .models.folder import WEIGHTS, is_model_folder, read_config
@@ -43,9 +51,12 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     return Path(path)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", weights: bool = True) -> dict[str, Any]:
     """Read a vitlab checkpoint without running code (:func:`vitlab.convert.safeload.load_file`: format
-    check, ``weights_only=True``, checksum); one clear line for missing, corrupt or foreign files."""
+    check, ``weights_only=True``, checksum); one clear line for missing, corrupt or foreign files.
+
+    A sharded checkpoint's whole weights are read from its shards into ``model`` unless ``weights`` is
+    False (a run that resumes reads them into its sharded model itself: :func:`restore_weights_and_optimizer`)."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "last.pt"
@@ -58,10 +69,68 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise ValueError(
             f"{path} is not a vitlab checkpoint (no model name recorded); pass a file written by `vitlab train`"
         )
-    if not isinstance(ckpt.get("model"), dict):
-        raise ValueError(f"checkpoint {path} holds no model weights; pass a file written by `vitlab train`")
     ckpt["path"] = str(path)
+    if ckpt.get("sharded") and weights:
+        ckpt["model"] = read_sharded_weights(shard_folder(ckpt))
+    if not isinstance(ckpt.get("model"), dict) and not (ckpt.get("sharded") and not weights):
+        raise ValueError(f"checkpoint {path} holds no model weights; pass a file written by `vitlab train`")
     return ckpt
+
+
+def shard_folder(ckpt: dict[str, Any]) -> Path:
+    """The folder of a sharded checkpoint's weights and optimizer state (beside the checkpoint file)."""
+    rel = Path(ckpt["sharded"])
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"checkpoint {ckpt['path']} points outside its folder ({rel}); it was not written by vitlab")
+    return Path(ckpt["path"]).parent / rel
+
+
+def write_run_checkpoint(
+    path: str | Path,
+    state: dict[str, Any],
+    world: World,
+    sharded: str | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path | None:
+    """A training run's checkpoint at ``path`` (collective: every rank calls it; rank 0 writes the file).
+
+    Without ``sharded``, ``state`` (weights and optimizer state included) goes into the one file. With it,
+    ``model`` and ``optimizer`` are written by every rank through ``torch.distributed.checkpoint`` into the
+    folder ``shards/<sharded>`` beside ``path``, and the file records that folder instead of the tensors
+    (:func:`prune_shards` then removes the shard folders no checkpoint file points to any more)."""
+    path = Path(path)
+    if sharded is not None:
+        save_sharded(path.parent / SHARDS / sharded, model, optimizer, world)
+        state = {**state, "model": None, "optimizer": None, "sharded": f"{SHARDS}/{sharded}"}
+    if not world.main:
+        return None
+    save_checkpoint(state, path)
+    return path
+
+
+def prune_shards(folder: str | Path) -> None:
+    """Remove the shard folders in ``folder/shards`` that no checkpoint file of ``folder`` points to."""
+    folder = Path(folder)
+    if not (folder / SHARDS).is_dir():
+        return
+    pointed = []
+    for file in folder.glob("*.pt"):
+        try:
+            pointed.append(load_checkpoint(file, weights=False).get("sharded") or "")
+        except (ValueError, FileNotFoundError):
+            continue
+    remove_unused_shards(folder, pointed)
+
+
+def restore_weights_and_optimizer(ckpt: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a run's checkpoint into ``model`` and ``optimizer``: from the file, or from its shards, re-sliced
+    for this run's processes or whole (collective under FSDP)."""
+    if ckpt.get("sharded"):
+        load_sharded(shard_folder(ckpt), model, optimizer)
+    else:
+        load_state_checked(model, ckpt["model"], f"checkpoint {ckpt['path']}")
+        optimizer.load_state_dict(ckpt["optimizer"])
 
 
 def describe_mismatch(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:

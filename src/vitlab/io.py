@@ -200,6 +200,22 @@ def write_csv_atomic(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) ->
     return Path(path)
 
 
+def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """``dst`` becomes a copy of the file ``src``, atomically (:func:`atomic_path`): a hard link when the file
+    system allows one (no bytes copied; ``src`` being replaced later by a rename leaves ``dst`` as it was),
+    else a copy of the bytes."""
+    dst = Path(dst)
+    with atomic_path(dst) as tmp:
+        tmp.unlink()  # the random name is free again: a link takes it, or an exclusive create
+        try:
+            os.link(src, tmp, follow_symlinks=False)
+        except OSError:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with open(src, "rb") as f_in, open(os.open(tmp, flags, 0o600), "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out)
+    return dst
+
+
 def open_append(path: str | os.PathLike) -> IO[str]:
     """``open(path, "a")`` that refuses to follow a symlink planted at ``path`` (for logs written as they go)."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -24,10 +24,11 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .distributed import World, broadcast_object
 from .io import check_writable_folder, remove_temp_files
 
 LOCK_NAME = ".vitlab.lock"
@@ -183,6 +184,43 @@ class RunLock:
             os.rename(self.folder / name, dest / name)
         self.log(f"starting over: moved the previous run's {', '.join(found)} to {dest}")
         return dest
+
+
+@contextlib.contextmanager
+def own_folder(
+    folder: str | os.PathLike | None,
+    tool: str,
+    names: Sequence[str],
+    resume: bool,
+    force: bool,
+    log: Callable[[str], None],
+    world: World | None = None,
+) -> Iterator[Callable[[], None]]:
+    """A run owns ``folder`` while the block runs: rank 0 holds its :class:`RunLock` (a second writer is
+    refused, a folder holding a run of ``names`` needs ``resume`` or ``force``), and every rank of a
+    ``torchrun`` launch learns the verdict, so none waits for a rank that stopped. Yields ``start_over``,
+    which moves an old run's files aside (``force``; call it just before the first write). No folder
+    (``None``): nothing to own."""
+    world = world or World()
+    lock, error, old = None, None, []
+    if folder is not None and world.main:
+        try:
+            lock = RunLock(folder, tool, log)
+            old = lock.check_fresh(names, resume=resume, force=force)
+        except ValueError as e:
+            error = e
+            if lock is not None:
+                lock.release()
+    verdict = broadcast_object(None if error is None else str(error), world)
+    if error is not None:
+        raise error
+    if verdict is not None:
+        raise RunDirError(verdict)
+    try:
+        yield lambda: lock.move_aside(old) if lock is not None and old else None
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def checkpoint_bytes(state: dict[str, Any], copies: int = 1) -> int:

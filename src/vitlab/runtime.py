@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Any
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -96,24 +95,3 @@ def is_out_of_memory(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-def resolve_device(spec: str = "auto", local_rank: int = 0) -> Any:
-    """The ``torch.device`` that ``spec`` names (``auto``: this process's GPU when CUDA is there, else the
-    CPU), or ValueError in one line when that device is not available on this machine."""
-    import torch
-
-    if spec == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"--device {spec!r} is not a device; use auto, cpu, mps, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {spec} asked for, but no CUDA GPU is available; use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        raise ValueError(f"--device {spec}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {spec} asked for, but no MPS (Apple GPU) device is available; use --device cpu")
-    return dev

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from ..io import write_json_atomic
 from ..mixers import AFTConv
@@ -559,6 +560,8 @@ def _feed(model: nn.Module, x: Tensor, todo: list[Analysis], batch_size: int) ->
             out = model.forward_trace(xb, return_aux=True)
             if start == 0:
                 logits_diff = float((model.forward_head(out["features"]) - model(xb)).abs().max())
+            out = tree_map(lambda t: t.cpu() if isinstance(t, Tensor) else t, out)  # the analyses work on the CPU
+            if start == 0:
                 for a in list(todo):
                     if (why := a.start(out)) is not None:
                         skipped[a.name] = why

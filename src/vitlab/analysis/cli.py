@@ -15,8 +15,8 @@ from .. import options as opt
 from ..checkpoint import load_model
 from ..data.config import SPEC_HELP
 from ..data.datasets import data_spec
+from ..device import add_device_argument, resolve_device
 from ..io import check_writable_folder
-from ..runtime import resolve_device
 from .analyses import ANALYSES, analyze, parse_what
 from .inputs import load_images
 
@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--num-classes", type=opt.positive_int, help="classes of the head (default: the checkpoint's, else 1000)"
     )
     p.add_argument("--batch-size", type=opt.positive_int, default=8, help="images per forward pass (default: 8)")
-    p.add_argument("--device", type=opt.device, default="cpu", help="torch device (default: cpu)")
+    add_device_argument(p)
     p.add_argument("--seed", type=opt.seed, default=0, help="seed of the random initialisation (default: 0)")
     p.add_argument("--out", default="analysis", help="output folder (default: ./analysis)")
 

@@ -34,8 +34,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..device import add_device_argument, resolve_device
 from ..measure.machine import machine_info, mem_available, usable_cores
-from ..measure.process import GB, MB, PRELOAD, CaseRunner, CaseSkipped, CaseSpec, Prepared, warm_process
+from ..measure.process import (
+    GB,
+    MB,
+    PRELOAD,
+    CaseRunner,
+    CaseSkipped,
+    CaseSpec,
+    Prepared,
+    device_figures,
+    warm_process,
+)
 from ..measure.sweep import (
     Plan,
     csv_list,
@@ -80,7 +91,7 @@ CASE_KEY = ("mixer", "T", "dtype", "mode", "batch", "dim")
 CASE_PARAMS = ("mixer", "T", "dtype", "mode", "batch", "dim", "heads", "window", "kernel")
 # the options a report records
 CONFIG = ("mixers", "tokens", "dim", "batch", "dtypes", "modes", "heads", "window", "kernel")
-CONFIG += ("repeats", "warmup", "max_time", "threads", "timeout")
+CONFIG += ("repeats", "warmup", "max_time", "threads", "timeout", "device")
 
 DEFAULT_TOKENS = (64, 256, 1024)
 # the default run's sweep, on top of the targets' cases: (dtypes, modes, tokens); a few minutes here
@@ -169,8 +180,9 @@ def prepare_case(
     window: int,
     kernel: int,
     seed: int = 0,
+    device: str = "cpu",
 ) -> Prepared:
-    """Build the mixer and its input; return the call to measure (forward, or forward + backward)."""
+    """Build the mixer and its input on ``device``; return the call to measure (forward, or forward + backward)."""
     torch.manual_seed(seed)
     warm_process()
     layout = layout_for(T)
@@ -178,8 +190,8 @@ def prepare_case(
     if module.needs_grid and layout.grid is None:
         raise CaseSkipped(f"needs a grid: T = {T} is neither g² nor 1 + g²")
     dt = DTYPES[dtype]
-    module.to(dt).train(mode == "train")
-    x = torch.randn(batch, T, dim, dtype=dt)
+    module.to(device, dt).train(mode == "train")
+    x = torch.randn(batch, T, dim, dtype=dt, device=device)
     info = {
         "params": sum(p.numel() for p in module.parameters()),
         "kwargs": mixer_kwargs(mixer, dim, T, heads, window, kernel),
@@ -191,7 +203,7 @@ def prepare_case(
             with torch.no_grad():
                 module(x, layout)
 
-        return Prepared(fn, info)
+        return Prepared(fn, info, device=device)
     x.requires_grad_(True)
     grad = torch.randn_like(x)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -204,7 +216,7 @@ def prepare_case(
         reset()  # every step allocates its gradients, as a training step does
         module(x, layout).backward(grad)
 
-    return Prepared(fn, info, reset)
+    return Prepared(fn, info, reset, device=device)
 
 
 # --------------------------------------------------------------------------- memory estimate (before running)
@@ -330,13 +342,15 @@ def measure_case(runner: CaseRunner, c: dict[str, Any], args: argparse.Namespace
         return r
     spec = CaseSpec(
         prepare_case,
-        {k: c[k] for k in CASE_PARAMS},
+        {**{k: c[k] for k in CASE_PARAMS}, "device": args.device},
         warmup=args.warmup,
         repeats=args.repeats,
         max_time=args.max_time,
         threads=args.threads,
     )
     r.update(with_wall_time(lambda: runner.run(spec)))
+    if r["status"] == "ok":
+        r["mem"] = device_figures(r["mem"])
     return r
 
 
@@ -495,12 +509,13 @@ def add_measuring_arguments(parser: argparse.ArgumentParser) -> None:
         help="about this many seconds of timed calls per case: fewer repeats for slow cases, at least 1 (default 3)",
     )
     how.add_argument("--threads", type=Int(1, 1024), default=2, help="torch threads in each case (default 2)")
+    add_device_argument(how, default="cpu")
     how.add_argument(
         "--mem-budget",
         type=positive_float,
         default=8.0,
         help="GB; skip cases estimated to need more (default 8: the machine is shared; capped at 60%% of the "
-        "available memory)",
+        "available memory, of the GPU's free memory on a GPU)",
     )
     how.add_argument(
         "--isolation",
@@ -540,24 +555,26 @@ def resolve(args: argparse.Namespace) -> None:
     require_positive_items(args, ("tokens",))
     if args.heads is not None and (args.heads < 1 or args.dim % args.heads):
         raise ValueError(f"--heads must divide --dim={args.dim}, got {args.heads}")
+    args.device = str(resolve_device(args.device))
 
 
-def memory_budget(gb: float) -> int:
-    """``gb`` in bytes, at most 60 % of the memory available now."""
-    avail = mem_available()
+def memory_budget(gb: float, device: str = "cpu") -> int:
+    """``gb`` in bytes, at most 60 % of the memory available now (of the GPU's free memory on a GPU)."""
+    avail = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else mem_available()
     budget = int(gb * GB)
     return budget if avail is None else min(budget, int(0.6 * avail))
 
 
 def run(args: argparse.Namespace) -> int:
     resolve(args)
-    budget = memory_budget(args.mem_budget)
+    budget = memory_budget(args.mem_budget, args.device)
     plan = plan_cases(args, budget)
     args.out.mkdir(parents=True, exist_ok=True)
     info = {**machine_info(args.threads), "isolation": args.isolation}
     print(
         f"vitlab bench-mixers: {len(plan.cases)} cases, each in a fresh process ({args.isolation}); "
-        f"torch {info['torch']}, {args.threads} threads, {info['cpu']}; memory budget {budget / GB:.1f} GB"
+        f"torch {info['torch']}, {args.threads} threads, {info['cpu']}, on {args.device}; "
+        f"memory budget {budget / GB:.1f} GB"
     )
     results, elapsed = timed_sweep(lambda: run_plan(plan, args, budget), info)
     targets = mixer_targets(results) if args.targets else []

@@ -1,11 +1,18 @@
 """``vitlab bench``: throughput, latency, peak memory, MACs/FLOPs and utilisation of named models.
 
-A case is ``(model, batch, image size, dtype, mode, compiled)``:
+A case is ``(model, batch, image size, dtype, mode, compiled, gradient checkpointing)``, run on the
+``--device`` (the CPU, or a GPU):
 
 * ``mode="infer"``: eval mode, ``torch.inference_mode()``, one forward pass per call;
-  bf16 converts the model and the input to bfloat16;
+  bf16 (fp16: GPU only) converts the model and the input;
 * ``mode="train"``: train mode, forward + cross-entropy + backward + AdamW step
-  per call; bf16 is mixed precision (CPU autocast, fp32 master weights).
+  per call; bf16 / fp16 are mixed precision (autocast, fp32 master weights; fp16 with a gradient
+  scaler; fused AdamW on a GPU); ``--grad-checkpointing`` recomputes every block's activations in the
+  backward pass.
+
+On a GPU every call is timed with CUDA events and a synchronisation, the GEMM yardstick runs on that GPU,
+and the memory pass reports the GPU allocator's peak (``max_memory_allocated`` after a reset) beside the
+host's peak RSS.
 
 Each case runs in fresh processes (:mod:`vitlab.measure.process`): one measures the
 peak resident memory of one call (peak - baseline after setup, allocator made
@@ -56,15 +63,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import options as opt
+from ..device import add_device_argument, resolve_device, time_call
 from ..io import write_csv_atomic
 from ..measure.machine import machine_info
-from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, Timing, warm_process
+from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, Timing, device_figures, warm_process
 from ..measure.sweep import (
     Plan,
     csv_list,
@@ -80,12 +89,15 @@ from ..measure.sweep import (
 )
 from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
+# the low-precision dtypes: inference converts the model to them, training autocasts to them
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("infer", "train")
 # what a case is (with the options of the passes: prepare_case's arguments)
-CASE_KEYS = ("model", "batch", "img_size", "dtype", "mode", "compile")
+CASE_KEYS = ("model", "batch", "img_size", "dtype", "mode", "compile", "grad_checkpointing")
 # the options a report records
-CONFIG = ("models", "batch", "img_size", "dtypes", "modes", "compile", "threads", "repeats", "warmup")
+CONFIG = ("models", "batch", "img_size", "dtypes", "modes", "compile", "grad_checkpointing", "device", "threads")
+CONFIG += ("repeats", "warmup")
 CONFIG += ("omp_wait_policy", "allocator", "max_time", "gemm_rounds")
 DEFINITIONS = {
     "macs": "multiply-accumulates of matmuls and convolutions, one forward pass of the batch (meta device)",
@@ -94,7 +106,8 @@ DEFINITIONS = {
     "util": "model_flops (x3 for a training step) / median call time / the best GEMM rate measured in the run",
     "util_case": "model_flops (x3 for a training step) / median call time / this case's GEMM rate",
     "gemm_flops_per_s": "this case's GEMM rate: median rate of single 2048^3 torch.mm calls over >= 2 s",
-    "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes",
+    "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes; on a GPU the GPU "
+    "allocator's peak over the call and peak - allocated after setup (the host's RSS figures under mem.host)",
 }
 
 
@@ -122,32 +135,37 @@ def prepare_case(
     gemm_rounds: int = 5,
     profile: bool = False,
     seed: int = 0,
+    device: str = "cpu",
+    grad_checkpointing: bool = False,
 ) -> Prepared:
-    """Build the model and its input, run one warm call; return the call to measure.
+    """Build the model and its input on ``device``, run one warm call; return the call to measure.
 
-    With ``gemm`` the machine's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``);
-    ``info["calls"]`` lists the seconds of every call (the first is the setup's warm call). ``info["compile_s"]`` is the first call's time when ``compile``.
-    ``profile``: one more call under the profiler after the warm call, grouped into ``info["profile"]``
-    (:func:`vitlab.measure.profile.profile_call`).
+    With ``gemm`` the device's GEMM rate (same dtype and threads) is measured first (``info["gemm"]``);
+    ``info["calls"]`` lists the seconds of every call (the first is the setup's warm call; on a GPU timed with
+    CUDA events). ``info["compile_s"]`` is the first call's time when ``compile``. ``profile``: one more call
+    under the profiler after the warm call, grouped into ``info["profile"]``
+    (:func:`vitlab.measure.profile.profile_call`). ``grad_checkpointing``: training recomputes each block's
+    activations in the backward pass (``model.set_grad_checkpointing``).
     """
-    import torch
-
     from ..measure.gemm import measure_gemm
 
+    dev = torch.device(device)
     torch.manual_seed(seed)
     warm_process()
-    info: dict[str, Any] = {"threads": torch.get_num_threads()}
+    info: dict[str, Any] = {"threads": torch.get_num_threads(), "device": str(dev)}
     if gemm:
-        info["gemm"] = measure_gemm(dtype, min_calls=gemm_rounds).as_dict()
-    net = build(model, img_size)
-    x = torch.randn(batch, *tuple(net.meta["input_size"]))
-    step, reset = (inference_step if mode == "infer" else training_step)(net, x, dtype == "bf16", compile)
+        info["gemm"] = measure_gemm(dtype, min_calls=gemm_rounds, device=dev).as_dict()
+    net = build(model, img_size).to(dev)
+    if grad_checkpointing:
+        if not hasattr(net, "set_grad_checkpointing"):
+            raise NotImplementedError(f"{model} has no set_grad_checkpointing()")
+        net.set_grad_checkpointing(True)
+    x = torch.randn(batch, *tuple(net.meta["input_size"]), device=dev)
+    step, reset = (inference_step if mode == "infer" else training_step)(net, x, dtype, compile)
     calls: list[float] = []
 
     def timed_step() -> None:
-        t0 = time.perf_counter()
-        step()
-        calls.append(time.perf_counter() - t0)
+        calls.append(time_call(step, dev))
 
     timed_step()  # warm call: lazy initialisation, optimizer state, compilation
     info["first_call_s"] = calls[0]
@@ -156,21 +174,21 @@ def prepare_case(
 
         for _ in range(2):  # the allocator's heap reaches its steady state (no first-touch page faults)
             step()
-        info["profile"] = profile_call(step)
+        info["profile"] = profile_call(step, dev)
     if compile:
         info["compile_s"] = calls[0]
     info["loadavg"] = os.getloadavg()
     info["calls"] = calls  # filled in as the calls run (info is written out after the timed calls)
-    return Prepared(timed_step, info, reset)
+    return Prepared(timed_step, info, reset, device=str(dev))
 
 
-def inference_step(net: Any, x: Any, bf16: bool, compile: bool) -> tuple[Callable[[], None], None]:
-    """One forward pass in eval mode under ``torch.inference_mode()``; bf16 converts the model and the input."""
-    import torch
-
+def inference_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callable[[], None], None]:
+    """One forward pass in eval mode under ``torch.inference_mode()``; bf16/fp16 convert the model and the
+    input."""
     net.eval()
-    if bf16:
-        net, x = net.to(torch.bfloat16), x.to(torch.bfloat16)
+    if dtype != "fp32":
+        low = LOW_PRECISION[dtype]
+        net, x = net.to(low), x.to(low)
     fwd = torch.compile(net) if compile else net
 
     def step() -> None:
@@ -180,24 +198,30 @@ def inference_step(net: Any, x: Any, bf16: bool, compile: bool) -> tuple[Callabl
     return step, None
 
 
-def training_step(net: Any, x: Any, bf16: bool, compile: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-    """Forward, cross-entropy, backward and an AdamW step in train mode (bf16: CPU autocast, fp32 weights),
-    and the reset that frees the gradients a step leaves."""
-    import torch
+def training_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Forward, cross-entropy, backward and an AdamW step in train mode (bf16/fp16: autocast, fp32 weights;
+    fp16 with a gradient scaler; fused AdamW on a GPU), and the reset that frees the gradients a step leaves."""
     import torch.nn.functional as F
+
+    from ..device import autocast, grad_scaler
+    from ..optim import fused_available
 
     net.train()
     fwd = torch.compile(net) if compile else net
-    labels = torch.randint(0, getattr(net, "num_classes", 1000) or 1, (x.shape[0],))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
+    labels = torch.randint(0, getattr(net, "num_classes", 1000) or 1, (x.shape[0],), device=x.device)
+    fused = fused_available(x.device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=None if fused else True, fused=fused or None)
+    low = LOW_PRECISION.get(dtype)
+    scaler = grad_scaler(x.device, low)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)  # every step allocates its gradients, as training does
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with autocast(x.device, low):
             out = fwd(x)
             loss = F.cross_entropy(out if isinstance(out, torch.Tensor) else out[0], labels)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     def reset() -> None:
         opt.zero_grad(set_to_none=True)
@@ -235,15 +259,19 @@ def model_facts(name: str, img_size: int | None, batch: int) -> dict[str, Any]:
 def plan_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every model over every chosen setting."""
     plan = Plan(CASE_KEYS)
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    compiles, ckpts = SWITCH[args.compile], SWITCH[args.grad_checkpointing]
     for name in args.models:
         for mode in args.modes:
             for dtype in args.dtypes:
-                for comp in compiles:
+                for comp, ckpt in ((c, g) for c in compiles for g in (ckpts if mode == "train" else [False])):
                     for size in args.img_size or [None]:
                         for b in args.batch:
-                            plan.add("sweep", model=name, batch=b, img_size=size, dtype=dtype, mode=mode, compile=comp)
+                            case = dict(dtype=dtype, mode=mode, compile=comp, grad_checkpointing=ckpt)
+                            plan.add("sweep", model=name, batch=b, img_size=size, **case)
     return plan.cases
+
+
+SWITCH = {"off": [False], "on": [True], "both": [False, True]}
 
 
 # --------------------------------------------------------------------------- running
@@ -255,15 +283,15 @@ def run_plan(cases: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
     width = max(len(c["model"]) for c in cases)
 
     def label(c: dict[str, Any]) -> str:
-        compiled = " compiled" if c["compile"] else ""
+        options = " compiled" * c["compile"] + " grad-ckpt" * c["grad_checkpointing"]
         return (
             f"{c['model']:<{width}} {c['mode']:<5} {c['dtype']} B={c['batch']:<3} "
-            f"{facts[facts_key(c)]['img_size']}px{compiled}"
+            f"{facts[facts_key(c)]['img_size']}px{options}"
         )
 
     def measure(c: dict[str, Any]) -> dict[str, Any]:
         r: dict[str, Any] = {**c, **facts[facts_key(c)]}
-        params = {**{k: c[k] for k in CASE_KEYS}, "img_size": r["img_size"]}
+        params = {**{k: c[k] for k in CASE_KEYS}, "img_size": r["img_size"], "device": args.device}
         r.update(with_wall_time(lambda: run_case(runner, params, args)))
         derive(r)
         return r
@@ -292,7 +320,7 @@ def run_case(runner: CaseRunner, params: dict[str, Any], args: argparse.Namespac
         if res["status"] != "ok":
             return {**res, "pass": name}
         if name == "memory":
-            out["mem"] = res["mem"]
+            out["mem"] = device_figures(res["mem"])
         else:
             out["mem_timed"] = res["mem"].get("timed")
             out["time_s"], out["info"] = res["time_s"], res["info"]
@@ -337,7 +365,7 @@ def describe(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return f"{r['status']} ({r.get('reason', '')})"
     util = f"{100 * r['util']:.0f} %" if r.get("util") is not None else "-"
-    mem = f", +{fmt_mem(r['mem']['delta'])} peak" if r.get("mem") else ""
+    mem = f", +{fmt_mem(r['mem']['delta'])} peak{' (GPU)' * ('host' in r['mem'])}" if r.get("mem") else ""
     return (
         f"{r['throughput']:.3g} img/s, {fmt_time(r['time_s']['median'])}/batch (IQR "
         f"{fmt_time(r['time_s']['iqr'])}, n={r['time_s']['n']}){mem}, util {util} of "
@@ -352,6 +380,7 @@ COLUMNS = (
     ("mode", "mode", "{}"),
     ("dtype", "dtype", "{}"),
     ("compile", "comp", "{}"),
+    ("grad_checkpointing", "ckpt", "{}"),
     ("batch", "B", "{}"),
     ("img_size", "img", "{}"),
     ("tokens", "tokens", "{}"),
@@ -380,6 +409,7 @@ def flat_row(r: dict[str, Any]) -> dict[str, Any]:
         "mode": r["mode"],
         "dtype": r["dtype"],
         "compile": r["compile"],
+        "grad_checkpointing": r.get("grad_checkpointing", False),
         "batch": b,
         "img_size": r.get("img_size"),
         "tokens": r.get("tokens"),
@@ -416,7 +446,7 @@ def table(results: list[dict[str, Any]]) -> str:
             v = row.get(key)
             line.append("-" if v is None else fmt.format("y" if v is True else "n" if v is False else v))
         if row["status"] != "ok":
-            line[10] = row["status"]
+            line[[key for key, _, _ in COLUMNS].index("throughput")] = row["status"]
         cells.append(line)
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     text = [
@@ -471,7 +501,7 @@ def plot_panels(
         for r in ok:
             if (r["mode"], r["dtype"]) != (mode, dtype) or r.get(xkey) is None or value(r) is None:
                 continue
-            label = f"{r['model']} B={r['batch']}" + (" compiled" if r["compile"] else "")
+            label = f"{r['model']} B={r['batch']}" + " compiled" * r["compile"] + " grad-ckpt" * r["grad_checkpointing"]
             lines.setdefault(label, []).append((r[xkey], value(r)))
         for label, pts in sorted(lines.items()):
             pts.sort()
@@ -498,9 +528,8 @@ def write_profiles(results: list[dict[str, Any]], out: Path) -> dict[str, Path]:
         prof = r["info"]["profile"] = with_yardstick(
             prof, r.get("gemm_flops_per_s"), passes * r["count"]["model_flops"]
         )
-        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px" + (
-            "_compiled" if r["compile"] else ""
-        )
+        name = f"{r['model']}_{r['mode']}_{r['dtype']}_b{r['batch']}_{r['img_size']}px"
+        name += "_compiled" * r["compile"] + "_gradckpt" * r["grad_checkpointing"]
         text = profile_text(name, prof)
         paths[f"profile {name}"] = write_text(out / f"profile_{name}.txt", text)
         print("\n" + "\n".join(text.splitlines()[:10]))
@@ -543,7 +572,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--img-size", type=csv_list(opt.image_size), default=None, help="input resolutions (default: the model's)"
     )
-    p.add_argument("--dtypes", type=csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16 (default fp32)")
+    p.add_argument(
+        "--dtypes", type=csv_list(str, DTYPES), default=["fp32"], help="fp32,bf16,fp16 (fp16: GPU only; default fp32)"
+    )
     p.add_argument("--modes", type=csv_list(str, MODES), default=["infer"], help="infer,train (default infer)")
     p.add_argument(
         "--compile",
@@ -553,6 +584,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("off", "on", "both"),
         help="torch.compile the model (--compile = on; 'both' also runs eager)",
     )
+    p.add_argument(
+        "--grad-checkpointing",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "both"),
+        help="training cases recompute each block's activations in the backward pass (model.set_grad_checkpointing; "
+        "--grad-checkpointing = on; 'both' also runs without)",
+    )
+    add_device_argument(p, default="cpu")
     p.add_argument("--threads", type=opt.Int(1, 1024), default=2, help="torch threads per case (default 2)")
     p.add_argument("--repeats", type=opt.positive_int, default=5, help="timed calls per case (default 5)")
     p.add_argument(
@@ -618,6 +659,9 @@ def resolve(args: argparse.Namespace) -> None:
     if any(b < 1 for b in args.batch):
         raise ValueError(f"--batch sizes must be >= 1, got {args.batch}")
     require_positive_items(args, ("img_size",))
+    args.device = str(resolve_device(args.device))
+    if "fp16" in args.dtypes and args.device == "cpu":
+        raise ValueError("--dtypes fp16 needs a GPU (--device cuda); use bf16 on the CPU")
 
 
 def apply_wait_policy(choice: str | None) -> str | None:

@@ -70,8 +70,15 @@ class Block(nn.Module):
         mixed = self.mixer(self._norm(self.norm1, x), layout, attn_prev=attn_prev, return_aux=return_aux)
         mixed, aux = mixed if return_aux else (mixed, {})
         x = self._residual(x, mixed, self.ls1, self.drop_path1)
-        x = self._residual(x, self.mlp(self._norm(self.norm2, x)), self.ls2, self.drop_path2)
+        if type(self.mlp) is Mlp and self._plain_residual(self.ls2, self.drop_path2):
+            x = self.mlp(self._norm(self.norm2, x), residual=x)  # x + MLP(...): fused in bf16 inference
+        else:
+            x = self._residual(x, self.mlp(self._norm(self.norm2, x)), self.ls2, self.drop_path2)
         return (x, aux) if return_aux else x
+
+    def _plain_residual(self, ls: nn.Module, drop: DropPath) -> bool:
+        """Whether the residual branch is a plain ``x + y`` (no scale, no LayerScale, no active drop-path)."""
+        return self.residual_scale == 1.0 and not isinstance(ls, LayerScale) and not (drop.p > 0.0 and drop.training)
 
     # Speed: the scale s, LayerScale and the residual add cost one full pass over the tokens each; on CPU
     # these passes are a good part of a block's time, so they are folded into the norm and the add.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..mixers.base import fused_linear, fuses_linear
+
 
 class Mlp(nn.Module):
     """``fc2(drop(act(fc1(x))))``: the transformer FFN; GELU is the exact (erf) form as in every reference."""
@@ -25,7 +27,20 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, out_dim or dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The FFN of ``x``; with ``residual``, ``residual + FFN(x)`` (the block's addition, fused into fc2's
+        product in bf16 inference)."""
+        if self._fuses(x):  # bf16 inference on the CPU: bias, GELU and the residual inside the products
+            return fused_linear(self.fc2, fused_linear(self.fc1, x, gelu=True), residual=residual)
+        y = self._ffn(x)
+        return y if residual is None else residual + y
+
+    def _fuses(self, x: Tensor) -> bool:
+        exact_gelu = type(self.act) is nn.GELU and self.act.approximate == "none"
+        no_dropout = not self.training or (self.drop1.p == 0 and self.drop2.p == 0)
+        return exact_gelu and no_dropout and fuses_linear(x, self.fc1.weight)
+
+    def _ffn(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
         if type(self.act) is nn.GELU and not (torch.is_grad_enabled() and h.requires_grad):
             # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation

@@ -10,7 +10,9 @@ use much less memory than it). One case = one training step (forward, cross-entr
 AdamW step, dropout 0.1) in a **fresh process** (:mod:`vitlab.measure.process`): its time (the fastest of the
 timed steps over ``--rounds`` interleaved runs: other processes only add time) and its memory = peak resident memory - resident memory before the model was built, measured
 after a warm-up step of a tiny model (so: weights, gradients, optimizer state and activations; the paper's
-GB/GPU counts the same things).
+GB/GPU counts the same things). ``--dtypes bf16`` runs the step under bf16 autocast (fp16: autocast and a
+gradient scaler, GPU only); ``--device cuda`` runs it on a GPU, timed with CUDA events, its memory the GPU
+allocator's peak - what was allocated before the model was built.
 
 Ratios are taken against the Transformer of the same run and T, measured side by side. Targets
 (:mod:`vitlab.lm.targets`): AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step
@@ -22,15 +24,19 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import options as opt
+from ..device import add_device_argument, resolve_device
+from ..measure.machine import machine_info
 from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, current_rss_bytes
 from ..measure.sweep import (
+    csv_list,
     options,
     require_at_least,
     require_positive_items,
@@ -50,46 +56,66 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "transformer_flash": ("transformer_cifar", {"attn_drop": 0.0}),
 }
 BASELINE = "transformer"
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def prepare_case(
-    model: str, T: int, layers: int, dim: int, batch: int, dropout: float = 0.1, seed: int = 0
+    model: str,
+    T: int,
+    layers: int,
+    dim: int,
+    batch: int,
+    dropout: float = 0.1,
+    seed: int = 0,
+    dtype: str = "fp32",
+    device: str = "cpu",
 ) -> Prepared:
-    """Build the model, its AdamW optimizer and a batch of sub-pixel sequences; return one training step."""
+    """Build the model, its AdamW optimizer and a batch of sub-pixel sequences on ``device``; return one
+    training step (autocast to ``dtype`` unless fp32)."""
     import torch
 
-    from ..optim import create_optimizer
     from .model import create_lm, lm_config
 
+    dev = torch.device(device)
     name, extra = MODELS[model]
     kind, opts = lm_config(name)["mixer"]
     # what every case starts on its first step (thread pool, autograd engine, lazily imported modules, optimizer
     # code) is started before the reference memory, so that it is not counted as the model's
     for warm in ("tiny_aft_local", "tiny_transformer"):
-        _step(create_lm(warm, max_len=32), torch.randint(0, 256, (1, 32)), create_optimizer)()
+        _step(create_lm(warm, max_len=32).to(dev), torch.randint(0, 256, (1, 32), device=dev), dtype)()
     gc.collect()
     before = current_rss_bytes()
+    gpu_before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     torch.manual_seed(seed)
     lm = create_lm(name, depth=layers, dim=dim, max_len=T, dropout=dropout, mixer=(kind, {**opts, **extra}))
-    step = _step(lm, torch.randint(0, 256, (batch, T)), create_optimizer)
+    step = _step(lm.to(dev), torch.randint(0, 256, (batch, T), device=dev), dtype)
     info = {
         "params": sum(p.numel() for p in lm.parameters()),
         "mixer": [kind, {**opts, **extra}],
         "rss_before_model": before,
+        "cuda_before_model": gpu_before,
     }
-    return Prepared(step, info)
+    return Prepared(step, info, device=str(dev))
 
 
-def _step(lm, seqs, create_optimizer):
-    """One training step of ``lm`` on ``seqs``: loss, backward, AdamW (lr 3e-3, wd 0.1)."""
+def _step(lm, seqs, dtype: str):
+    """One training step of ``lm`` on ``seqs``: loss (under autocast to ``dtype`` unless fp32), backward,
+    AdamW (lr 3e-3, wd 0.1; fused on a GPU)."""
+    from ..device import autocast, grad_scaler
+    from ..optim import create_optimizer
+
     lm.train()
     opt = create_optimizer(lm, 3e-3, 0.1)
+    low = LOW_PRECISION.get(dtype)
+    scaler = grad_scaler(seqs.device, low)
 
     def step() -> None:
-        loss = lm.loss(seqs)
+        with autocast(seqs.device, low):
+            loss = lm.loss(seqs)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
 
     return step
 
@@ -115,6 +141,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="blocks L (paper 24; fewer keeps the run short, ratios stay side by side)",
     )
     p.add_argument("--dim", type=opt.positive_int, default=256, help="width d (paper 256)")
+    p.add_argument(
+        "--dtypes",
+        type=csv_list(str, ("fp32", *LOW_PRECISION)),
+        default=["fp32"],
+        help="fp32,bf16,fp16: the step in fp32, or under autocast (fp16 with a gradient scaler, GPU only; default fp32)",
+    )
+    add_device_argument(p, default="cpu")
     p.add_argument("--batch", type=opt.positive_int, default=1, help="sequences per step (paper 32 on 8 GPUs)")
     p.add_argument("--warmup", type=opt.non_negative_int, default=1, help="untimed steps per case")
     p.add_argument("--repeats", type=opt.positive_int, default=2, help="timed steps per case")
@@ -137,8 +170,9 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
         models.append(BASELINE)
     # side by side: for each T, every model once per round
     cases = [
-        {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch, "round": k}
+        {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch, "dtype": d, "round": k}
         for t in args.tokens
+        for d in args.dtypes
         for k in range(args.rounds)
         for m in models
     ]
@@ -146,18 +180,23 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
         return run_sweep(
             cases,
             lambda c: measure_case(runner, c, args),
-            lambda c: f"{c['model']:<20} T={c['T']:<5} L={c['layers']} d={c['dim']} B={c['batch']}",
+            lambda c: f"{c['model']:<20} T={c['T']:<5} {c['dtype']} L={c['layers']} d={c['dim']} B={c['batch']}",
             describe,
         )
 
 
 def measure_case(runner: CaseRunner, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """One training step's time and memory: peak RSS - RSS before the model was built (``mem_mb``)."""
-    params = {k: v for k, v in case.items() if k != "round"}
+    """One training step's time and memory (``mem_mb``): peak RSS - RSS before the model was built, or on a
+    GPU the allocator's peak - what was allocated before the model was built."""
+    params = {**{k: v for k, v in case.items() if k != "round"}, "device": args.device}
     spec = CaseSpec(prepare_case, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
     r = {**case, "loadavg_1m": os.getloadavg()[0], **with_wall_time(lambda: runner.run(spec))}
     if r["status"] == "ok":
-        r["mem_mb"] = (r["mem"]["peak"] - (r["info"]["rss_before_model"] or r["mem"]["import"])) / MB
+        mem, info = r["mem"], r["info"]
+        if "cuda" in mem:
+            r["mem_mb"] = (mem["cuda"]["peak"] - info["cuda_before_model"]) / MB
+        else:
+            r["mem_mb"] = (mem["peak"] - (info["rss_before_model"] or mem["import"])) / MB
     return r
 
 
@@ -170,17 +209,18 @@ def describe(r: dict[str, Any]) -> str:
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (model, T) over its rounds: ``step_s`` = the fastest timed step (load from other
     processes only ever adds time), ``median_s`` over all timed steps, ``mem_mb`` = the largest peak."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in results:
         if r["status"] == "ok":
-            groups.setdefault((r["model"], r["T"]), []).append(r)
+            groups.setdefault((r["model"], r["T"], r.get("dtype", "fp32")), []).append(r)
     out = []
-    for (model, t), rs in groups.items():
+    for (model, t, dtype), rs in groups.items():
         times = [x for r in rs for x in r["time_s"]["times"]]
         out.append(
             {
                 "model": model,
                 "T": t,
+                "dtype": dtype,
                 "status": "ok",
                 "step_s": min(times),
                 "median_s": statistics.median(times),
@@ -192,17 +232,23 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (model, T): memory / the Transformer's and speed = the Transformer's step time / the model's."""
-    base = {r["T"]: r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
+    """Per (model, T, dtype): memory / the Transformer's and speed = the Transformer's step time / the model's
+    (the Transformer of the same T and dtype)."""
+
+    def key(r: dict[str, Any]) -> tuple[int, str]:
+        return r["T"], r.get("dtype", "fp32")
+
+    base = {key(r): r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
     rows = []
     for r in results:
-        b = base.get(r["T"])
+        b = base.get(key(r))
         if r["status"] != "ok" or b is None:
             continue
         rows.append(
             {
                 "model": r["model"],
                 "T": r["T"],
+                "dtype": key(r)[1],
                 "step_s": r["step_s"],
                 "median_s": r.get("median_s"),
                 "mem_mb": r["mem_mb"],
@@ -215,18 +261,18 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
     lines = [
-        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T; "
-        "step = fastest timed step, median in brackets)",
+        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T and "
+        "dtype; step = fastest timed step, median in brackets)",
         "",
-        "| model | T | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
-        "|---|---|---|---|---|---|---|",
+        "| model | T | dtype | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = PAPER.get(r["model"])
         paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p and r["T"] == TARGET_T else ""
         med = f" ({r['median_s']:.2f})" if r.get("median_s") else ""
         lines.append(
-            f"| {r['model']} | {r['T']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
+            f"| {r['model']} | {r['T']} | {r['dtype']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
             f"{r['speed_ratio']:.2f}x | {paper} |"
         )
     return "\n".join(lines)
@@ -238,6 +284,9 @@ def resolve(args: argparse.Namespace) -> None:
         args.layers, args.dim, args.tokens, args.repeats = 1, 64, [256, 512], 1
     require_at_least(args, ("layers", "dim", "batch", "repeats", "rounds"))
     require_positive_items(args, ("tokens",))
+    args.device = str(resolve_device(args.device))
+    if "fp16" in args.dtypes and args.device == "cpu":
+        raise ValueError("--dtypes fp16 needs a GPU (--device cuda); use bf16 on the CPU")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,8 +302,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
-        "settings": options(args, ("tokens", "layers", "dim", "batch", "warmup", "repeats", "rounds", "threads")),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "settings": options(
+            args, ("tokens", "layers", "dim", "batch", "dtypes", "device", "warmup", "repeats", "rounds", "threads")
+        ),
+        "machine": {**machine_info(args.threads), "loadavg_end": os.getloadavg()},
         "seconds": time.time() - start,
         "results": results,
         "ratios": rows,

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .. import options as opt
+from ..device import AMP_CHOICES, add_device_argument, amp_dtype, resolve_device
 from ..io import atomic_open, check_writable_file, write_json_atomic
 
 FULL_BIAS = "full"  # --bias-dim full: a full T x T position bias (AFT Table 3)
@@ -66,10 +67,25 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         ("img_size", opt.image_size, "images: average-pool to this side first (quick runs)"),
         ("seed", opt.seed, "seed of the weights and the data order"),
         ("threads", opt.threads, "torch threads (0: torch's default)"),
+        ("accum_steps", opt.positive_int, "micro-batches per optimisation step (gradient accumulation)"),
     ):
         default = getattr(d, name)
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--no-augment", dest="augment", action="store_false", help="images: no flip/shift augmentation")
+    add_device_argument(p)
+    p.add_argument(
+        "--amp",
+        choices=AMP_CHOICES,
+        default=d.amp,
+        help="autocast: auto = fp16 with a gradient scaler on a GPU, none on the CPU; bf16 on CPU or GPU "
+        f"(default {d.amp})",
+    )
+    p.add_argument("--fsdp", action="store_true", help="under torchrun: shard the model over the processes (FSDP2)")
+    p.add_argument("--tf32", action="store_true", help="GPU: TF32 tensor cores for fp32 matrix products")
+    p.add_argument(
+        "--grad-checkpointing", action="store_true", help="recompute each block's activations in the backward pass"
+    )
+    p.add_argument("--tensorboard", action="store_true", help="also write the metrics to OUT/tb (tensorboard extra)")
     start = p.add_mutually_exclusive_group()  # continue the run in --out, or start over: not both
     start.add_argument("--resume", action="store_true", help="continue the run in --out from its last.pt")
     start.add_argument("--force", action="store_true", help="start over even if --out holds a run (moved aside)")
@@ -91,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--batch-size", type=opt.positive_int, default=16)
     e.add_argument("--json", default=None, help="write the figures to this JSON file")
     e.add_argument("--threads", type=opt.threads, default=0)
+    add_device_argument(e)
+    e.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype (fp16: GPU)")
 
     s = sub.add_parser("sample", help="generate text, or images as a PNG grid, by incremental decoding")
     s.add_argument("checkpoint")
@@ -116,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "images to samples.png next to the checkpoint)",
     )
     s.add_argument("--threads", type=opt.threads, default=0)
+    add_device_argument(s)
 
     from .bench import add_arguments as bench_args
 
@@ -136,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ..distributed import close_distributed, current_world
     from .train import LMTrainConfig, train
 
     overrides = {k: getattr(args, k) for k in [*MODEL_FLAGS, "tie_head"] if getattr(args, k) is not None}
@@ -145,7 +165,12 @@ def _train(args: argparse.Namespace) -> int:
     cfg = LMTrainConfig(
         **{k: getattr(args, k) for k in fields}, out=args.out or f"runs/lm/{args.model}", overrides=overrides
     )
-    result = train(cfg, log=lambda s: print(s, flush=True))
+    try:
+        result = train(cfg, log=lambda s: print(s, flush=True))
+    finally:
+        close_distributed()
+    if not current_world().main:
+        return 0
     print(f"wrote {Path(cfg.out) / 'metrics.json'} and {Path(cfg.out) / 'last.pt'}")
     return 0 if result["final"] else 1
 
@@ -163,6 +188,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         check_writable_file(args.json, "--json")
     model, ckpt = load_lm(args.checkpoint)
+    device = resolve_device(args.device)
+    model.to(device)
     data = _data_for(ckpt, args.data)
     unit = "bits/dim" if data.kind == "images" else "bits/char"
     res = {
@@ -171,8 +198,9 @@ def _eval(args: argparse.Namespace) -> int:
         "step": ckpt["step"],
         "unit": unit,
     }
+    dtype = amp_dtype(args.amp, device)
     for split in args.split:
-        res[f"{split}_bits"] = evaluate(model, data, split, args.batch_size, args.eval_symbols or None)
+        res[f"{split}_bits"] = evaluate(model, data, split, args.batch_size, args.eval_symbols or None, dtype)
         print(f"{split}: {res[f'{split}_bits']:.4f} {unit}")
     if args.json:
         write_json_atomic(args.json, res, indent=2)
@@ -189,8 +217,10 @@ def _sample(args: argparse.Namespace) -> int:
     if args.out:
         check_writable_file(args.out)
     model, ckpt = load_lm(args.checkpoint)
+    device = resolve_device(args.device)
+    model.to(device)
     info = ckpt["data"]
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     images = info["kind"] == "images"
     if args.prompt_rows and not images:
         raise ValueError("--prompt-rows completes images, but this is a text model; start the samples with --prompt")
@@ -210,7 +240,7 @@ def _sample(args: argparse.Namespace) -> int:
             raise ValueError(f"an image needs {info['seq_len']} symbols; got prompt {k} + length {length}")
         seq = generate(model, length, prompt, args.num, args.temperature, args.top_k, gen)
         out = Path(args.out) if args.out else Path(ckpt["path"]).with_name("samples.png")
-        save_grid(sequences_to_images(seq.to(torch.uint8), size, ch), out)
+        save_grid(sequences_to_images(seq.cpu().to(torch.uint8), size, ch), out)
         print(f"wrote {out} ({args.num} samples{f', completed from {args.prompt_rows} rows' if k else ''})")
         return 0
     prompt = None
@@ -218,7 +248,7 @@ def _sample(args: argparse.Namespace) -> int:
         prompt = torch.tensor(list(args.prompt.encode()))[None].repeat(args.num, 1)
     length = args.length or min(200, model.max_len - (0 if prompt is None else prompt.shape[1]))
     seq = generate(model, length, prompt, args.num, args.temperature, args.top_k, gen)
-    texts = [bytes(row.tolist()) for row in seq.to(torch.uint8)]
+    texts = [bytes(row.tolist()) for row in seq.cpu().to(torch.uint8)]
     if args.out:
         with atomic_open(args.out, "wb") as f:
             f.write(b"\n\n".join(texts) + b"\n")

@@ -19,10 +19,10 @@ TARGET_T, TARGET_MEM, TARGET_SPEED = 3072, 0.6, 1.0
 
 
 def judge(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The verdict for each AFT-local variant measured at T = 3072 (against the SDPA Transformer)."""
+    """The verdict for each AFT-local variant measured at T = 3072 in fp32 (against the SDPA Transformer)."""
     out = {}
     for r in rows:
-        if r["model"].startswith("aft_local") and r["T"] == TARGET_T:
+        if r["model"].startswith("aft_local") and r["T"] == TARGET_T and r.get("dtype", "fp32") == "fp32":
             out[r["model"]] = {
                 "mem_ratio": r["mem_ratio"],
                 "mem_target": TARGET_MEM,
@@ -35,7 +35,7 @@ def judge(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
     if not verdict:
-        return [f"Targets not checked: no AFT-local and Transformer pair at T = {TARGET_T}."]
+        return [f"Targets not checked: no fp32 AFT-local and Transformer pair at T = {TARGET_T}."]
     lines = []
     for model, v in verdict.items():
         lines.append(
@@ -43,10 +43,11 @@ def verdict_lines(verdict: dict[str, dict[str, Any]], rows: list[dict[str, Any]]
             f"{'met' if v['mem_met'] else 'NOT met'}), speed {v['speed_ratio']:.2f}x (> 1: "
             f"{'met' if v['speed_met'] else 'NOT met'})."
         )
-    flash = next((r for r in rows if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
+    fp32 = [r for r in rows if r.get("dtype", "fp32") == "fp32"]
+    flash = next((r for r in fp32 if r["model"] == "transformer_flash" and r["T"] == TARGET_T), None)
     if flash:
         for model in verdict:
-            mine = next(r for r in rows if r["model"] == model and r["T"] == TARGET_T)
+            mine = next(r for r in fp32 if r["model"] == model and r["T"] == TARGET_T)
             lines.append(
                 f"Against the Transformer without attention dropout (flash kernel, no maps): {model} memory "
                 f"{mine['mem_mb'] / flash['mem_mb']:.2f}x, speed {flash['step_s'] / mine['step_s']:.2f}x."

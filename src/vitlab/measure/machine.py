@@ -27,7 +27,8 @@ def usable_cores() -> int:
 
 
 def machine_info(threads: int | None = None) -> dict[str, Any]:
-    """What the figures were measured on: versions, CPU model, cores (and those this process may use), memory."""
+    """What the figures were measured on: versions, CPU model, cores (and those this process may use), memory,
+    the GPUs present."""
     import torch
 
     cpu = platform.processor()
@@ -45,4 +46,5 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "threads": threads,
         "mem_total_bytes": _meminfo("MemTotal"),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }

@@ -1,7 +1,8 @@
 """Measuring helpers shared by the benchmarks: timing and honest peak memory.
 
 * :func:`time_callable` times a zero-argument callable (warmup, then repeats)
-  and summarises the wall times robustly (median and inter-quartile range).
+  and summarises the times robustly (median and inter-quartile range); on a GPU
+  each call is timed with CUDA events and a synchronisation (:func:`vitlab.device.time_call`).
 * :class:`CaseRunner` (or :func:`run_case`) runs a benchmark case in **fresh
   processes**, so its peak resident memory is its own (no allocator caches or
   earlier peaks of other cases). A case is its setup function (module-level, so
@@ -38,12 +39,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import torch
+
+from ..device import device_memory, reset_peak_memory, time_call
 from ..runtime import allocator_policy, keep_freed_memory, return_freed_memory
 
 MB = 1024 * 1024
@@ -159,8 +162,10 @@ def time_callable(
     warmup: int = 1,
     repeats: int = 5,
     max_time: float | None = None,
+    device: str | torch.device = "cpu",
 ) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeats`` timed ones.
+    """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeats`` timed ones, each timed on ``device``
+    (:func:`vitlab.device.time_call`: CUDA events and a synchronisation on a GPU, the wall clock on the CPU).
 
     With ``max_time`` (seconds), the number of timed calls is cut so that they
     take about that long in total (estimated from the slowest warmup call), but
@@ -168,20 +173,12 @@ def time_callable(
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    slowest = 0.0
-    for _ in range(warmup):
-        t0 = time.perf_counter()
-        fn()
-        slowest = max(slowest, time.perf_counter() - t0)
+    dev = torch.device(device)
+    slowest = max((time_call(fn, dev) for _ in range(warmup)), default=0.0)
     n = repeats
     if max_time is not None and slowest > 0:
         n = min(repeats, max(1, round(max_time / slowest)))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return Timing(times, warmup)
+    return Timing([time_call(fn, dev) for _ in range(n)], warmup)
 
 
 # --------------------------------------------------------------------------- cases in a fresh process
@@ -199,6 +196,8 @@ class Prepared:
     info: dict[str, Any] = field(default_factory=dict)
     #: frees what a call leaves behind (e.g. gradients), run before each baseline is taken
     reset: Callable[[], None] | None = None
+    #: where the call runs: timed with CUDA events there, and its GPU memory measured beside the RSS
+    device: str = "cpu"
 
 
 @dataclass
@@ -339,6 +338,12 @@ class CaseRunner:
         return int(line.split()[1]) if line else "the case server died"
 
 
+def device_figures(mem: dict[str, Any]) -> dict[str, Any]:
+    """The memory figures of the device a case ran on: the GPU allocator's (``mem["cuda"]``) for a GPU case,
+    with the host's figures under ``"host"``; ``mem`` itself for a CPU case."""
+    return {**mem["cuda"], "host": {k: v for k, v in mem.items() if k != "cuda"}} if "cuda" in mem else mem
+
+
 def run_case(spec: CaseSpec, *, isolation: str = "forkserver", timeout: float = 600.0) -> dict[str, Any]:
     """Run one case in a fresh process (see :meth:`CaseRunner.run`)."""
     with CaseRunner(isolation, timeout) as runner:
@@ -401,8 +406,6 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     elif spec.allocator == "keep":
         keep_freed_memory()
     if spec.threads:
-        import torch
-
         torch.set_num_threads(spec.threads)
     import_rss = current_rss_bytes() or 0
     try:
@@ -414,6 +417,9 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     if not isinstance(prepared, Prepared):
         prepared = Prepared(prepared)
     _release(prepared)
+    device = torch.device(prepared.device)
+    reset_peak_memory(device)
+    gpu_baseline = device_memory(device)
     reset = reset_peak_rss()
     baseline = current_rss_bytes() or 0  # 0 without /proc: the peak is all we know
     out: dict[str, Any] = {"status": "ok", "info": prepared.info}
@@ -421,7 +427,9 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
         if name == "memory":
             prepared.fn()
         else:
-            timing = time_callable(prepared.fn, warmup=spec.warmup, repeats=spec.repeats, max_time=spec.max_time)
+            timing = time_callable(
+                prepared.fn, warmup=spec.warmup, repeats=spec.repeats, max_time=spec.max_time, device=device
+            )
             out["time_s"] = timing.summary()
     except NotImplementedError as e:
         return {"status": "not_implemented", "reason": str(e) or "not implemented", "info": prepared.info}
@@ -430,6 +438,10 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     peak = max(peak_rss_bytes(), baseline)
     out["mem"] = {"baseline": baseline, "peak": peak, "delta": peak - baseline}
     out["mem"]["allocator"] = allocator_policy()
+    if gpu_baseline is not None:  # the GPU allocator's peak over the call(s): the memory a GPU case needs
+        gpu = device_memory(device)
+        out["mem"]["cuda"] = {"baseline": gpu_baseline["allocated"], "peak": gpu["peak"]}
+        out["mem"]["cuda"]["delta"] = gpu["peak"] - gpu_baseline["allocated"]
     if name == "memory":
         allocator = "glibc, fixed mmap threshold 128 KiB" if tight else "default"
         out["mem"].update(**{"import": import_rss}, peak_reset=reset, allocator=allocator)

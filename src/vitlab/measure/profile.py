@@ -67,23 +67,27 @@ def op_flops(name: str, shapes: list[list[int]]) -> float:
     return 0.0
 
 
-def profile_call(fn: Callable[[], Any], top: int = 12, calls: int = 3) -> dict[str, Any]:
+def profile_call(fn: Callable[[], Any], device: Any = "cpu", top: int = 12, calls: int = 3) -> dict[str, Any]:
     """Profile ``calls`` separate calls of ``fn`` and keep the fastest (other processes only add time):
-    per-group self time and FLOPs, and the ``top`` operators by time."""
-    runs = [_profile_once(fn, top) for _ in range(max(1, calls))]
+    per-group self time and FLOPs, and the ``top`` operators by time. On a GPU the times are the operators'
+    GPU (kernel) self times."""
+    runs = [_profile_once(fn, top, str(device).startswith("cuda")) for _ in range(max(1, calls))]
     return min(runs, key=lambda r: r["total_ms"])
 
 
-def _profile_once(fn: Callable[[], Any], top: int) -> dict[str, Any]:
+def _profile_once(fn: Callable[[], Any], top: int, gpu: bool) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]
+    with profile(activities=activities, record_shapes=True) as prof:
         fn()
+        if gpu:
+            torch.cuda.synchronize()
     groups = {g: {"ms": 0.0, "flops": 0.0, "flops_ms": 0.0, "calls": 0} for g in GROUPS}
     ops = []
     for e in prof.key_averages(group_by_input_shape=True):
-        ms = e.self_cpu_time_total / 1e3
+        ms = (e.self_device_time_total if gpu else e.self_cpu_time_total) / 1e3
         if ms <= 0:
             continue
         shapes = [list(s) for s in (e.input_shapes or [])]

@@ -24,8 +24,10 @@ literal ``e^w - 1`` form). They subtract maxima before every exponential; an
 entry whose shifted denominator still underflows (possible when the maxima of K
 and of w sit at different t', or with causal cumulative sums) is recomputed
 exactly by a per-entry log-sum-exp in float64 (:func:`_exact_entries`). In
-normal use no entry takes that path. Modules run these cores in fp32 with
-autocast off; their projections follow autocast.
+normal use no entry takes that path. Under ``torch.compile`` the check and the
+repair are branch-free (:func:`_repair_compiled`), so a compiled block stays one
+graph. Modules run these cores in fp32 with autocast off; their projections
+follow autocast.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from .base import TokenLayout, TokenMixer, check_divisible
 _UNDERFLOW = 1e-20
 # bound on the elements of one fallback chunk (float64 logits and values), to cap its memory
 _FALLBACK_ELEMS = 1 << 22
+# a compiled model repairs a fixed number of entries in every call (:func:`_repair_compiled`): about this many
+# float64 elements of logits and values (a small fraction of a block's work), and at least this many entries
+_COMPILED_REPAIR_ELEMS, _COMPILED_MIN_SLOTS = 1 << 16, 16
 
 BiasRows = Callable[[Tensor, Tensor], Tensor]
 
@@ -77,10 +82,37 @@ def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) 
     # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
     den_safe = den.clamp_min(_UNDERFLOW).unsqueeze(-1)
     y = num.div_(den_safe) if _no_autograd(num) else num / den_safe
-    if _data_checks_allowed(den) and den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
+    if not _data_checks_allowed(den):
+        return y
+    if torch.compiler.is_compiling():
+        return _repair_compiled(y, den, k, v, bias_rows)
+    if den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
         idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True)
         y = y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
     return y
+
+
+def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
+    """:func:`_ratio`'s repair of underflowed entries in a form ``torch.compile`` captures whole: no branch on
+    the data (which would split the graph in every block), fixed shapes. A fixed number of slots
+    (``torch.nonzero_static``, unused slots padded with -1) takes the underflowed entries; every slot is
+    recomputed exactly, the used ones replace their entry (as in eager mode, the replaced value passes no
+    gradient) and the unused ones a spare row that is dropped. More underflowed entries than slots stop the
+    call with an error rather than leave one unrepaired."""
+    under = (den.detach() < _UNDERFLOW).reshape(-1)
+    n, (tq, g) = under.numel(), den.shape[1:]
+    slots = min(n, max(_COMPILED_MIN_SLOTS, _COMPILED_REPAIR_ELEMS // (k.shape[1] * v.shape[-1])))
+    torch._assert_async(
+        under.sum() <= slots,
+        f"AFT: more than {slots} outputs underflowed (keys or biases of extreme magnitude), more than a compiled "
+        "model repairs; run it without torch.compile, which repairs any number exactly",
+    )
+    flat = torch.nonzero_static(under, size=slots, fill_value=-1)[:, 0]  # (slots,) entry numbers, -1 unused
+    entry = flat.clamp_min(0)
+    exact = _exact_entries(k, v, bias_rows, entry // (tq * g), entry // g % tq, entry % g)
+    rows = torch.cat([y.reshape(n, -1), y.new_zeros(1, y.shape[-1])])  # + a spare row for the unused slots
+    rows = rows.index_put((torch.where(flat >= 0, flat, n),), exact)
+    return rows[:n].view(y.shape)
 
 
 def _data_checks_allowed(t: Tensor) -> bool:

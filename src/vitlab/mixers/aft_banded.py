@@ -112,7 +112,8 @@ def banded_sums(
     bsz, n, c = k.shape
     nb, block = w_band.shape[:2]
     span = _span(causal)
-    inside, fill = _band_masks(n, block, window, outside_zero, k.device, causal)
+    masks = _band_masks.__wrapped__ if torch.compiler.is_compiling() else _band_masks  # compile: traced, not cached
+    inside, fill = masks(n, block, window, outside_zero, k.device, causal)
     w = torch.where(inside, w_band, fill)  # -inf before exp: no inf * 0 in the backward pass
     # the row maximum: finite (t' = t is always inside), >= 0 whenever the row has pairs outside the window
     shift = w.detach().amax(-1, keepdim=True)  # (nb, b, 1)

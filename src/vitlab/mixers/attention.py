@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, merge_heads
+from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, fused_linear, merge_heads
 
 
 def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False) -> Tensor:
@@ -89,7 +89,7 @@ class Attention(TokenMixer):
     def qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(B, N, C) -> q, k, v each (B, H, N, d_h)."""
         b, n, c = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        qkv = fused_linear(self.qkv, x).view(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         return qkv[0], qkv[1], qkv[2]
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
@@ -102,7 +102,7 @@ class Attention(TokenMixer):
             attn = attention_map(q, k, self.scale, self.causal)
             aux["attn"] = attn
             out = self.attn_drop(attn) @ v
-        return self.proj_drop(self.proj(merge_heads(out))), aux
+        return self.proj_drop(fused_linear(self.proj, merge_heads(out))), aux
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -182,6 +183,40 @@ def grid_to_tokens(prefix: Tensor, grid: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- inference fast paths
+
+
+def fuses_linear(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`fused_linear` takes oneDNN's fused primitive: bf16 input and weights on the CPU, nothing
+    recorded by autograd, eager mode (not traced, exported or compiled)."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and torch.backends.mkldnn.is_available()
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch.onnx.is_in_onnx_export()
+    )
+
+
+def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
+    """``linear(x)``, then the exact GELU (``gelu``) or ``+ residual``, as one matrix product.
+
+    In bf16 on the CPU ``F.linear`` copies the bias into its output and accumulates the product onto it, and
+    GELU and the residual add are one more pass over the output each: together more time than the bf16 product
+    itself. oneDNN's linear primitive applies the bias, GELU or the addition to the product's result as it
+    leaves the kernel (:func:`fuses_linear` says when); elsewhere, fp32 included, these are the plain
+    operations, unchanged."""
+    if not fuses_linear(x, linear.weight):
+        y = linear(x)
+        y = F.gelu(y) if gelu else y
+        return y if residual is None else residual + y
+    if residual is not None:
+        if gelu:
+            raise ValueError("fused_linear: either gelu or residual, not both")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
+    return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "gelu" if gelu else "none", [], "none")
 
 
 def can_fold(module: nn.Module, t: Tensor) -> bool:

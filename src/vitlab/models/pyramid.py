@@ -17,7 +17,7 @@ Twins' names except ``blocks.i.j.attn`` → ``mixer`` and ``pos_block.i.proj.0``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -25,7 +25,15 @@ from torch import Tensor, nn
 from ..layers import Block, PatchEmbed, PositionEncodingGenerator
 from ..mixers import SpatialReductionAttention
 from ..mixers.base import TokenLayout
-from .base import Classifier, check_pool, drop_path_rates
+from .base import (
+    OUTPUT_FORMATS,
+    Classifier,
+    FeatureInfo,
+    check_pool,
+    drop_path_rates,
+    feature_take_indices,
+    run_blocks,
+)
 
 
 class NormedPatchEmbed(PatchEmbed):
@@ -81,6 +89,7 @@ class PyramidCPVT(Classifier):
         self.num_prefix = 0
         self.global_pool = global_pool
         self.depths = tuple(depths)
+        self.sr_ratios = tuple(sr_ratios)
         chans = [in_chans, *embed_dims[:-1]]
         self.patch_embeds = nn.ModuleList(
             NormedPatchEmbed(patch_size if i == 0 else 2, chans[i], embed_dims[i]) for i in range(stages)
@@ -131,19 +140,101 @@ class PyramidCPVT(Classifier):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
-    def forward_intermediates(self, x: Tensor, return_aux: bool = True) -> dict[str, Any]:
-        """Every block's tokens and mixer aux (all stages in order), the final normed tokens and the last layout."""
-        tokens, auxes = [], []
-        b, grid = x.shape[0], None
-        for embed, stage, peg in zip(self.patch_embeds, self.blocks, self.pegs):
+    # ------------------------------------------------------------------ the contract (stages are timm's blocks)
+    first_conv = "patch_embeds.0.proj"
+    STEM = ("patch_embeds.0",)
+    # a stage's patch embedding and PEG learn with the stage (timm's Twins groups them the same way)
+    BLOCK_GROUPS = ((r"^patch_embeds\.(\d+)\.", None), (r"^pegs\.(\d+)\.", None))
+
+    @property
+    def strides(self) -> list[int]:
+        """Image pixels per token along a side after each stage."""
+        out, stride = [], 1
+        for embed in self.patch_embeds:
+            stride *= int(embed.patch_size[0])
+            out.append(stride)
+        return out
+
+    @property
+    def reduction(self) -> int:
+        return self.strides[-1]
+
+    @property
+    def in_chans(self) -> int:
+        return int(self.patch_embeds[0].in_chans)
+
+    @property
+    def feature_info(self) -> FeatureInfo:
+        """One feature per stage, as timm's Twins: its width and its stride."""
+        return FeatureInfo(
+            dict(num_chs=int(embed.proj.out_channels), reduction=r, module=f"blocks.{i}")
+            for i, (embed, r) in enumerate(zip(self.patch_embeds, self.strides))
+        )
+
+    def _set_img_size(self, size: tuple[int, int]) -> None:
+        self.grid = self.check_size(size, self.sr_ratios)  # no position table: only the grids must divide
+
+    def _prune_after(self, last: int) -> None:
+        self.patch_embeds = self.patch_embeds[: last + 1]
+        self.pegs = self.pegs[: last + 1]
+
+    def no_weight_decay(self) -> set[str]:
+        return {n for n, _ in self.named_parameters() if n.split(".")[0] in self.NO_WEIGHT_DECAY}
+
+    def _stages(self, x: Tensor, return_aux: bool, stop: int | None = None) -> dict[str, Any]:
+        """Run the stages (up to ``stop``): every block's tokens and aux, each stage's output and grid."""
+        tokens, auxes, stage_out = [], [], []
+        b, grid, layout = x.shape[0], None, None
+        for i, (embed, stage, peg) in enumerate(zip(self.patch_embeds, self.blocks, self.pegs)):
+            if stop is not None and i > stop:
+                break
             if grid is not None:  # the previous stage's tokens back to an image
                 x = x.transpose(1, 2).reshape(b, -1, *grid)
             x, grid = embed(x)
             layout = TokenLayout(grid, 0)
-            for j, blk in enumerate(stage):
-                x, aux = blk(x, layout, return_aux=True) if return_aux else (blk(x, layout), {})
-                if j == 0:
-                    x = peg(x, layout)
-                tokens.append(x)
-                auxes.append(aux)
-        return {"tokens": tokens, "aux": auxes, "features": self.norm(x), "layout": layout}
+
+            def peg_after_first(j: int, t: Tensor, peg=peg, layout=layout) -> Tensor:
+                return peg(t, layout) if j == 0 else t
+
+            x, block_tokens, block_aux = run_blocks(
+                stage, x, layout, return_aux, peg_after_first, checkpointing=self.grad_checkpointing
+            )
+            tokens += block_tokens
+            auxes += block_aux
+            stage_out.append((x, grid))
+        return {"tokens": tokens, "aux": auxes, "last": x, "layout": layout, "stages": stage_out}
+
+    def _trace(
+        self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
+    ) -> dict[str, Any]:
+        """Every block of every stage in order (``keep`` and ``stop`` count stages, as ``blocks`` does)."""
+        trace = self._stages(x, return_aux, stop)
+        trace.pop("stages")
+        return trace
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Any] | tuple[Tensor, list[Any]]:
+        """timm's feature extraction over the stages (each at its own width and stride); ``norm`` applies the
+        final norm to the last stage's output only (the only one at its width), as timm's Twins."""
+        if output_fmt not in OUTPUT_FORMATS:
+            raise ValueError(f"output_fmt must be one of {', '.join(OUTPUT_FORMATS)}, got {output_fmt!r}")
+        if return_prefix_tokens:
+            raise ValueError("PCPVT has no prefix tokens (no class token): use return_prefix_tokens=False")
+        take, last = feature_take_indices(len(self.blocks), indices)
+        run = self._stages(x, False, stop=last if stop_early else None)
+        outs = []
+        for i in take:
+            t, (gh, gw) = run["stages"][i]
+            t = self.norm(t) if norm and i == len(self.blocks) - 1 else t
+            outs.append(t if output_fmt == "NLC" else t.reshape(t.shape[0], gh, gw, -1).permute(0, 3, 1, 2))
+        final = run["last"]  # normed unless stop_early left it at an earlier stage's width
+        final = self.norm(final) if final.shape[-1] == self.embed_dim else final
+        return outs if intermediates_only else (final, outs)

@@ -356,7 +356,8 @@ class T2TViT(Classifier):
         if not len(self.tokens_to_token.layers):
             return "tokens_to_token.project"
         attn = self.tokens_to_token.layers[0].attn
-        return "tokens_to_token.layers.0.attn." + ("q_linear" if hasattr(attn, "q_linear") else "qkv")
+        first = next(n for n in ("q_linear", "qkv", "kqv") if hasattr(attn, n))  # EA, attention, Performer
+        return f"tokens_to_token.layers.0.attn.{first}"
 
     @property
     def reduction(self) -> int:

@@ -1,4 +1,5 @@
-"""``vitlab train``: train a registered model (``torchrun --nproc_per_node=N -m vitlab.cli train ...`` for DDP)."""
+"""``vitlab train``: train a registered model (``torchrun --nproc_per_node=N -m vitlab.cli train ...`` for DDP,
+``--fsdp`` to shard it; ``--nnodes/--node-rank/--rdzv-endpoint`` across machines)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from ..device import add_device_argument
 from ..options import key_value
 from .engine import AMP_CHOICES, OPTION_CHECKS, TrainConfig
 
@@ -28,7 +30,6 @@ HELP = {
     "amp": "autocast: auto = fp16 with a gradient scaler on GPU, off on CPU; bf16 on CPU or GPU",
     "seed": "seed of the initial weights, data order and augmentation",
     "threads": "torch threads per process (0: torch's default)",
-    "device": "auto, cpu, cuda or cuda:N",
     "img_size": "train at this input size (default: the data's)",
     "holdout": "held-out images of the embedded MNIST (default 1000)",
     "train_limit": "train on a random N of the training images (quick runs)",
@@ -39,8 +40,16 @@ HELP = {
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
     "init_from": "initialise the weights from this checkpoint (e.g. DeiT -> AFT-conv)",
     "eval_batch_size": "batch size of the held-out evaluation",
+    "compile": "torch.compile the model (the first steps compile it)",
+    "grad_checkpointing": "recompute every block's activations in the backward pass: less memory, more time",
+    "tf32": "GPU: TF32 tensor cores for fp32 matrix products and convolutions (10-bit mantissa)",
+    "fsdp": "under torchrun: shard the model over the processes with FSDP2 (one unit per block); "
+    "sharded checkpoints that resume on any number of processes",
+    "tensorboard": "also write the metrics to OUT/tb for TensorBoard (needs the tensorboard extra)",
+    "log_every": "steps between writes of OUT/steps.jsonl (one row per step)",
+    "progress_every": "seconds between progress lines when the output is not a terminal",
 }
-HIDDEN = {"progress", "force", "resume", "model_args"}
+HIDDEN = {"progress", "force", "resume", "model_args", "device"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
         kind = OPTION_CHECKS.get(f.name, kind)  # the option's range, checked while parsing
-        extra = {"choices": AMP_CHOICES} if f.name == "amp" else {}
+        extra: dict = {"choices": AMP_CHOICES} if f.name == "amp" else {}
         default = f.default if f.name != "out" else None
         show = "" if default is None else f" (default {default})"
         p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=HELP[f.name] + show, **extra)
@@ -76,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="continue a run: OUT/last.pt, or the given checkpoint",
     )
     start.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or lines")
+    add_device_argument(p)
 
 
 def parse_model_args(items: list[str | tuple[str, Any]]) -> dict[str, Any]:
@@ -153,14 +163,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
+    from ..distributed import close_distributed
     from .engine import train
 
     check_model_args(args)
     try:
         train(config_from_args(args))
     finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed()
     return 0

@@ -42,6 +42,7 @@ import torch
 from .. import options as opt
 from ..checkpoint import load_checkpoint, load_model
 from ..data.datasets import data_spec
+from ..device import add_device_argument, resolve_device
 from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
@@ -126,6 +127,7 @@ def add_run_arguments(
     p.add_argument(
         "--threads", type=opt.Int(1, 1024), default=2, help="CPU threads to use in all (default %(default)s)"
     )
+    add_device_argument(p, default="auto" if recipe is not None else None)
     p.add_argument(
         "--jobs",
         type=opt.positive_int,
@@ -236,17 +238,18 @@ def train_case(config: dict[str, Any]) -> Prepared:
     return Prepared(work, info)
 
 
-def inference_case(checkpoint: str, batch: int = 256) -> Prepared:
-    """Measured case: one eval-mode forward of a batch of inputs of the model's size."""
-    model = load_model(checkpoint)
+def inference_case(checkpoint: str, batch: int = 256, device: str = "cpu") -> Prepared:
+    """Measured case: one eval-mode forward of a batch of inputs of the model's size on ``device``."""
+    dev = resolve_device(device)
+    model = load_model(checkpoint).to(dev)
     c, h, w = model.meta["input_size"]
-    x = torch.randn(batch, c, h, w)
+    x = torch.randn(batch, c, h, w, device=dev)
 
     def work() -> None:
         with torch.inference_mode():
             model(x)
 
-    return Prepared(work, {"batch": batch})
+    return Prepared(work, {"batch": batch}, device=str(dev))
 
 
 # --------------------------------------------------------------------------- table and plots
@@ -533,6 +536,7 @@ def plan_variants(
         raise ValueError(f"--seeds must be >= 1, got {n_seeds}")
     if args.img_size is not None and args.img_size < 1:
         raise ValueError(f"--img-size must be positive, got {args.img_size}")
+    resolve_device(args.device)  # a GPU that is not there: one line before any variant starts
     out = Path(args.out)
     recipe = {**recipe, "img_size": args.img_size}
     probe = TrainConfig(data=args.data, **recipe)
@@ -560,6 +564,7 @@ def plan_variants(
                 force=True,
                 resume=None,
                 train_limit=args.train_limit,
+                device=args.device,
                 **recipe,
             )
         kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
@@ -627,7 +632,7 @@ def time_inference(plan: Plan, results: dict[str, dict[str, Any]], isolation: st
                 continue
             spec = CaseSpec(
                 inference_case,
-                {"checkpoint": str(plan.out / first / "last.pt")},
+                {"checkpoint": str(plan.out / first / "last.pt"), "device": plan.configs[first].device},
                 warmup=2,
                 repeats=20,
                 max_time=2.0,

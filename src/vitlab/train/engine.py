@@ -1,205 +1,75 @@
 """The training loop: one function, setup then loop (nanoGPT style), and evaluation.
 
 ``train(TrainConfig(...))`` trains a registered model on a dataset spec (``vitlab.data.load_dataset``) with
-AdamW (no decay on norms, biases, tokens, position tables), a per-step warmup + cosine schedule, gradient
-clipping, stochastic depth, optional Mixup/CutMix + label smoothing, an EMA of the weights, autocast
-(bf16 on CPU, fp16 with a gradient scaler on CUDA) and DeiT hard distillation from a teacher checkpoint.
+AdamW (no decay on norms, biases, tokens, position tables; fused on a GPU), a per-step warmup + cosine
+schedule, gradient clipping, stochastic depth, optional Mixup/CutMix + label smoothing, an EMA of the
+weights, autocast (bf16 on CPU or GPU, fp16 with a gradient scaler on GPU) and DeiT hard distillation from a
+teacher checkpoint. Speed and memory options: ``compile`` (``torch.compile`` of the model),
+``grad_checkpointing`` (every block's activations recomputed in the backward pass), ``tf32`` (GPU).
+
+Run under ``torchrun`` (one machine or several: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``) it trains
+with DistributedDataParallel, or with ``fsdp`` sharded by FSDP2, one unit per block (gloo on CPU, NCCL on
+GPU); ``batch_size`` is the global batch, split evenly over the processes (:mod:`vitlab.distributed`).
 
 Determinism: the data order and augmentation are pure functions of ``(seed, epoch, rank, batch)``
-(``BatchLoader``); everything else that carries state (model, optimizer, schedule, EMA, scaler, the torch
-RNGs that drive dropout and stochastic depth) goes into the checkpoint written atomically after every
-epoch, so a run killed at any moment and resumed with ``resume="auto"`` ends with the same weights, bit for
-bit, as one never interrupted (same thread count and hardware).
+(``BatchLoader``); everything else that carries state goes into the checkpoint written atomically after
+every epoch (:mod:`.checkpointing`), so a run killed at any moment and resumed with ``resume="auto"`` ends
+with the same weights, bit for bit, as one never interrupted (same processes, threads and hardware).
 
-Run under ``torchrun --nproc_per_node=N`` it trains with DistributedDataParallel (gloo on CPU, NCCL on
-GPU); ``batch_size`` is the global batch, split evenly over the ranks.
+What a run writes into ``out``: ``last.pt`` and ``best.pt`` (best held-out top-1), ``log.json``/``log.csv``
+(one row per epoch), ``steps.jsonl`` (one row per step: loss, learning rate, gradient norm, images/s,
+memory; :class:`vitlab.tracking.StepLog`), ``tb/`` with ``tensorboard``, ``summary.json``, and for a
+sharded run ``shards/``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import options as opt
-from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint, load_state_checked, save_checkpoint
+from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint
 from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
-from ..data.augment import RandAugment
-from ..data.datasets import data_spec
-from ..io import write_csv_atomic, write_json_atomic
-from ..models import get_config
+from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
+from ..distributed import World, all_reduce_sum, barrier, init_distributed, parallelize
+from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
-from ..rundir import RunLock, check_free_space, checkpoint_bytes
+from ..rundir import check_free_space, checkpoint_bytes, own_folder
 from ..runtime import is_out_of_memory as is_oom
-from ..runtime import resolve_device
+from ..tracking import StepLog, memory_probe
+from .checkpointing import check_resume, open_checkpoint, restore, save_epoch
+from .config import OPTION_CHECKS, RUN_FILES, Run, TrainConfig, TrainingError
 from .ema import ModelEma
 
-AMP_CHOICES = ("auto", "none", "bf16", "fp16")
-
-
-class TrainingError(ValueError):
-    """Something the user can fix (options, files, memory): the CLI prints it as one line."""
-
-
-@dataclass
-class TrainConfig:
-    model: str = "deit_mini"
-    model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
-    data: str = "mnist"
-    out: str = "runs/train"
-    epochs: int = 10
-    batch_size: int = 128  # global batch (split over DDP ranks)
-    lr: float = 1e-3
-    min_lr: float = 1e-5
-    warmup_epochs: float = 1.0
-    weight_decay: float = 0.05
-    clip_grad: float = 1.0  # max gradient norm; 0 = off
-    drop_path: float = 0.1  # stochastic depth rate of the last block (linear rule)
-    smoothing: float = 0.1
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    ema: float = 0.0  # EMA decay; 0 = no EMA
-    amp: str = "auto"  # auto: fp16 + scaler on CUDA, off on CPU; bf16: autocast to bfloat16
-    seed: int = 0
-    threads: int = 2  # torch.set_num_threads per process; 0 = torch's default
-    device: str = "auto"
-    img_size: int | None = None  # default: the dataset's
-    holdout: int | None = None  # held-out images of the embedded MNIST (default 1000)
-    train_limit: int | None = None  # train on a seeded random N of the training images (quick runs)
-    crop_padding: int = 2
-    hflip: float | None = None  # default: 0 for digits, 0.5 otherwise
-    auto_augment: str | None = None  # e.g. "rand-m9-n2-mstd0.5"
-    teacher: str | None = None  # checkpoint of a teacher: DeiT hard distillation (needs dist_token)
-    dist_token: bool = False
-    init_from: str | None = None  # initialise the weights from another checkpoint
-    resume: str | None = None  # "auto" = OUT/last.pt, or a checkpoint path
-    force: bool = False  # start over even if OUT holds a checkpoint
-    eval_batch_size: int = 256
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.amp not in AMP_CHOICES:
-            raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
-        for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    check.check(value, "--" + name.replace("_", "-"))
-                except ValueError as e:
-                    raise TrainingError(str(e)) from None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-def _registered_model(name: str) -> str:
-    get_config(name)  # ValueError naming the closest registered names
-    return name
-
-
-def _rand_augment_spec(spec: str) -> str:
-    RandAugment.from_spec(spec)  # ValueError saying what is wrong with it
-    return spec
-
-
-# the range of every option of TrainConfig that has one: the argparse types of `vitlab train` (checked while
-# the command line is parsed, before any work) and TrainConfig's own check of values given in code
-OPTION_CHECKS: dict[str, opt.Check] = {
-    "model": opt.Validated(_registered_model, "a registered model name"),
-    "data": data_spec,
-    "epochs": opt.positive_int,
-    "batch_size": opt.positive_int,
-    "lr": opt.positive_float,
-    "min_lr": opt.non_negative_float,
-    "warmup_epochs": opt.non_negative_float,
-    "weight_decay": opt.non_negative_float,
-    "clip_grad": opt.non_negative_float,
-    "drop_path": opt.rate,
-    "smoothing": opt.rate,
-    "mixup": opt.non_negative_float,
-    "cutmix": opt.non_negative_float,
-    "ema": opt.rate,
-    "seed": opt.seed,
-    "threads": opt.threads,
-    "device": opt.device,
-    "img_size": opt.image_size,
-    "holdout": opt.positive_int,
-    "train_limit": opt.positive_int,
-    "crop_padding": opt.non_negative_int,
-    "hflip": opt.probability,
-    "auto_augment": opt.Validated(_rand_augment_spec, "a RandAugment spec"),
-    "eval_batch_size": opt.positive_int,
-}
-
-# what a run writes into OUT: a folder holding any of them holds a run
-RUN_FILES = ("last.pt", "log.json", "log.csv", "summary.json")
-# options that define the run: resuming with another value cannot continue the same training
-RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
+__all__ = [
+    "AMP_CHOICES",
+    "OPTION_CHECKS",
+    "RUN_FILES",
+    "TrainConfig",
+    "TrainingError",
+    "amp_dtype",
+    "evaluate",
+    "train",
+]
 
 
 # --------------------------------------------------------------------------- small helpers
 
 
-def setup_device(device: str) -> tuple[int, int, torch.device]:
-    """(rank, world size, device); joins the process group when started by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    try:
-        dev = resolve_device(device, local)
-    except ValueError as e:
-        raise TrainingError(str(e)) from None
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return rank, world, dev
-
-
-def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
-    if amp == "fp16" and device.type != "cuda":
-        raise TrainingError("fp16 autocast needs a GPU; use --amp bf16 on the CPU")
-    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-
-
-def rng_state(device: torch.device) -> dict[str, Tensor | None]:
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
-    """The per-epoch log as JSON and CSV (rewritten each epoch, atomically)."""
-    write_json_atomic(out / "log.json", rows)
-    write_csv_atomic(out / "log.csv", rows)
-
-
 def class_targets(y: Tensor) -> Tensor:
     return y.argmax(-1) if y.is_floating_point() else y
+
+
+def local_value(t: Tensor) -> Tensor:
+    """A tensor FSDP returns as a replicated ``DTensor`` (the gradient norm) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -207,24 +77,29 @@ def class_targets(y: Tensor) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype: torch.dtype | None = None) -> dict:
-    """Top-1 / top-5 accuracy (%), mean cross-entropy and throughput (img/s) over ``loader``."""
+    """Top-1 / top-5 accuracy (%), mean cross-entropy and throughput (img/s) over ``loader`` (the sums stay on
+    the device until the end: one synchronisation)."""
     was_training = model.training
     model.eval()
-    n, loss, c1, c5 = 0, 0.0, 0, 0
+    sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top-1, top-5, n
     t0 = time.perf_counter()
     for x, y in loader:
         with autocast(device, dtype):
             logits = model(x)
         logits = logits.float()
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
         top = logits.topk(min(5, logits.shape[-1]), -1).indices
-        c1 += int((top[:, 0] == y).sum())
-        c5 += int((top == y[:, None]).any(-1).sum())
-        n += len(y)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        sums += torch.stack(
+            [
+                F.cross_entropy(logits, y, reduction="sum").double(),
+                (top[:, 0] == y).sum().double(),
+                (top == y[:, None]).any(-1).sum().double(),
+                torch.tensor(float(len(y)), device=device, dtype=torch.float64),
+            ]
+        )
+    loss, c1, c5, n = sums.tolist()
     seconds = time.perf_counter() - t0
     model.train(was_training)
+    n = int(n)
     return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
 
 
@@ -256,44 +131,6 @@ def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
     return kw
 
 
-def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], None]) -> None:
-    old = ckpt.get("config", {})
-    bad = [
-        f"{k}={old.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_FIXED if k in old and old[k] != getattr(cfg, k)
-    ]
-    if bad:
-        raise TrainingError(
-            f"cannot resume from {ckpt['path']}: it was trained with {', '.join(bad)}; rerun with the same "
-            "options or start afresh in another --out (or with --force)"
-        )
-    if ckpt["epoch"] >= cfg.epochs:
-        raise TrainingError(
-            f"{ckpt['path']} has already trained {ckpt['epoch']} of {cfg.epochs} epochs; pass --epochs > {ckpt['epoch']} to continue"
-        )
-    changed = [
-        f"{k} {old[k]!r} -> {getattr(cfg, k)!r}"
-        for k in (
-            "epochs",
-            "lr",
-            "min_lr",
-            "warmup_epochs",
-            "weight_decay",
-            "clip_grad",
-            "drop_path",
-            "smoothing",
-            "mixup",
-            "cutmix",
-            "ema",
-            "amp",
-            "threads",
-            "teacher",
-        )
-        if k in old and old[k] != getattr(cfg, k)
-    ]
-    if changed:
-        log(f"note: resuming with changed options ({', '.join(changed)}): not the run that was started")
-
-
 def init_weights_from(model: nn.Module, path: str) -> str:
     """``--init-from``: copy what fits from a checkpoint (vitlab's own, or official/timm ones that
     ``vitlab.convert`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer. One line back."""
@@ -314,43 +151,6 @@ def init_weights_from(model: nn.Module, path: str) -> str:
 # --------------------------------------------------------------------------- the loop, as named steps
 
 
-@dataclass
-class Run:
-    """Everything one training run holds between its steps."""
-
-    cfg: TrainConfig
-    log: Callable[[str], None]  # rank 0's progress lines (the other ranks' are dropped)
-    rank: int
-    world: int
-    device: torch.device
-    dtype: torch.dtype | None
-    out: Path
-    t_start: float
-    train_ds: Any = None
-    val_ds: Any = None
-    loader: BatchLoader | None = None
-    val_loader: BatchLoader | None = None
-    model: nn.Module | None = None  # what the step calls: the DDP wrapper under torchrun
-    raw: nn.Module | None = None  # the model itself (state dicts, EMA, evaluation)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    criterion: nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    sched: WarmupCosine | None = None
-    ema: ModelEma | None = None
-    scaler: torch.amp.GradScaler | None = None
-    start_epoch: int = 0
-    step: int = 0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def per_rank(self) -> int:
-        return self.cfg.batch_size // self.world
-
-
 def print_line(line: str) -> None:
     print(line, flush=True)
 
@@ -359,100 +159,60 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
     """Train as ``cfg`` says; ``log`` receives rank 0's progress lines. Returns the summary (also written to
     ``OUT/summary.json``) with the per-epoch ``log`` rows: everything a caller needs to report the run."""
     t_start = time.perf_counter()
-    rank, world, device = setup_device(cfg.device)
-    with own_out(cfg, rank, world, log) as start_over:
-        run = setup(cfg, log, rank, world, device, t_start)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        set_tf32(cfg.tf32)
+    world = init_distributed(device)
+    with own_folder(cfg.out, "vitlab train", RUN_FILES, bool(cfg.resume), cfg.force, log, world) as start_over:
+        run = setup(cfg, log, world, device, t_start)
         if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
             check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
             start_over()
         run.model.train()
-        for epoch in range(run.start_epoch, cfg.epochs):
-            row = train_epoch(run, epoch)
-            if run.master:
-                row.update(evaluate_epoch(run))
-            row["elapsed_s"] = time.perf_counter() - run.t_start
-            save_epoch(run, row)
+        try:
+            for epoch in range(run.start_epoch, cfg.epochs):
+                row = train_epoch(run, epoch)
+                if run.evaluates:
+                    row.update(evaluate_epoch(run))
+                row["elapsed_s"] = time.perf_counter() - run.t_start
+                save_epoch(run, row)
+                report_epoch(run, row)
+        finally:
+            run.steps.close()
         return finish(run)
 
 
-@contextlib.contextmanager
-def own_out(cfg: TrainConfig, rank: int, world: int, log: Callable[[str], None]) -> Iterator[Callable[[], None]]:
-    """Rank 0 owns OUT for the whole run (:class:`vitlab.rundir.RunLock`: a second writer is refused, a folder
-    holding a run needs ``resume`` or ``force``); every rank learns the verdict, so none waits for a rank
-    that stopped. Yields ``start_over``, which moves an old run's files aside (``force``)."""
-    lock, error, old = None, None, []
-    if rank == 0:
-        try:
-            lock = RunLock(cfg.out, "vitlab train", log)
-            old = lock.check_fresh(RUN_FILES, resume=bool(cfg.resume), force=cfg.force)
-        except ValueError as e:
-            error = e
-            if lock is not None:
-                lock.release()
-    verdict = [None if error is None else str(error)]
-    if world > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if error is not None:
-        raise error
-    if verdict[0] is not None:
-        raise TrainingError(verdict[0])
-    try:
-        yield lambda: lock.move_aside(old) if lock is not None and old else None
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def setup(
-    cfg: TrainConfig, log: Callable[[str], None], rank: int, world: int, device: torch.device, t_start: float
-) -> Run:
-    """Output folder and resume checkpoint, data, model and optimizer state (the device is ``setup_device``'s)."""
+def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
+    """Resume checkpoint, data, model and optimizer state; the model spread over the processes."""
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    run = Run(
-        cfg,
-        log if rank == 0 else (lambda line: None),
-        rank,
-        world,
-        device,
-        amp_dtype(cfg.amp, device),
-        Path(cfg.out),
-        t_start,
-    )
+    steps = StepLog(cfg.out if world.main else None, cfg.log_every, cfg.tensorboard, memory_probe(device))
+    run = Run(cfg, log if world.main else (lambda line: None), world, device, None, Path(cfg.out), t_start, steps)
+    run.dtype = amp_dtype(cfg.amp, device)
     ckpt = open_checkpoint(run)
     setup_data(run)
     setup_model(run, ckpt)
     if ckpt is not None:
         restore(run, ckpt)
     del ckpt
-    if world > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        run.model = nn.parallel.DistributedDataParallel(run.raw, device_ids=ids)
     n_params = sum(p.numel() for p in run.raw.parameters())
+    how = f" on {world.size} processes ({'FSDP' if cfg.fsdp else 'DDP'})" if world.size > 1 else ""
+    extras = [f"autocast {run.dtype}" if run.dtype else "", "compiled" * cfg.compile]
+    extras += ["gradient checkpointing" * cfg.grad_checkpointing, "TF32" * (cfg.tf32 and device.type == "cuda")]
     run.log(
         f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.train_ds)} train / {len(run.val_ds)} held-out "
         f"images at {run.kwargs['img_size']}px, {cfg.epochs} epochs x {len(run.loader)} steps of {cfg.batch_size}"
-        f"{f' on {world} processes' if world > 1 else ''}, {device}{f', autocast {run.dtype}' if run.dtype else ''}"
+        f"{how}, {device}{''.join(', ' + e for e in extras if e)}"
     )
     return run
-
-
-def open_checkpoint(run: Run) -> dict[str, Any] | None:
-    """The checkpoint to resume from (``resume``), or None (``own_out`` has checked that OUT may be used)."""
-    cfg, out = run.cfg, run.out
-    if not cfg.resume:
-        return None
-    path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
-    if cfg.resume == "auto" and not path.exists():
-        raise TrainingError(f"nothing to resume: {path} does not exist (drop --resume to start a new run)")
-    return load_checkpoint(path)
 
 
 def setup_data(run: Run) -> None:
     """The training subset, the held-out set, their transforms and the per-rank loaders."""
     cfg = run.cfg
-    if cfg.batch_size % run.world:
-        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {run.world} processes")
+    if cfg.batch_size % run.world.size:
+        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {run.world.size} processes")
     train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
     if cfg.train_limit:
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
@@ -465,30 +225,13 @@ def setup_data(run: Run) -> None:
     img_size = cfg.img_size or int(train_ds.img_size[0])
     digits = train_ds.num_classes == 10 and train_ds.in_chans == 1
     hflip = cfg.hflip if cfg.hflip is not None else (0.0 if digits else 0.5)
-    train_tf = make_transform(
-        True,
-        img_size,
-        train_ds.mean,
-        train_ds.std,
-        crop_padding=cfg.crop_padding or None,
-        hflip=hflip,
-        auto_augment=cfg.auto_augment,
-    )
+    aug = dict(crop_padding=cfg.crop_padding or None, hflip=hflip, auto_augment=cfg.auto_augment)
+    train_tf = make_transform(True, img_size, train_ds.mean, train_ds.std, **aug)
     mix = None
     if cfg.mixup > 0 or cfg.cutmix > 0:
         mix = MixupCutmix(cfg.mixup, cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=train_ds.num_classes)
-    run.loader = BatchLoader(
-        train_ds,
-        run.per_rank,
-        shuffle=True,
-        drop_last=True,
-        transform=train_tf,
-        seed=cfg.seed,
-        rank=run.rank,
-        world_size=run.world,
-        mix=mix,
-        device=run.device,
-    )
+    shard = dict(seed=cfg.seed, rank=run.world.rank, world_size=run.world.size, mix=mix, device=run.device)
+    run.loader = BatchLoader(train_ds, run.per_rank, shuffle=True, drop_last=True, transform=train_tf, **shard)
     eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
     run.val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=run.device)
     if len(run.loader) == 0:
@@ -511,7 +254,8 @@ def warn_one_class(train_ds) -> None:
 
 
 def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
-    """Model (identical initial weights on every rank), teacher, optimizer, schedule, EMA and scaler."""
+    """Model (identical initial weights on every rank), teacher, the model spread over the processes (DDP,
+    or FSDP before the optimizer sees its parameters), optimizer, schedule, EMA, scaler."""
     from ..models import create_model
 
     cfg = run.cfg
@@ -523,6 +267,10 @@ def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
     model = create_model(cfg.model, **run.kwargs)
     if cfg.init_from and ckpt is None:
         run.log(init_weights_from(model, cfg.init_from))
+    if cfg.grad_checkpointing:
+        if not hasattr(model, "set_grad_checkpointing"):
+            raise TrainingError(f"{cfg.model} cannot recompute its blocks (no set_grad_checkpointing); drop the flag")
+        model.set_grad_checkpointing(True)
     model.to(run.device)
     if cfg.teacher:
         from .distill import HardDistillationLoss, load_teacher
@@ -530,57 +278,20 @@ def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
         run.criterion = HardDistillationLoss(load_teacher(cfg.teacher, run.device), cfg.smoothing)
         run.criterion.check_student(model, run.train_ds.in_chans)
         model.distilled_training = True
-    run.model = run.raw = model
+    run.raw = model
+    run.model = parallelize(model, run.device, run.world, cfg.fsdp)
+    if cfg.compile:
+        run.model = torch.compile(run.model)
     run.optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
     steps = len(run.loader)
     run.sched = WarmupCosine(run.optimizer, cfg.lr, cfg.epochs * steps, round(cfg.warmup_epochs * steps), cfg.min_lr)
     run.ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
-    run.scaler = torch.amp.GradScaler(run.device.type, enabled=run.dtype == torch.float16)
-    torch.manual_seed(derive_seed(cfg.seed, run.rank))  # dropout / drop-path streams, one per rank
+    run.scaler = grad_scaler(run.device, run.dtype)
+    torch.manual_seed(derive_seed(cfg.seed, run.world.rank))  # dropout / drop-path streams, one per rank
 
 
-def restore(run: Run, ckpt: dict[str, Any]) -> None:
-    """Continue a run from its checkpoint: weights, optimizer, schedule, EMA, scaler, RNG streams, log rows."""
-    load_state_checked(run.raw, ckpt["model"], f"checkpoint {ckpt['path']}")
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.sched.load_state_dict(ckpt["scheduler"])
-    if run.ema is not None:
-        if not ckpt.get("ema"):
-            raise TrainingError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
-        run.ema.load_state_dict(ckpt["ema"])
-    if ckpt.get("scaler"):
-        run.scaler.load_state_dict(ckpt["scaler"])
-    run.start_epoch, run.step = int(ckpt["epoch"]), int(ckpt["step"])
-    if run.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
-        run.log("note: the schedule is stretched to the new --epochs from here on")
-    rngs = ckpt.get("rng") or []
-    if len(rngs) == run.world:
-        set_rng_state(rngs[run.rank], run.device)
-    else:
-        run.log(f"note: the checkpoint was written by {len(rngs)} processes, now {run.world}: fresh random streams")
-        torch.manual_seed(derive_seed(run.cfg.seed, run.rank, run.start_epoch))
-    restore_log(run, ckpt)
-    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step})")
-
-
-def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
-    """The log rows up to the checkpoint's epoch. The checkpoint carries them, so a run killed between the
-    checkpoint's rename and the log write loses no row: log.json is completed at once (checkpoints
-    written before they carried the rows: log.json's rows)."""
-    log_file = run.out / "log.json"
-    try:
-        on_disk = json.loads(log_file.read_text()) if log_file.exists() else []
-        on_disk = [r for r in on_disk if r["epoch"] <= run.start_epoch]
-    except (ValueError, TypeError, KeyError):
-        on_disk = []  # a damaged log: the checkpoint's rows replace it
-    run.rows = [r for r in ckpt.get("log") or on_disk if r["epoch"] <= run.start_epoch]
-    if run.master and run.rows != on_disk:
-        write_log(run.out, run.rows)
-        run.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(run.rows)}); restored")
-
-
-def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """One optimisation step; returns (the loss, the class logits)."""
+def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One optimisation step; returns (the loss, the class logits, the gradient norm before clipping)."""
     cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
     try:
         with autocast(run.device, run.dtype):
@@ -591,61 +302,61 @@ def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
                 loss = soft_target_cross_entropy(outputs, y, cfg.smoothing)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # the norm and the clip see the true gradients (no-op without fp16)
+        params = [p for p in run.raw.parameters() if p.grad is not None]
         if cfg.clip_grad > 0:
-            scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(run.raw.parameters(), cfg.clip_grad)
+            norm = nn.utils.clip_grad_norm_(params, cfg.clip_grad)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params])
         scaler.step(optimizer)
         scaler.update()
     except RuntimeError as e:
         if is_oom(e):
             raise TrainingError(
                 f"a batch of {run.per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
-                "use a smaller --batch-size"
+                "use a smaller --batch-size (or --grad-checkpointing)"
             ) from None
         raise
     run.sched.step()
     run.step += 1
     if run.ema is not None:
         run.ema.update(run.raw)
-    return loss, outputs[0] if isinstance(outputs, tuple) else outputs
+    return loss, outputs[0] if isinstance(outputs, tuple) else outputs, local_value(norm)
 
 
 def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
-    """One pass over the training data; the epoch's row of the log (loss, accuracy, speed over all ranks)."""
-    from tqdm import tqdm
+    """One pass over the training data; the epoch's row of the log (loss, accuracy, speed over all ranks).
+    Every step's loss, learning rate and gradient norm go to the per-step log."""
+    from ..tracking import Progress
 
     cfg, device, steps = run.cfg, run.device, len(run.loader)
     run.loader.set_epoch(epoch)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
     seen = 0
-    show_bar = cfg.progress and run.master and sys.stderr.isatty()
+    progress = Progress(cfg.epochs * steps, epoch * steps, run.log, cfg.progress and run.master, cfg.progress_every)
+    progress.start(f"epoch {epoch + 1}/{cfg.epochs}", steps)
+    run.steps.restart_clock()  # images/s counts training only (not setup, evaluation, checkpoints)
     t0 = time.perf_counter()
-    bar = tqdm(
-        run.loader,
-        total=steps,
-        desc=f"epoch {epoch + 1}/{cfg.epochs}",
-        leave=False,
-        disable=not show_bar,
-        dynamic_ncols=True,
-    )
-    for i, (x, y) in enumerate(bar):
-        loss, logits = train_step(run, x, y)
+    for x, y in run.loader:
+        lr = run.optimizer.param_groups[0]["lr"]
+        loss, logits, norm = train_step(run, x, y)
         loss_sum += loss.detach().float() * len(x)
         correct += (logits.argmax(-1) == class_targets(y)).sum()
         seen += len(x)
-        if show_bar and (i % 10 == 0 or i == steps - 1):
-            rate = seen * run.world / (time.perf_counter() - t0)
-            bar.set_postfix_str(
-                f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}% {rate:.0f} img/s"
-            )
-    bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    train_time = time.perf_counter() - t0
-    stats = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
-    if run.world > 1:
-        dist.all_reduce(stats)
+        step_loss = all_reduce_sum(loss.detach().float().clone(), run.world) / run.world.size
+        scalars = {"_names": ("loss", "grad_norm"), "epoch": epoch + 1, "lr": lr}
+        run.steps.add(run.step, len(x) * run.world.size, scalars, torch.stack([step_loss, norm.float()]))
+        status = None
+        if progress.wants_status():
+            status = f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}%"
+        progress.update(len(x) * run.world.size, status)
+    progress.close()
+    run.steps.flush()
+    train_time = time.perf_counter() - t0  # the flush above waited for the device
+    stats = all_reduce_sum(
+        torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)]), run.world
+    )
     train_loss = (stats[0] / stats[2]).item()
     if not math.isfinite(train_loss):
         raise TrainingError(f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none")
@@ -661,8 +372,9 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
 
 
 def evaluate_epoch(run: Run) -> dict[str, Any]:
-    """Held-out top-1/top-5 of the model (and of its EMA)."""
-    ev = evaluate(run.raw, run.val_loader, run.device, run.dtype)
+    """Held-out top-1/top-5 of the model (and of its EMA); a sharded model evaluates on every rank."""
+    model = run.model if run.cfg.fsdp else run.raw  # FSDP's forward gathers the shards; the others run whole
+    ev = evaluate(model, run.val_loader, run.device, run.dtype)
     row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
     if run.ema is not None:
         ev_ema = evaluate(run.ema.module, run.val_loader, run.device, run.dtype)
@@ -670,38 +382,15 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
     return row
 
 
-def save_epoch(run: Run, row: dict[str, Any]) -> None:
-    """Checkpoint (every rank contributes its RNG state, rank 0 writes), log files and the epoch's line."""
-    rngs = [rng_state(run.device)]
-    if run.world > 1:
-        rngs = [None] * run.world
-        dist.all_gather_object(rngs, rng_state(run.device))
+def report_epoch(run: Run, row: dict[str, Any]) -> None:
+    """The epoch's line."""
     if not run.master:
         return
-    cfg = run.cfg
-    run.rows.append(row)
-    state = {
-        "model_name": cfg.model,
-        "model_kwargs": run.kwargs,
-        "model": run.raw.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.sched.state_dict(),
-        "ema": run.ema.state_dict() if run.ema is not None else None,
-        "scaler": run.scaler.state_dict(),
-        "epoch": row["epoch"],
-        "step": run.step,
-        "rng": rngs,
-        "world_size": run.world,
-        "config": asdict(cfg),
-        "metrics": row,
-        "log": list(run.rows),  # the rows so far: resume restores any the log files lack
-    }
-    save_checkpoint(state, run.out / "last.pt")
-    write_log(run.out, run.rows)
     ema_txt = f"  ema {row['ema_top1']:.2f}%" if run.ema is not None else ""
+    best = "  (best)" * (row.get("val_top1") == run.best_top1)
     run.log(
-        f"epoch {row['epoch']}/{cfg.epochs}  loss {row['train_loss']:.4f}  train {row['train_acc']:.1f}%  "
-        f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}  lr {row['lr']:.2e}  "
+        f"epoch {row['epoch']}/{run.cfg.epochs}  loss {row['train_loss']:.4f}  train {row['train_acc']:.1f}%  "
+        f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}{best}  lr {row['lr']:.2e}  "
         f"{row['train_img_s']:.0f} img/s  {row['train_time_s']:.1f} s"
     )
 
@@ -712,21 +401,26 @@ def finish(run: Run) -> dict[str, Any]:
     if run.master:
         rows = run.rows
         train_s = sum(r["train_time_s"] for r in rows)
+        best = max(rows, key=lambda r: r.get("val_top1", -1.0)) if rows else {}
         summary = {
             "model": run.cfg.model,
             "params": sum(p.numel() for p in run.raw.parameters()),
             "epochs": run.cfg.epochs,
-            "world_size": run.world,
+            "world_size": run.world.size,
             "final": rows[-1] if rows else {},
+            "best": {
+                "epoch": best.get("epoch"),
+                "val_top1": best.get("val_top1"),
+                "checkpoint": str(run.out / "best.pt"),
+            },
             "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
             "train_time_s": train_s,
             "wall_s": time.perf_counter() - run.t_start,
             "checkpoint": str(run.out / "last.pt"),
         }
-        if run.device.type == "cuda":  # the host RSS says little about a GPU run
-            summary["cuda_peak_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20
+        if (mem := device_memory(run.device)) is not None:  # the host RSS says little about a GPU run
+            summary["cuda_peak_mib"] = mem["peak"] / 2**20
         write_json_atomic(run.out / "summary.json", summary)
         summary["log"] = list(rows)
-    if run.world > 1:
-        dist.barrier()
+    barrier(run.world)
     return summary

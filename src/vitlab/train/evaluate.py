@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import options as opt
 from ..data.datasets import data_spec
+from ..device import add_device_argument, resolve_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="DataLoader workers decoding a folder: dataset (default 0)",
     )
-    p.add_argument("--device", type=opt.device, default="auto", help="auto, cpu, cuda or cuda:N")
+    add_device_argument(p)
     p.add_argument("--amp", default="none", choices=("none", "bf16", "fp16"), help="autocast dtype")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
@@ -159,8 +160,8 @@ def evaluate_checkpoint(
     """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
     import torch
 
-    from ..runtime import resolve_device
-    from .engine import amp_dtype, evaluate, is_oom
+    from ..device import amp_dtype
+    from .engine import evaluate, is_oom
 
     if threads > 0:
         torch.set_num_threads(threads)

@@ -1,0 +1,180 @@
+"""A training run's checkpoints: what goes in, how a run continues from one, and the best one.
+
+After every epoch ``OUT/last.pt`` holds everything that carries state (weights, optimizer, schedule, EMA,
+gradient scaler, every process's RNG streams, the log rows so far), written atomically, so a run killed at
+any moment and resumed ends with the same weights, bit for bit, as one never interrupted (same number of
+processes, thread count and hardware). ``OUT/best.pt`` is the checkpoint of the epoch with the best
+held-out top-1 so far (a hard link to that epoch's ``last.pt`` where the file system allows).
+
+An FSDP run writes its weights and optimizer state sharded, every process its own part, through
+``torch.distributed.checkpoint`` (:func:`vitlab.checkpoint.write_run_checkpoint`); such a checkpoint resumes
+on any number of processes, one included. Its RNG streams continue only where the number of processes is
+unchanged (there the continuation is bit-identical too); elsewhere the run says so and starts fresh streams.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..checkpoint import (
+    load_checkpoint,
+    prune_shards,
+    restore_weights_and_optimizer,
+    write_run_checkpoint,
+)
+from ..data import derive_seed
+from ..distributed import gather_objects
+from ..io import copy_atomic, write_csv_atomic, write_json_atomic
+from .config import Run, TrainConfig
+
+# options that define the run: resuming with another value cannot continue the same training
+RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
+RESUME_FIXED += ("fsdp",)
+# options a resumed run may change (said in a note: it is then not the run that was started)
+RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
+RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
+
+
+class ResumeError(ValueError):
+    """A checkpoint this run cannot continue from: one line."""
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor | None]:
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
+    """The per-epoch log as JSON and CSV (rewritten each epoch, atomically)."""
+    write_json_atomic(out / "log.json", rows)
+    write_csv_atomic(out / "log.csv", rows)
+
+
+# --------------------------------------------------------------------------- resuming
+
+
+def open_checkpoint(run: Run) -> dict[str, Any] | None:
+    """The checkpoint to resume from (``resume``), or None. A sharded checkpoint is read without its
+    weights: :func:`restore` loads them into the (sharded) model."""
+    cfg, out = run.cfg, run.out
+    if not cfg.resume:
+        return None
+    path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
+    if cfg.resume == "auto" and not path.exists():
+        raise ResumeError(f"nothing to resume: {path} does not exist (drop --resume to start a new run)")
+    return load_checkpoint(path, weights=False)
+
+
+def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], None]) -> None:
+    """Refuse a checkpoint of another run (or one already done); note options changed since it was written."""
+    old = {"fsdp": False, **ckpt.get("config", {})}  # runs from before FSDP were not sharded
+    bad = [f"{k}={old[k]!r} (now {getattr(cfg, k)!r})" for k in RESUME_FIXED if k in old and old[k] != getattr(cfg, k)]
+    if bad:
+        raise ResumeError(
+            f"cannot resume from {ckpt['path']}: it was trained with {', '.join(bad)}; rerun with the same "
+            "options or start afresh in another --out (or with --force)"
+        )
+    if ckpt["epoch"] >= cfg.epochs:
+        raise ResumeError(
+            f"{ckpt['path']} has already trained {ckpt['epoch']} of {cfg.epochs} epochs; pass --epochs > {ckpt['epoch']} to continue"
+        )
+    changed = [f"{k} {old[k]!r} -> {getattr(cfg, k)!r}" for k in RESUME_NOTED if k in old and old[k] != getattr(cfg, k)]
+    if changed:
+        log(f"note: resuming with changed options ({', '.join(changed)}): not the run that was started")
+
+
+def restore(run: Run, ckpt: dict[str, Any]) -> None:
+    """Continue a run from its checkpoint: weights, optimizer, schedule, EMA, scaler, RNG streams, log rows."""
+    restore_weights_and_optimizer(ckpt, run.raw, run.optimizer)
+    run.sched.load_state_dict(ckpt["scheduler"])
+    if run.ema is not None:
+        if not ckpt.get("ema"):
+            raise ResumeError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
+        run.ema.load_state_dict(ckpt["ema"])
+    if ckpt.get("scaler"):
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.start_epoch, run.step = int(ckpt["epoch"]), int(ckpt["step"])
+    if run.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
+        run.log("note: the schedule is stretched to the new --epochs from here on")
+    rngs = ckpt.get("rng") or []
+    if len(rngs) == run.world.size:
+        set_rng_state(rngs[run.world.rank], run.device)
+    else:
+        run.log(
+            f"note: the checkpoint was written by {len(rngs)} processes, now {run.world.size}: fresh random streams"
+        )
+        torch.manual_seed(derive_seed(run.cfg.seed, run.world.rank, run.start_epoch))
+    restore_log(run, ckpt)
+    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step})")
+
+
+def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
+    """The log rows up to the checkpoint's epoch. The checkpoint carries them, so a run killed between the
+    checkpoint's rename and the log write loses no row: log.json is completed at once (checkpoints
+    written before they carried the rows: log.json's rows). The per-step log loses the steps after the
+    checkpoint, and the best held-out top-1 so far is taken from the rows."""
+    log_file = run.out / "log.json"
+    try:
+        on_disk = json.loads(log_file.read_text()) if log_file.exists() else []
+        on_disk = [r for r in on_disk if r["epoch"] <= run.start_epoch]
+    except (ValueError, TypeError, KeyError):
+        on_disk = []  # a damaged log: the checkpoint's rows replace it
+    run.rows = [r for r in ckpt.get("log") or on_disk if r["epoch"] <= run.start_epoch]
+    run.best_top1 = max((r["val_top1"] for r in run.rows if "val_top1" in r), default=None)
+    if not run.master:
+        return
+    if run.rows != on_disk:
+        write_log(run.out, run.rows)
+        run.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(run.rows)}); restored")
+    if dropped := run.steps.trim(run.step):
+        run.log(f"note: dropped {dropped} rows of steps after the checkpoint from {run.steps.path}")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def save_epoch(run: Run, row: dict[str, Any]) -> None:
+    """Checkpoint (every rank contributes its RNG state; rank 0 writes the file, every rank its shards under
+    FSDP), the best checkpoint, the log files."""
+    rngs = gather_objects(rng_state(run.device), run.world)
+    cfg, sharded = run.cfg, run.cfg.fsdp
+    if run.master:
+        run.rows.append(row)
+    state = {
+        "model_name": cfg.model,
+        "model_kwargs": run.kwargs,
+        "model": None if sharded else run.raw.state_dict(),
+        "optimizer": None if sharded else run.optimizer.state_dict(),
+        "scheduler": run.sched.state_dict(),
+        "ema": run.ema.state_dict() if run.ema is not None else None,
+        "scaler": run.scaler.state_dict(),
+        "epoch": row["epoch"],
+        "step": run.step,
+        "rng": rngs,
+        "world_size": run.world.size,
+        "config": asdict(cfg),
+        "metrics": row,
+        "log": list(run.rows),  # the rows so far: resume restores any the log files lack
+    }
+    name = f"epoch-{row['epoch']:04d}" if sharded else None
+    last = write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer)
+    if last is None:  # not rank 0
+        return
+    if "val_top1" in row and (run.best_top1 is None or row["val_top1"] > run.best_top1):
+        run.best_top1 = row["val_top1"]
+        copy_atomic(last, run.out / "best.pt")
+    prune_shards(run.out)
+    write_log(run.out, run.rows)
+    run.steps.scalars(run.step, {k: v for k, v in row.items() if k.startswith(("val_", "ema_", "train_"))})

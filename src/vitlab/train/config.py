@@ -1,0 +1,177 @@
+"""What a training run is: its options (:class:`TrainConfig`, the ``vitlab train`` flags) and the state it
+holds between its steps (:class:`Run`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import options as opt
+from ..data import BatchLoader
+from ..data.augment import RandAugment
+from ..data.datasets import data_spec
+from ..device import AMP_CHOICES
+from ..distributed import World
+from ..models import get_config
+from ..optim import WarmupCosine
+from ..tracking import StepLog
+from .ema import ModelEma
+
+
+class TrainingError(ValueError):
+    """Something the user can fix (options, files, memory): the CLI prints it as one line."""
+
+
+@dataclass
+class TrainConfig:
+    model: str = "deit_mini"
+    model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
+    data: str = "mnist"
+    out: str = "runs/train"
+    epochs: int = 10
+    batch_size: int = 128  # global batch (split over DDP ranks)
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    warmup_epochs: float = 1.0
+    weight_decay: float = 0.05
+    clip_grad: float = 1.0  # max gradient norm; 0 = off
+    drop_path: float = 0.1  # stochastic depth rate of the last block (linear rule)
+    smoothing: float = 0.1
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    ema: float = 0.0  # EMA decay; 0 = no EMA
+    amp: str = "auto"  # auto: fp16 + scaler on CUDA, off on CPU; bf16: autocast to bfloat16
+    seed: int = 0
+    threads: int = 2  # torch.set_num_threads per process; 0 = torch's default
+    device: str = "auto"
+    img_size: int | None = None  # default: the dataset's
+    holdout: int | None = None  # held-out images of the embedded MNIST (default 1000)
+    train_limit: int | None = None  # train on a seeded random N of the training images (quick runs)
+    crop_padding: int = 2
+    hflip: float | None = None  # default: 0 for digits, 0.5 otherwise
+    auto_augment: str | None = None  # e.g. "rand-m9-n2-mstd0.5"
+    teacher: str | None = None  # checkpoint of a teacher: DeiT hard distillation (needs dist_token)
+    dist_token: bool = False
+    init_from: str | None = None  # initialise the weights from another checkpoint
+    resume: str | None = None  # "auto" = OUT/last.pt, or a checkpoint path
+    force: bool = False  # start over even if OUT holds a checkpoint
+    eval_batch_size: int = 256
+    compile: bool = False  # torch.compile the model
+    grad_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    tf32: bool = False  # GPU: TF32 tensor cores for fp32 matrix products and convolutions
+    fsdp: bool = False  # under torchrun: shard the model with FSDP2 (one unit per block), sharded checkpoints
+    tensorboard: bool = False  # also write the per-step and per-epoch scalars to OUT/tb
+    log_every: int = 10  # steps per write of OUT/steps.jsonl
+    progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMP_CHOICES:
+            raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
+        for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check.check(value, "--" + name.replace("_", "-"))
+                except ValueError as e:
+                    raise TrainingError(str(e)) from None
+        if self.fsdp and self.ema > 0:
+            raise TrainingError("--ema keeps a whole copy of the weights, which --fsdp does not; drop one of them")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _registered_model(name: str) -> str:
+    get_config(name)  # ValueError naming the closest registered names
+    return name
+
+
+def _rand_augment_spec(spec: str) -> str:
+    RandAugment.from_spec(spec)  # ValueError saying what is wrong with it
+    return spec
+
+
+# the range of every option of TrainConfig that has one: the argparse types of `vitlab train` (checked while
+# the command line is parsed, before any work) and TrainConfig's own check of values given in code
+OPTION_CHECKS: dict[str, opt.Check] = {
+    "model": opt.Validated(_registered_model, "a registered model name"),
+    "data": data_spec,
+    "epochs": opt.positive_int,
+    "batch_size": opt.positive_int,
+    "lr": opt.positive_float,
+    "min_lr": opt.non_negative_float,
+    "warmup_epochs": opt.non_negative_float,
+    "weight_decay": opt.non_negative_float,
+    "clip_grad": opt.non_negative_float,
+    "drop_path": opt.rate,
+    "smoothing": opt.rate,
+    "mixup": opt.non_negative_float,
+    "cutmix": opt.non_negative_float,
+    "ema": opt.rate,
+    "seed": opt.seed,
+    "threads": opt.threads,
+    "device": opt.device,
+    "img_size": opt.image_size,
+    "holdout": opt.positive_int,
+    "train_limit": opt.positive_int,
+    "crop_padding": opt.non_negative_int,
+    "hflip": opt.probability,
+    "auto_augment": opt.Validated(_rand_augment_spec, "a RandAugment spec"),
+    "eval_batch_size": opt.positive_int,
+    "log_every": opt.positive_int,
+    "progress_every": opt.non_negative_float,
+}
+
+# what a run writes into OUT: a folder holding any of them holds a run
+RUN_FILES = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "tb", "shards")
+
+
+@dataclass
+class Run:
+    """Everything one training run holds between its steps."""
+
+    cfg: TrainConfig
+    log: Callable[[str], None]  # rank 0's progress lines (the other ranks' are dropped)
+    world: World
+    device: torch.device
+    dtype: torch.dtype | None
+    out: Path
+    t_start: float
+    steps: StepLog  # the per-step log (writes nothing on the other ranks)
+    train_ds: Any = None
+    val_ds: Any = None
+    loader: BatchLoader | None = None
+    val_loader: BatchLoader | None = None
+    model: nn.Module | None = None  # what the step calls: DDP wrapper, sharded model, compiled module
+    raw: nn.Module | None = None  # the model itself (state dicts, EMA, evaluation)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    criterion: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    sched: WarmupCosine | None = None
+    ema: ModelEma | None = None
+    scaler: torch.amp.GradScaler | None = None
+    start_epoch: int = 0
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    best_top1: float | None = None
+
+    @property
+    def master(self) -> bool:
+        return self.world.main
+
+    @property
+    def per_rank(self) -> int:
+        return self.cfg.batch_size // self.world.size
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this process evaluates: rank 0, or every rank of a sharded model (the forward is collective)."""
+        return self.master or (self.cfg.fsdp and self.world.size > 1)

@@ -1,0 +1,216 @@
+"""Training across processes on the CPU (gloo), as CI runs it: DDP on two "nodes" of localhost (two torchrun
+launches meeting at a rendezvous endpoint), FSDP2 against one process, sharded checkpoints resumed on another
+number of processes, ``vitlab lm train`` under DDP with gradient accumulation; and the safe reading of
+sharded checkpoints (:mod:`vitlab.distributed`).
+
+Why the runs agree: without augmentation, dropout and stochastic depth, every process count sees the same
+samples in the same global batches (rank r takes every r-th sample of the global order), and DDP / FSDP
+average the ranks' half-batch mean gradients, i.e. the full-batch mean: only the order of float32 sums
+differs. After 8 AdamW steps at lr 1e-3 that is ~1e-6 per weight (measured 2.2e-6 for DDP); 2e-5 leaves ten
+times that, while every weight moves more than 1e-3 from its initial value (a different run fails by far).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitlab
+from vitlab.checkpoint import load_checkpoint, save_checkpoint
+from vitlab.distributed import ShardError, World, read_sharded_weights, save_sharded
+from vitlab.optim import create_optimizer
+
+# a tiny DeiT (4x4 grid of 7-px patches, 1 block of width 32) on 128 digits: 4 steps of 32 per epoch
+TINY_RUN = [
+    "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
+    "--train-limit", "128", "--holdout", "200", "--batch-size", "32", "--threads", "1", "--no-progress",
+    "--drop-path", "0", "--crop-padding", "0",
+]  # fmt: skip
+TOLERANCE = 2e-5
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def vitlab_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vitlab.cli", *args]
+
+
+def torchrun(nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None) -> list[str]:
+    """``torchrun`` starting ``vitlab ARGS`` in ``nproc`` processes (of ``nnodes`` launches meeting at
+    ``endpoint``; one launch alone is ``--standalone``)."""
+    launch = ["--standalone"] if endpoint is None else ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    launch += [] if endpoint is None else ["--rdzv-endpoint", endpoint]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "vitlab.cli",
+        *args,
+    ]
+
+
+def run_all(*commands: list[str], timeout: float = 300) -> list[str]:
+    """Run the commands side by side; their outputs (each must succeed)."""
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV) for c in commands
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    """The final weights of a run (a sharded run's gathered from its shards)."""
+    return load_checkpoint(out / "last.pt")["model"]
+
+
+def assert_same_run(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: float = TOLERANCE) -> None:
+    assert a.keys() == b.keys()
+    diffs = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+    assert max(diffs.values()) < tol, sorted(diffs.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    """The reference: one process, 2 epochs of the global batch 32 (8 steps)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    run_all(vitlab_cmd("train", *TINY_RUN, "--epochs", "2", "--out", str(out)))
+    ckpt = load_checkpoint(out / "last.pt")
+    torch.manual_seed(0)
+    init = vitlab.create_model("deit_mini", **ckpt["model_kwargs"]).state_dict()
+    assert ckpt["step"] == 8 and min((ckpt["model"][k] - init[k]).abs().max().item() for k in init) > 1e-3
+    return out
+
+
+# --------------------------------------------------------------------------- across launches and shards
+
+
+def test_two_nodes_on_localhost_match_one_process(single_run, tmp_path):
+    """Two torchrun launches (--nnodes 2, one process each) meeting at 127.0.0.1: the multi-node path."""
+    out, endpoint = tmp_path / "nodes", f"127.0.0.1:{free_port()}"
+    args = ["train", *TINY_RUN, "--epochs", "2", "--out", str(out)]
+    logs = run_all(*(torchrun(1, *args, nnodes=2, node_rank=r, endpoint=endpoint) for r in (0, 1)))
+    assert "on 2 processes (DDP)" in logs[0]
+    assert_same_run(weights(single_run), weights(out))
+
+
+def test_fsdp_on_two_processes_matches_one_process(single_run, tmp_path):
+    out = tmp_path / "fsdp"
+    (log,) = run_all(torchrun(2, "train", *TINY_RUN, "--epochs", "2", "--fsdp", "--out", str(out)))
+    assert "on 2 processes (FSDP)" in log
+    ckpt = load_checkpoint(out / "last.pt", weights=False)
+    assert ckpt["model"] is None and ckpt["sharded"] == "shards/epoch-0002" and ckpt["world_size"] == 2
+    assert sorted(p.name for p in (out / "shards").iterdir()) == ["epoch-0002"]  # older shards removed
+    assert (out / "best.pt").exists()
+    assert_same_run(weights(single_run), weights(out))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_on_one_and_on_two_processes(single_run, tmp_path):
+    """Saved sharded by 2 processes after epoch 1, resumed by 2 (bit-identical to an uninterrupted run)
+    and by 1 (the same training within round-off; fresh RNG streams, said in a note)."""
+    full, half = tmp_path / "full", tmp_path / "half"
+    fsdp = ["train", *TINY_RUN, "--fsdp"]
+    run_all(
+        torchrun(2, *fsdp, "--epochs", "2", "--out", str(full)), torchrun(2, *fsdp, "--epochs", "1", "--out", str(half))
+    )
+    on_one = tmp_path / "on_one"
+    shutil.copytree(half, on_one)
+    logs = run_all(
+        torchrun(2, *fsdp, "--epochs", "2", "--out", str(half), "--resume"),
+        vitlab_cmd(*fsdp, "--epochs", "2", "--out", str(on_one), "--resume"),
+    )
+    assert "resumed" in logs[0] and "written by 2 processes, now 1" in logs[1]
+    a, b = weights(full), weights(half)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same world size: bit for bit
+    assert_same_run(weights(single_run), weights(on_one))
+    steps = [json.loads(line)["step"] for line in (half / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))  # one row per step, none twice
+
+
+def test_lm_train_under_ddp_with_accumulation_matches_one_process(tmp_path):
+    """2 processes x 2 micro-batches of 2 sequences = one process with the batch of 8."""
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    args = ["lm", "train", "--model", "tiny_aft_local", "--data", str(text), "--seq-len", "32", "--steps", "4"]
+    args += ["--batch-size", "8", "--eval-every", "4", "--eval-symbols", "256", "--dropout", "0", "--threads", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    logs = run_all(vitlab_cmd(*args, "--out", str(one)), torchrun(2, *args, "--accum-steps", "2", "--out", str(two)))
+    assert "on 2 processes (DDP)" in logs[1] and "(2 micro-batches)" in logs[1]
+    a, b = load_checkpoint(one / "last.pt"), load_checkpoint(two / "last.pt")
+    assert a["step"] == b["step"] == 4
+    assert_same_run(a["model"], b["model"])
+    rows = [json.loads(line) for line in (two / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["sym_s"] > 0 for r in rows)
+
+
+# --------------------------------------------------------------------------- sharded checkpoints, one process
+
+
+def sharded_pair(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1)
+    opt = create_optimizer(model, 1e-3)
+    model(torch.randn(2, 1, 28, 28)).sum().backward()
+    opt.step()
+    folder = tmp_path / "shards" / "epoch-0001"
+    save_sharded(folder, model, opt, World())
+    return model, folder
+
+
+def test_sharded_weights_read_back_whole_in_one_process(tmp_path):
+    model, folder = sharded_pair(tmp_path)
+    back = read_sharded_weights(folder)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    # a checkpoint file pointing to the shards reads as a whole checkpoint (eval, convert, export)
+    save_checkpoint({"model_name": "deit_mini", "model": None, "sharded": "shards/epoch-0001"}, tmp_path / "last.pt")
+    assert torch.equal(load_checkpoint(tmp_path / "last.pt")["model"]["head.weight"], model.head.weight)
+    save_checkpoint({"model_name": "deit_mini", "model": None, "sharded": "../elsewhere"}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="points outside its folder"):
+        load_checkpoint(tmp_path / "bad.pt")
+
+
+class Planted:
+    """What a malicious index could hold: unpickling it would call ``os.system``."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_sharded_checkpoint_never_runs_code(tmp_path):
+    _, folder = sharded_pair(tmp_path)
+    (folder / ".metadata").write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(ShardError, match=r"refusing to read .*\.metadata: it asks to import posix.system"):
+        read_sharded_weights(folder)
+    (folder / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(ShardError, match="is damaged"):
+        read_sharded_weights(folder)
+    with pytest.raises(ShardError, match="no sharded checkpoint"):
+        read_sharded_weights(tmp_path / "nowhere")

@@ -1,0 +1,75 @@
+"""bf16 inference on the CPU: linear layers with their bias, GELU and residual addition fused into oneDNN's
+matrix product (vitlab.mixers.base.fused_linear) compute the same function as the plain operations, and
+nothing changes in fp32 or when autograd records.
+
+Tolerance: the plain bf16 path rounds the product to bf16 before adding the bias (and again after GELU or the
+residual add), the fused one once at the end; both are within a few bf16 units (2^-8 relative) of the float64
+result, so they agree within 4 x 2^-8 of the output's magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vitlab
+from vitlab.mixers.base import fused_linear, fuses_linear
+
+BF16_UNIT = 2.0**-8
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, units: float = 4.0) -> None:
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= units * BF16_UNIT * scale, f"max abs error {err:.3g} > {units} bf16 units of {scale:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["plain", "gelu", "residual"])
+def test_fused_linear_is_the_plain_function_in_bf16(kind):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    x, res = torch.randn(2, 7, 64, dtype=torch.bfloat16), torch.randn(2, 7, 96, dtype=torch.bfloat16)
+    kw = {"gelu": kind == "gelu", "residual": res if kind == "residual" else None}
+    y = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    exact = F.gelu(y) if kind == "gelu" else y + res.double() if kind == "residual" else y
+    with torch.inference_mode():
+        assert fuses_linear(x, lin.weight)
+        fused = fused_linear(lin, x, **kw)
+    assert fused.dtype == torch.bfloat16 and fused.shape == exact.shape
+    close(fused, exact)
+    with pytest.raises(ValueError, match="either gelu or residual"), torch.inference_mode():
+        fused_linear(lin, x, gelu=True, residual=res)
+
+
+def test_fp32_and_autograd_take_the_plain_operations():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    x, res = torch.randn(3, 16), torch.randn(3, 8)
+    assert not fuses_linear(x, lin.weight)
+    assert torch.equal(fused_linear(lin, x, residual=res), res + lin(x))
+    assert torch.equal(fused_linear(lin, x, gelu=True), F.gelu(lin(x)))
+    low = lin.to(torch.bfloat16)
+    assert not fuses_linear(x.bfloat16(), low.weight)  # autograd records: the weights require grad
+    fused_linear(low, x.bfloat16().requires_grad_()).sum().backward()
+    assert low.weight.grad is not None
+
+
+@pytest.mark.parametrize("name", ["deit_mini", "cpvt_mini"])
+def test_a_bf16_model_computes_the_same_function_fused_or_not(name, monkeypatch):
+    import vitlab.mixers.base as base
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(name, num_classes=10).eval().to(torch.bfloat16)
+    x = torch.randn(2, *model.meta["input_size"], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        fused = model(x)
+        monkeypatch.setattr(base, "fuses_linear", lambda *a: False)
+        monkeypatch.setattr(vitlab.layers.mlp, "fuses_linear", lambda *a: False)
+        plain = model(x)
+    close(fused, plain, units=16.0)  # 12 blocks of bf16 rounding on both paths
+    fp32 = vitlab.create_model(name, num_classes=10).eval()
+    fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    with torch.inference_mode():
+        close(fused, fp32(x.float()), units=16.0)

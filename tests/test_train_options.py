@@ -1,0 +1,57 @@
+"""The speed and memory options of ``vitlab train``: gradient checkpointing through the model's own
+``set_grad_checkpointing`` (timm's method), and the option combinations that cannot work, refused in one line."""
+
+from __future__ import annotations
+
+import torch
+
+from vitlab.checkpoint import load_checkpoint
+from vitlab.cli import main as cli_main
+
+TINY_RUN = [
+    "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=2", "--model-arg", "embed_dim=32",
+    "--train-limit", "64", "--holdout", "100", "--batch-size", "16", "--threads", "1", "--no-progress",
+    "--epochs", "1", "--crop-padding", "0",
+]  # fmt: skip
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def weights_after(tmp_path, name: str, *extra: str) -> dict[str, torch.Tensor]:
+    assert cli_main(["train", *TINY_RUN, "--out", str(tmp_path / name), *extra]) == 0
+    return load_checkpoint(tmp_path / name / "last.pt")["model"]
+
+
+def test_grad_checkpointing_calls_the_models_method_and_trains_the_same_model(tmp_path, monkeypatch):
+    """Stochastic depth on (the drop-path draws are replayed in the recomputation): the same weights, up to
+    the order of float32 sums in the recomputed backward pass."""
+    from vitlab.models import VisionTransformer
+
+    calls = []
+    original = VisionTransformer.set_grad_checkpointing
+
+    def spy(self, enable: bool = True) -> None:
+        calls.append(enable)
+        original(self, enable)
+
+    monkeypatch.setattr(VisionTransformer, "set_grad_checkpointing", spy)
+    plain = weights_after(tmp_path, "plain", "--drop-path", "0.2")
+    assert calls == []
+    recomputed = weights_after(tmp_path, "ckpt", "--drop-path", "0.2", "--grad-checkpointing")
+    assert calls == [True]
+    assert max((plain[k] - recomputed[k]).abs().max().item() for k in plain) < 1e-5
+
+
+def test_impossible_combinations_are_one_line(tmp_path, capsys, monkeypatch):
+    import vitlab.models
+
+    assert cli_main(["train", *TINY_RUN, "--fsdp", "--ema", "0.9", "--out", str(tmp_path / "a")]) == 2
+    assert "--ema keeps a whole copy of the weights, which --fsdp does not" in one_line_error(capsys)
+    without = vitlab.models.create_model("deit_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7)
+    monkeypatch.setattr(vitlab.models, "create_model", lambda name, **kw: torch.nn.Sequential(without))
+    assert cli_main(["train", *TINY_RUN, "--grad-checkpointing", "--out", str(tmp_path / "b")]) == 2
+    assert "cannot recompute its blocks (no set_grad_checkpointing)" in one_line_error(capsys)
