@@ -12,10 +12,11 @@ import copy
 import pytest
 import torch
 
-from vitlab.mixers import ReAttention
+from vitlab.mixers import ReAttention, RefinerAttention
 from vitlab.mixers import reattention as reattention_module
+from vitlab.mixers import refiner as refiner_module
 from vitlab.mixers.attention import HeadMix
-from vitlab.mixers.mixnorm import can_fuse, head_mix_batchnorm, mix_heads
+from vitlab.mixers.mixnorm import as_maps, can_fuse, head_mix_batchnorm, mix_heads, token_rows
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -99,9 +100,32 @@ def test_float32_within_the_rounding_of_its_reductions(case):
             assert rel_err(gp[name], g) < tol, name
 
 
-def test_mix_heads_is_the_matrix_product():
-    w, x = torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, 11, dtype=torch.float64)
-    torch.testing.assert_close(mix_heads(w, x), torch.einsum("gh,bhl->bgl", w, x), rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize("heads_last", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_mix_heads_is_the_matrix_product(heads_last, channels_last):
+    w, x = torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    out = as_maps(mix_heads(w, token_rows(x), heads_last), 4, heads_last)
+    assert out.is_contiguous(memory_format=torch.channels_last if heads_last else torch.contiguous_format)
+    torch.testing.assert_close(out, torch.einsum("gh,bhnm->bgnm", w, x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads_last", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_layouts_give_the_same_values_and_gradients(heads_last, channels_last):
+    """Input in the standard layout or channels-last, output in either: the modules' values and gradients, and
+    the input's gradient in the input's layout."""
+    (mix, bn), (mix2, bn2) = make_pair(4, 6, True, True, True, 0.1, torch.float64)
+    a, grad = maps(2, 4, 5, torch.float64), torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    a = a.contiguous(memory_format=torch.channels_last) if channels_last else a
+    a1, a2 = a.detach().clone(memory_format=torch.preserve_format).requires_grad_(), a.detach().clone().requires_grad_()
+    out = head_mix_batchnorm(a1, mix, bn, 0.5, heads_last=heads_last)
+    ref = bn2(mix2(a2)) * 0.5
+    assert rel_err(out, ref) < 1e-12
+    out.backward(grad)
+    ref.backward(grad)
+    assert rel_err(a1.grad, a2.grad) < 1e-12 and rel_err(mix.weight.grad, mix2.weight.grad) < 1e-12
+    assert a1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def test_fused_only_while_training_with_batch_statistics():
@@ -176,3 +200,34 @@ def test_inference_mode_then_training_step():
     for (name, p), q in zip(m.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
     torch.testing.assert_close(m.var_norm.running_mean, twin.var_norm.running_mean, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("expansion", [1, 3])
+def test_refiner_training_step_equals_the_plain_modules(monkeypatch, expansion):
+    """The official refiner (expansion + BN + ReLU6, depth-wise conv + BN + ReLU6, reduction + BN, shortcut,
+    adapt_bn): fused expansion and reduction give the modules' maps, gradients and running statistics."""
+    torch.manual_seed(4)
+    fused = RefinerAttention(24, num_heads=4, share=True, official_extras=True, expansion=expansion).double().train()
+    for bn in (m for m in fused.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+    plain = copy.deepcopy(fused)
+    x = torch.randn(3, 9, 24, dtype=torch.float64)
+    prev = torch.randn(3, 4, 9, 9, dtype=torch.float64).softmax(-1).requires_grad_()
+
+    def step(m):
+        prev.grad = None
+        out = m(x, attn_prev=prev)
+        out.square().sum().backward()
+        return out, prev.grad, {k: p.grad for k, p in m.named_parameters()}
+
+    out, gprev, grads = step(fused)
+    monkeypatch.setattr(refiner_module, "can_fuse", lambda *args: False)
+    out_ref, gprev_ref, grads_ref = step(plain)
+    assert rel_err(out, out_ref) < 1e-12 and rel_err(gprev, gprev_ref) < 1e-10
+    scale = max(g.abs().max() for g in grads_ref.values())  # a BN before a training BN: its bias gets ~0
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12 * scale, msg=name)
+    for (name, buf), ref in zip(fused.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(buf, ref, rtol=1e-12, atol=1e-15, msg=name)

@@ -19,7 +19,9 @@ the BatchNorm's input gradient ``dY = κ (g − m₁ − x̂ m₂)`` is affine i
     dγ = c M m₂,  dβ = c S,  db = 0 (the batch mean cancels the bias)
 
 with ``μ`` the mean of ``W A + b``. Only ``A`` (which the softmax before keeps) and small (G, H) matrices are
-saved; the backward pass is a few reductions and two head-mixing products over the maps, in their standard layout.
+saved; the backward pass is a few reductions and two head-mixing products over the maps. The products run on the
+maps' (B, N·N, H) view, which needs no copy whether the maps are in the standard layout or channels-last: the input
+stays in its layout (its gradient too) and the output takes the layout its consumer reads best.
 The forward pass is the same BatchNorm (``torch.native_batch_norm``, which also updates the running statistics).
 """
 
@@ -48,10 +50,28 @@ def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
     )
 
 
-def mix_heads(weight: Tensor, maps: Tensor) -> Tensor:
-    """``weight @ maps`` for a (G, H) matrix and maps (B, H, L): one batched product with the matrix broadcast
-    (``torch.matmul`` would transpose and copy the maps to fold them into one product, about 3x slower)."""
-    return torch.bmm(weight.expand(maps.shape[0], *weight.shape), maps)
+def token_rows(maps: Tensor) -> Tensor:
+    """Maps (B, C, N, N) as a (B, N·N, C) view (no copy for the standard layout or channels-last): every head
+    mix below is a batched product on this view, with the transposes passed to BLAS rather than copied."""
+    b, c, n, m = maps.shape
+    return maps.permute(0, 2, 3, 1).reshape(b, n * m, c)
+
+
+def mix_heads(weight: Tensor, rows: Tensor, heads_last: bool, out: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """``weight @ maps`` for a (G, C) matrix and maps given as :func:`token_rows` (B, L, C), added to ``out`` (times
+    ``alpha``) when given: (B, L, G) when ``heads_last`` (channels-last maps), else (B, G, L) (standard layout)."""
+    b = rows.shape[0]
+    lhs, rhs = (
+        (rows, weight.t().expand(b, *weight.shape[::-1]))
+        if heads_last
+        else (weight.expand(b, *weight.shape), rows.transpose(1, 2))
+    )
+    return torch.bmm(lhs, rhs) if out is None else out.baddbmm_(lhs, rhs, alpha=alpha)
+
+
+def as_maps(t: Tensor, n: int, heads_last: bool) -> Tensor:
+    """:func:`mix_heads`'s result as maps (B, G, N, N): channels-last strides when ``heads_last``."""
+    return t.view(t.shape[0], n, n, -1).permute(0, 3, 1, 2) if heads_last else t.view(t.shape[0], -1, n, n)
 
 
 def _momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
@@ -64,59 +84,63 @@ def _momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
 
 class _HeadMixBatchNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, weight, bias, gamma, beta, running_mean, running_var, momentum, eps, scale):
-        b, h, n, m = a.shape
-        flat = a.reshape(b, h, n * m)
-        y = mix_heads(weight, flat)  # (B, G, N·N): W A, the bias enters only the running mean
-        g_out = weight.shape[0]
-        w_eff = gamma * scale if gamma is not None else torch.full((g_out,), scale, dtype=a.dtype, device=a.device)
+    def forward(ctx, a, weight, bias, gamma, beta, running_mean, running_var, momentum, eps, scale, heads_last):
+        rows = token_rows(a)
+        y = as_maps(mix_heads(weight, rows, heads_last), a.shape[-1], heads_last)  # W A; b enters the running mean
+        w_eff = gamma * scale if gamma is not None else weight.new_full((weight.shape[0],), scale)
         b_eff = beta * scale if beta is not None else None
-        out, mean, rstd = torch.native_batch_norm(
-            y.view(b, g_out, n, m), w_eff, b_eff, running_mean, running_var, True, momentum, eps
-        )
+        out, mean, rstd = torch.native_batch_norm(y, w_eff, b_eff, running_mean, running_var, True, momentum, eps)
         if running_mean is not None and bias is not None:  # mean(W A + b) = mean(W A) + b
             running_mean.add_(bias, alpha=momentum)
-        ctx.save_for_backward(flat, weight, w_eff, mean, rstd)
+        ctx.save_for_backward(rows, weight, w_eff, mean, rstd)
         ctx.scale, ctx.has = scale, (bias is not None, gamma is not None, beta is not None)
+        ctx.layout = (a.shape, a.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous())
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        flat, weight, w_eff, mean, rstd = ctx.saved_tensors
+        rows, weight, w_eff, mean, rstd = ctx.saved_tensors
         has_bias, has_gamma, has_beta = ctx.has
-        b, h, count = flat.shape[0], flat.shape[1], flat.shape[0] * flat.shape[2]
-        g = grad.reshape(b, weight.shape[0], -1)
-        s = g.sum((0, 2))  # (G,)
-        p = torch.bmm(g, flat.transpose(1, 2)).sum(0)  # (G, H)
+        shape, rows_in = ctx.layout
+        count = rows.shape[0] * rows.shape[1]
+        g = token_rows(grad)  # (B, L, G)
+        s = g.sum((0, 1))  # (G,)
+        p = torch.bmm(g.transpose(1, 2), rows).sum(0)  # (G, H)
         m1 = s / count
         m2 = rstd * ((weight * p).sum(1) - mean * s) / count  # mean of g·x̂ (mean: of W A)
         kappa = w_eff * rstd
         slope = kappa * rstd * m2  # dY = κ g − slope ⊙ (W A) + shift
         shift = slope * mean - kappa * m1
         grad_a = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # in the input's layout
             wt = weight.t()
-            grad_a = mix_heads(wt * kappa, g)
-            grad_a.baddbmm_((-(wt * slope) @ weight).expand(b, h, h), flat)
-            grad_a.add_((wt @ shift).view(1, h, 1))
-            grad_a = grad_a.view(grad.shape[0], h, *grad.shape[2:])
+            grad_a = mix_heads(wt * kappa, g, rows_in)
+            mix_heads((wt * slope) @ weight, rows, rows_in, out=grad_a, alpha=-1.0)
+            grad_a = as_maps(grad_a.add_((wt @ shift).view((1, 1, -1) if rows_in else (1, -1, 1))), shape[-1], rows_in)
         if ctx.needs_input_grad[1]:
-            q = torch.bmm(flat, flat.transpose(1, 2)).sum(0)  # (H, H)
-            grad_w = kappa[:, None] * p - slope[:, None] * (weight @ q) + shift[:, None] * flat.sum((0, 2))
+            q = torch.bmm(rows.transpose(1, 2), rows).sum(0)  # (H, H)
+            grad_w = kappa[:, None] * p - slope[:, None] * (weight @ q) + shift[:, None] * rows.sum((0, 1))
         grad_bias = torch.zeros_like(mean) if has_bias and ctx.needs_input_grad[2] else None
         grad_gamma = ctx.scale * count * m2 if has_gamma and ctx.needs_input_grad[3] else None
         grad_beta = ctx.scale * s if has_beta and ctx.needs_input_grad[4] else None
-        return grad_a, grad_w, grad_bias, grad_gamma, grad_beta, None, None, None, None, None
+        return grad_a, grad_w, grad_bias, grad_gamma, grad_beta, None, None, None, None, None, None
 
 
-def head_mix_batchnorm(attn: Tensor, mix: nn.Conv2d, bn: nn.modules.batchnorm._BatchNorm, scale: float = 1.0) -> Tensor:
+def head_mix_batchnorm(
+    attn: Tensor,
+    mix: nn.Conv2d,
+    bn: nn.modules.batchnorm._BatchNorm,
+    scale: float = 1.0,
+    heads_last: bool = False,
+) -> Tensor:
     """``scale · bn(mix(attn))`` for maps ``attn`` (B, H, N, N), a 1x1 head mix ``mix`` (H -> G, a Conv2d weight
     (G, H, 1, 1)) and a BatchNorm with batch statistics (:func:`can_fuse`): the same values and running-statistics
-    update as the modules, with the lean backward pass of this module's docstring."""
-    weight = mix.weight[:, :, 0, 0]
+    update as the modules, with the lean backward pass of this module's docstring. The result has channels-last
+    strides when ``heads_last`` (what a following depth-wise conv reads fastest), else the standard layout; the
+    input may be in either."""
     return _HeadMixBatchNorm.apply(
-        attn.contiguous(),
-        weight,
+        attn,
+        mix.weight[:, :, 0, 0],
         mix.bias,
         bn.weight,
         bn.bias,
@@ -125,4 +149,5 @@ def head_mix_batchnorm(attn: Tensor, mix: nn.Conv2d, bn: nn.modules.batchnorm._B
         _momentum(bn),
         bn.eps,
         float(scale),
+        heads_last,
     )
