@@ -137,6 +137,7 @@ def test_fused_only_while_training_with_batch_statistics():
         assert not can_fuse(a, bn)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not can_fuse(a, bn)
+    assert not can_fuse(a.to("meta"), bn)  # FLOP counting on the meta device: the plain modules
 
 
 @pytest.mark.parametrize("transform_scale", [False, True])

@@ -44,8 +44,8 @@ def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
         torch.is_grad_enabled()
         and uses_batch_stats(bn)
         and attn.dtype in (torch.float32, torch.float64)
+        and attn.device.type in ("cpu", "cuda")  # before the autocast query, which rejects e.g. "meta"
         and not torch.is_autocast_enabled(attn.device.type)
-        and attn.device.type != "meta"
         and not torch.compiler.is_compiling()
     )
 
