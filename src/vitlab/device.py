@@ -34,10 +34,17 @@ DEVICE_HELP = "auto (this process's GPU when CUDA is present, else the CPU), cpu
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
 
 
-def add_device_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "auto") -> None:
-    """``--device`` with the same spelling check and help in every command."""
+def add_device_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str | None = "auto"
+) -> None:
+    """``--device`` with the same spelling check and help in every command (``default=None``: unset unless given,
+    for a caller that layers a recipe file under the flags; it then means auto)."""
     parser.add_argument(
-        "--device", type=opt.device, default=default, metavar="DEVICE", help=f"{DEVICE_HELP} (default {default})"
+        "--device",
+        type=opt.device,
+        default=default,
+        metavar="DEVICE",
+        help=f"{DEVICE_HELP} (default {default or 'auto'})",
     )
 
 

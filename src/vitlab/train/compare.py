@@ -128,7 +128,7 @@ def add_run_arguments(
     p.add_argument(
         "--threads", type=opt.Int(1, 1024), default=2, help="CPU threads to use in all (default %(default)s)"
     )
-    add_device_argument(p)
+    add_device_argument(p, default="auto" if recipe is not None else None)
     p.add_argument(
         "--jobs",
         type=opt.positive_int,

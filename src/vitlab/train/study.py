@@ -36,9 +36,9 @@ from .engine import TrainConfig
 from .studies import STUDIES, Study
 
 SCALES = ("small", "full")
-STUDY_DEFAULTS = {"data": "mnist", "seed": 0, "seeds": 3, "scale": "small"}
+STUDY_DEFAULTS = {"data": "mnist", "seed": 0, "seeds": 3, "scale": "small", "device": "auto"}
 # flags a recipe file may also set (the rest of a recipe are TrainConfig fields)
-RUN_KEYS = ("data", "img_size", "seed", "seeds", "train_limit", "scale")
+RUN_KEYS = ("data", "img_size", "seed", "seeds", "train_limit", "scale", "device")
 # TrainConfig fields a recipe may not set: they belong to each run, not to the recipe
 NOT_RECIPE = (
     "model",
@@ -124,7 +124,7 @@ def resolve(args: argparse.Namespace, study: Study) -> tuple[dict[str, Any], str
     merged = {**RECIPE, **STUDY_DEFAULTS, **study.recipe, **(read_recipe(args.config) if args.config else {}), **given}
     if merged["scale"] not in SCALES:
         raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {merged['scale']!r}")
-    for key in ("data", "img_size", "seed", "seeds", "train_limit"):
+    for key in ("data", "img_size", "seed", "seeds", "train_limit", "device"):
         setattr(args, key, merged.get(key))
     recipe = {k: v for k, v in merged.items() if k not in RUN_KEYS}
     return recipe, merged["scale"]
