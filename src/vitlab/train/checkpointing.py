@@ -172,6 +172,13 @@ def run_state(run: Run, epoch: int, rngs: list, **extra: Any) -> dict[str, Any]:
     }
 
 
+def write_record(run: Run) -> None:
+    """``OUT/run.json`` (rank 0), beside the checkpoint: a run killed before its first one leaves nothing."""
+    if run.record is not None:
+        write_json_atomic(run.out / "run.json", run.record)
+        run.record = None  # once per start
+
+
 def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
     """A mid-epoch checkpoint (``save_every``): the loader's position and the epoch's sums so far, the
     per-step log flushed first, so a run resumed from it continues exactly where this one stands."""
@@ -181,6 +188,7 @@ def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
     name = f"step-{run.step:09d}" if run.cfg.fsdp else None
     if write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer) is not None:
         prune_shards(run.out)
+        write_record(run)
 
 
 def save_epoch(run: Run, row: dict[str, Any]) -> None:
@@ -199,4 +207,5 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
         copy_atomic(last, run.out / "best.pt")
     prune_shards(run.out)
     write_log(run.out, run.rows)
+    write_record(run)
     run.steps.scalars(run.step, {k: v for k, v in row.items() if k.startswith(("val_", "ema_", "train_"))})

@@ -257,6 +257,7 @@ class Run:
     data_cfg: dict[str, Any] | None = None  # the evaluation data configuration of streaming data
     resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded
     resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded
+    record: dict[str, Any] | None = None  # what OUT/run.json says (options, versions, revision), rank 0
 
     @property
     def master(self) -> bool:

@@ -152,7 +152,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
         if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
             check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
             start_over()
-            write_json_atomic(run.out / "run.json", run_record(run))
+            run.record = run_record(run)  # OUT/run.json, written with the first checkpoint
         run.model.train()
         try:
             for epoch in range(run.start_epoch, cfg.epochs):
