@@ -39,7 +39,7 @@ TINY_RUN = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",
 ]  # fmt: skip
-OLD_RUN = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl")  # what a run writes
+OLD_RUN = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "run.json")  # what a run writes
 
 
 def train(out: Path, *extra: str) -> int:

@@ -150,7 +150,8 @@ def open_folder(
     dense_root: str | Path | None = None,
 ) -> FolderSource:
     """A split of an image folder: ``train`` / ``val`` (``test`` is an alias) subfolders when present, else a
-    seeded stratified holdout of ``root/<class>/*`` (``holdout``: count or fraction), file list only."""
+    seeded stratified holdout of ``root/<class>/*`` (``holdout``: count or fraction), file list only;
+    ``split="all"``: every image of a folder without train/val subfolders."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist; expected {LAYOUT}")
@@ -167,6 +168,8 @@ def open_folder(
         _, files = scan_folder(val_dir, classes)
         return FolderSource(val_dir, files, classes, f"{root.name}-{val_dir.name}", _sub(dense, val_dir.name))
     classes, files = scan_folder(root)
+    if split == "all":  # the whole folder, e.g. ImageNet's val/ given on its own to `vitlab eval`
+        return FolderSource(root, files, classes, root.name, dense)
     train_idx, held_idx = stratified_holdout(torch.from_numpy(files.labels.astype(np.int64)), holdout, seed)
     part = (train_idx if split == "train" else held_idx).numpy()
     src = FolderSource(root, files.subset(part), classes, f"{root.name}-{split}", dense)

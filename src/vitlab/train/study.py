@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_model
-from ..data import BatchLoader, make_transform
+from ..data import BatchLoader, load_dataset, make_transform
 from ..io import write_figure_atomic, write_json_atomic
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
 from .compare import RECIPE, Column, Plan, Variant, add_run_arguments, compare_note, pyplot, run_variants
-from .engine import TrainConfig, load_data
+from .engine import TrainConfig
 from .studies import STUDIES, Study
 
 SCALES = ("small", "full")
@@ -264,7 +264,7 @@ def similarity_curves(
 def heldout_images(plan: Plan) -> torch.Tensor:
     """The first :data:`SIMILARITY_IMAGES` held-out images, transformed as for evaluation."""
     cfg = next(iter(plan.configs.values()))
-    ds = load_data(cfg, "test")
+    ds = load_dataset(cfg.data, "test", img_size=cfg.img_size, holdout=cfg.holdout)  # in memory: a few images
     loader = BatchLoader(
         ds, SIMILARITY_IMAGES, shuffle=False, transform=make_transform(False, plan.img_size, ds.mean, ds.std)
     )
