@@ -41,15 +41,18 @@ def find_recipe(name: str) -> Path:
 
 
 def read_recipe(path: Path) -> dict[str, Any]:
-    """The mapping in a YAML or TOML file (YAML read with ``safe_load``: no Python objects)."""
+    """The mapping in a YAML or TOML file (YAML read with ``safe_load``: no Python objects); ``vitlab train``'s
+    and ``vitlab study``'s one reader."""
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"recipe {path}: use a .yaml, .yml or .toml file")
     text = path.read_text()
-    try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        else:
-            from ..extras import require
+    toml = path.suffix.lower() == ".toml"
+    if not toml:
+        from ..extras import require
 
-            data = require("yaml", "reading YAML recipes", "recipes").safe_load(text)
+        yaml = require("yaml", "reading YAML recipes", "recipes")  # a missing PyYAML says so, not "not valid"
+    try:
+        data = tomllib.loads(text) if toml else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, ValueError) as e:
         raise ValueError(
             f"recipe {path}: not valid {path.suffix[1:].upper()} ({' '.join(str(e).split())[:160]})"
