@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from vitlab.checkpoint import load_checkpoint
+from vitlab.checkpoint import load_checkpoint, load_model
 from vitlab.cli import main as cli_main
 from vitlab.data import CropSpec, ResizeCenterCrop, eval_geometry
 from vitlab.data.synth import synthesize
@@ -336,7 +337,7 @@ def _recipe_run(folder: Path, out: Path, epochs: int) -> int:
                      "--out", str(out)])  # fmt: skip
 
 
-def test_the_deit_recipe_runs_on_a_generated_folder_and_eval_reads_its_val(folder, tmp_path):
+def test_the_deit_recipe_runs_on_a_generated_folder_and_eval_reads_its_val(folder, tmp_path, capsys):
     """Smoke: `vitlab train --config deit_tiny --data folder:... --img-size 64` (the recipe's options, a tiny
     model), then `vitlab eval CKPT --data folder:ROOT/val`: top-1/top-5 with the model's crop."""
     assert _recipe_run(folder, tmp_path / "run", 1) == 0
@@ -346,6 +347,14 @@ def test_the_deit_recipe_runs_on_a_generated_folder_and_eval_reads_its_val(folde
     )
     (row,) = json.loads(rows_file.read_text())
     assert row["n"] == 16 and 0 <= row["top1"] <= row["top5"] <= 100
+    # the checkpoint knows its classes by name: eval labels a val folder by them, not by its own sorted order
+    classes = sorted(p.name for p in (folder / "train").iterdir())
+    assert load_model(str(tmp_path / "run")).pretrained_cfg["label_names"] == classes
+    other = tmp_path / "other_val"
+    shutil.copytree(folder / "val", other)
+    (other / classes[0]).rename(other / "not_a_trained_class")
+    assert cli_main(["eval", str(tmp_path / "run"), "--data", f"folder:{other}"]) == 2
+    assert "class folders the training split does not have: not_a_trained_class" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -303,7 +303,8 @@ def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> 
     if spec := config.get("data"):
         data_cfg = training_data_cfg(spec, model.in_chans, config.get("holdout"))
         streamed = {k: v for k, v in (ckpt.get("data_cfg") or {}).items() if k != "input_size"}
-        overlay_cfg(model, {**data_cfg, **streamed})  # streaming data: evaluated with the model's crop
+        names = {"label_names": list(ckpt["label_names"])} if ckpt.get("label_names") else {}
+        overlay_cfg(model, {**data_cfg, **streamed, **names})  # streaming data: evaluated with the model's crop
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
 

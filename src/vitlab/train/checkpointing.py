@@ -166,6 +166,7 @@ def run_state(run: Run, epoch: int, rngs: list, **extra: Any) -> dict[str, Any]:
         "world_size": run.world.size,
         "config": asdict(cfg),
         "data_cfg": run.data_cfg,  # the evaluation crop and normalisation of streaming data (vitlab eval)
+        "label_names": getattr(run.train_ds, "classes", None),  # a folder's class names: eval labels by name
         "loader": run.loader.state_dict(),
         "log": list(run.rows),  # the rows so far: resume restores any the log files lack
         **extra,

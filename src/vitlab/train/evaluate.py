@@ -129,7 +129,8 @@ def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], b
         mean, std = (data_cfg["mean"], data_cfg["std"]) if recorded else (ds.mean, ds.std)
         tf = lambda size: make_transform(False, size, mean, std)  # noqa: E731
         return [BatchLoader(ds, batch_size, shuffle=False, transform=tf(s), device=dev) for s in sizes]
-    source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"])
+    names = model.pretrained_cfg.get("label_names") if spec.startswith("folder:") else None
+    source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"], classes=names)
     _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
     loaders = []
     for size in sizes:
