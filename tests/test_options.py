@@ -285,12 +285,6 @@ def test_lm_sample_options_of_the_other_kind_of_model_are_refused(checkpoints, c
     assert "--prompt-rows completes images, but this is a text model" in one_line(capsys)
 
 
-def test_data_a_folder_needs_an_image_size_before_any_work(tmp_path, capsys, no_training):
-    (tmp_path / "imgs" / "a").mkdir(parents=True)
-    assert cli_main(["train", "--data", f"folder:{tmp_path / 'imgs'}", "--out", str(tmp_path / "run")]) == 2
-    assert "an image folder needs --img-size" in one_line(capsys)
-
-
 def test_one_class_of_training_data_is_said():
     from vitlab.data import ImageDataset
     from vitlab.train.engine import warn_one_class

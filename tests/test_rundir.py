@@ -39,7 +39,7 @@ TINY_RUN = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",
 ]  # fmt: skip
-OLD_RUN = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl")  # what a run writes
+OLD_RUN = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "run.json")  # what a run writes
 
 
 def train(out: Path, *extra: str) -> int:
@@ -214,11 +214,13 @@ def test_force_moves_the_old_run_aside_even_if_the_new_run_crashes(tmp_path, mon
 
 
 def killed_at(where: str, out: Path, *extra: str) -> None:
-    """``vitlab train`` into ``out``, SIGKILLed by itself when it reaches ``engine.<where>`` (a real kill: no
-    handler, no finally, no lock release)."""
+    """``vitlab train`` into ``out``, SIGKILLed by itself when it reaches ``where`` (``module.function`` in
+    ``vitlab.train``; a real kill: no handler, no finally, no lock release)."""
+    module, name = where.split(".")
     proc = python(
-        "import os, signal, sys\nfrom vitlab.train import engine\n"
-        f"setattr(engine, {where!r}, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
+        f"import os, signal, sys\nfrom vitlab.train import {module}\n"
+        f"assert hasattr({module}, {name!r}), 'nothing to patch'\n"
+        f"setattr({module}, {name!r}, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
         "from vitlab.cli import main\nsys.exit(main(sys.argv[1:]))",
         *["train", *TINY_RUN, "--out", str(out), *extra],
     )
@@ -229,7 +231,7 @@ def killed_at(where: str, out: Path, *extra: str) -> None:
 @pytest.mark.slow
 def test_sigkill_between_checkpoint_and_log_then_resume_loses_no_row(tmp_path, capsys):
     out = tmp_path / "run"
-    killed_at("write_log", out, "--epochs", "1")  # last.pt renamed into place, the log never written
+    killed_at("checkpointing.write_log", out, "--epochs", "1")  # last.pt renamed into place, the log never written
     assert (out / "last.pt").exists() and not (out / "log.json").exists()
     assert cli_main(["train", *TINY_RUN, "--epochs", "2", "--out", str(out), "--resume"]) == 0
     assert "lacked rows the checkpoint carries (0 of 1); restored" in capsys.readouterr().out
@@ -241,7 +243,7 @@ def test_force_then_sigkill_leaves_nothing_of_the_old_run_beside_the_new(tmp_pat
     out = tmp_path / "run"
     assert train(out) == 0
     old = {n: (out / n).read_bytes() for n in OLD_RUN}
-    killed_at("train_epoch", out, "--epochs", "1", "--force")  # the old run moved aside, then the kill
+    killed_at("engine.train_epoch", out, "--epochs", "1", "--force")  # the old run moved aside, then the kill
     (aside,) = out.glob(".replaced-*")
     assert {n: (aside / n).read_bytes() for n in OLD_RUN} == old
     assert not [n for n in OLD_RUN if (out / n).exists()]

@@ -27,6 +27,7 @@ MINI = vitlab.list_models("*_mini")
 # models whose blocks all see one token sequence (the pyramid's "blocks" are stages: test_pyramid_features)
 PLAIN = [n for n in MINI if vitlab.get_config(n).arch != "pyramid"]
 FULL = vitlab.list_models(exclude_filters="*_mini")
+PYRAMIDS = [n for n in FULL if vitlab.get_config(n).arch == "pyramid"]
 
 
 def mini(name: str, **kw) -> torch.nn.Module:
@@ -195,10 +196,13 @@ def test_full_size_structure_on_meta(name):
     assert cfg["input_size"] == (3, *model.img_size) == vitlab.get_config(name).input_size
     classifiers = cfg["classifier"] if isinstance(cfg["classifier"], tuple) else (cfg["classifier"],)
     assert all(f"{c}.weight" in state for c in classifiers) and f"{cfg['first_conv']}.weight" in state
-    assert len(model.feature_info) == len(model.blocks)
+    if name in PYRAMIDS:  # one feature per stage, the last stage's grid at the model's reduction
+        assert len(model.feature_info) == len(model.depths)
+    else:
+        assert len(model.feature_info) == len(model.blocks)
+        groups = layer_ids(dict(model.named_parameters()), model.group_matcher())
+        assert max(groups.values()) == len(model.blocks) + 2  # stem, blocks, final norm, head
     assert all(g * model.reduction == s for g, s in zip(model.grid, model.img_size))
-    groups = layer_ids(dict(model.named_parameters()), model.group_matcher())
-    assert max(groups.values()) == len(model.blocks) + 2  # stem, blocks, final norm, head
 
 
 @pytest.mark.slow
@@ -208,8 +212,9 @@ def test_full_size_battery_on_meta(name):
         model = create_model(name)
         x = torch.empty(2, *model.pretrained_cfg["input_size"])
         final, inter = model.forward_intermediates(x, indices=2)
-        assert final.shape[-1] == inter[0].shape[1] == model.num_features
-        assert inter[0].shape == (2, model.num_features, *model.grid)
+        info = model.feature_info[-2]  # a block's (a pyramid's: a stage's) output before the last one
+        assert final.shape[-1] == model.num_features and inter[0].shape[1] == info["num_chs"]
+        assert inter[0].shape[2:] == tuple(s // info["reduction"] for s in model.img_size)
         model(x).sum().backward()
         assert all(p.grad is not None for p in model.parameters())
         feats = create_model(name, features_only=True)

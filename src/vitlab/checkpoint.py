@@ -301,7 +301,10 @@ def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> 
     model = model_from_checkpoint(ckpt, ema=ema, **overrides)
     config = ckpt.get("config", {})
     if spec := config.get("data"):
-        overlay_cfg(model, training_data_cfg(spec, model.in_chans, config.get("holdout")))
+        data_cfg = training_data_cfg(spec, model.in_chans, config.get("holdout"))
+        streamed = {k: v for k, v in (ckpt.get("data_cfg") or {}).items() if k != "input_size"}
+        names = {"label_names": list(ckpt["label_names"])} if ckpt.get("label_names") else {}
+        overlay_cfg(model, {**data_cfg, **streamed, **names})  # streaming data: evaluated with the model's crop
     epoch = ckpt.get("epoch", "?")
     return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
 

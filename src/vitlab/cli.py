@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
     "bench": ("vitlab.bench.models", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
     "train": ("vitlab.train.cli", "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)"),
+    "relabel": (
+        "vitlab.train.relabel",
+        "dense token-label maps (top-k scores per patch) for an image folder from a teacher",
+    ),
     "eval": ("vitlab.train.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
     "compare": ("vitlab.train.compare", "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots"),
     "study": (

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .decode import Decoded, UnreadableImage, decode, image_size, min_decode_size
-from .geometry import Box, CropSpec, eval_box, eval_geometry, train_boxes
+from .geometry import Box, CropSpec, cut_crop, eval_box, eval_geometry, train_boxes
 
 
 def _resample(x: Tensor, out: tuple[int, int], mode: str) -> Tensor:
@@ -53,7 +53,7 @@ def eval_resize_crop(img: Decoded, spec: CropSpec) -> Tensor:
     (rh, rw), (top, left) = eval_geometry(img.size, spec)
     x = torch.from_numpy(np.ascontiguousarray(img.pixels)).permute(2, 0, 1)[None]
     x = _resample(x, (rh, rw), spec.interpolation)
-    return x[0, :, top : top + spec.size[0], left : left + spec.size[1]].contiguous()
+    return cut_crop(x[0], (top, left), spec.size).contiguous()
 
 
 def read_bytes(data: bytes | Path) -> bytes:

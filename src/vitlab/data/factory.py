@@ -162,12 +162,15 @@ def open_source(
     holdout: int | float | None = None,
     seed: int = 0,
     dense_root: str | Path | None = None,
+    classes: list[str] | None = None,
 ):
     """A data source from a spec: ``folder:ROOT`` (:class:`FolderSource`, file list only), ``wds:PATTERN`` or
-    ``wds:DIR`` (:class:`~vitlab.data.wds.ShardSource`), or any in-memory spec of :func:`load_dataset`."""
+    ``wds:DIR`` (:class:`~vitlab.data.wds.ShardSource`), or any in-memory spec of :func:`load_dataset`. ``classes`` (folders): the class names
+    a model was trained on; labels follow them by name."""
     kind, sep, path = spec.partition(":")
     if kind == "folder" and sep and path:
-        return open_folder(path, split, holdout=0.1 if holdout is None else holdout, seed=seed, dense_root=dense_root)
+        holdout = 0.1 if holdout is None else holdout
+        return open_folder(path, split, holdout=holdout, seed=seed, dense_root=dense_root, classes=classes)
     if kind == "wds" and sep and path:
         from .wds import open_shards
 

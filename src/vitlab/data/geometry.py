@@ -6,7 +6,10 @@ nearest allowed aspect ratio, centred); then a horizontal flip with probability 
 
 Evaluation (timm's ``crop_pct`` rule): resize the shorter side to ``floor(img_size / crop_pct)`` (the longer
 side keeps the aspect, ``int(scale_size * long / short)``), then cut the centred ``img_size`` crop at
-``round((H_r - img_size) / 2)``; ``crop_mode="squash"`` resizes both sides to the scale size first.
+``round((H_r - img_size) / 2)``; ``crop_mode="squash"`` resizes both sides to the scale size first. With
+``crop_pct > 1`` (Refined-ViT-L evaluates at 1.13) the resized side is shorter than the crop: as timm's
+``CenterCrop`` (torchvision's) does, that side is padded with zeros, ``(img_size - H_r) // 2`` before and the
+rest after, i.e. the crop starts at the negative offset ``-((img_size - H_r) // 2)``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def resized_crop_boxes(
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 CROP_MODES = ("center", "squash")
 DEFAULT_CROP_PCT = 0.875
+MAX_CROP_PCT = 2.0  # beyond it the padding would exceed the picture
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,8 @@ class CropSpec:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
         if self.crop_mode not in CROP_MODES:
             raise ValueError(f"crop_mode must be one of {CROP_MODES}, got {self.crop_mode!r}")
-        if not 0 < self.crop_pct <= 1:
-            raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
+        if not 0 < self.crop_pct <= MAX_CROP_PCT:
+            raise ValueError(f"crop_pct must be in (0, {MAX_CROP_PCT}], got {self.crop_pct}")
         if not (0 < self.scale[0] <= self.scale[1] <= 1 and 0 < self.ratio[0] <= self.ratio[1]):
             raise ValueError(f"need 0 < scale <= 1 and 0 < ratio ascending, got {self.scale}, {self.ratio}")
         if self.channels not in (1, 3):
@@ -136,8 +140,15 @@ def train_box(size: tuple[int, int], spec: CropSpec, g: torch.Generator) -> Box:
     return train_boxes([size], spec, g)[0]
 
 
+def _centre_offset(resized: int, crop: int) -> int:
+    """Where the centred crop starts along one side: ``round((resized - crop) / 2)``, or, for a side shorter
+    than the crop, minus the zero padding torchvision's ``CenterCrop`` puts before it."""
+    return round((resized - crop) / 2.0) if resized >= crop else -((crop - resized) // 2)
+
+
 def eval_geometry(size: tuple[int, int], spec: CropSpec) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(resized (H_r, W_r), crop offset (top, left)) of the evaluation transform for an image of ``size``."""
+    """(resized (H_r, W_r), crop offset (top, left)) of the evaluation transform for an image of ``size``; a
+    negative offset is zero padding (``crop_pct > 1``)."""
     (h, w), (th, tw) = size, spec.size
     scale_size = math.floor(max(th, tw) / spec.crop_pct)
     if spec.crop_mode == "squash":
@@ -146,9 +157,20 @@ def eval_geometry(size: tuple[int, int], spec: CropSpec) -> tuple[tuple[int, int
         rh, rw = scale_size, int(scale_size * w / h)
     else:
         rh, rw = int(scale_size * h / w), scale_size
-    if rh < th or rw < tw:
-        raise ValueError(f"eval resize to {(rh, rw)} is smaller than the crop {spec.size}; use crop_pct <= 1")
-    return (rh, rw), (round((rh - th) / 2.0), round((rw - tw) / 2.0))
+    return (rh, rw), (_centre_offset(rh, th), _centre_offset(rw, tw))
+
+
+def cut_crop(x: Tensor, offset: tuple[int, int], size: tuple[int, int]) -> Tensor:
+    """``x[..., top : top + h, left : left + w]`` with ``offset = (top, left)`` from :func:`eval_geometry`;
+    where an offset is negative the missing rows/columns are zeros (torchvision's ``CenterCrop`` padding)."""
+    (top, left), (h, w) = offset, size
+    pads = []
+    for start, length, full in ((left, w, x.shape[-1]), (top, h, x.shape[-2])):  # F.pad: last axis first
+        pads += [max(0, -start), max(0, start + length - full)]
+    if any(pads):
+        x = torch.nn.functional.pad(x, pads)
+    top, left = max(top, 0), max(left, 0)
+    return x[..., top : top + h, left : left + w]
 
 
 def eval_box(size: tuple[int, int], spec: CropSpec) -> Box:

@@ -148,16 +148,19 @@ def open_folder(
     holdout: int | float = 0.1,
     seed: int = 0,
     dense_root: str | Path | None = None,
+    classes: list[str] | None = None,
 ) -> FolderSource:
     """A split of an image folder: ``train`` / ``val`` (``test`` is an alias) subfolders when present, else a
-    seeded stratified holdout of ``root/<class>/*`` (``holdout``: count or fraction), file list only."""
+    seeded stratified holdout of ``root/<class>/*`` (``holdout``: count or fraction), file list only;
+    ``split="all"``: every image of a folder without train/val subfolders. ``classes``: the class names a model
+    was trained on (its labels' order); labels follow them by name, and a class outside them is an error."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist; expected {LAYOUT}")
     dense = Path(dense_root).expanduser() if dense_root else None
     val_dir = next((root / s for s in ("val", "test") if (root / s).is_dir()), None)
     if (root / "train").is_dir():
-        classes, files = scan_folder(root / "train")
+        classes, files = scan_folder(root / "train", None if classes is None else list(classes))
         if split == "train":
             return FolderSource(root / "train", files, classes, f"{root.name}-train", _sub(dense, "train"))
         if split not in ("val", "test"):
@@ -166,7 +169,9 @@ def open_folder(
             raise FileNotFoundError(f"{root} has a train/ folder but no val/ (or test/) folder")
         _, files = scan_folder(val_dir, classes)
         return FolderSource(val_dir, files, classes, f"{root.name}-{val_dir.name}", _sub(dense, val_dir.name))
-    classes, files = scan_folder(root)
+    classes, files = scan_folder(root, None if classes is None else list(classes))
+    if split == "all":  # the whole folder, e.g. ImageNet's val/ given on its own to `vitlab eval`
+        return FolderSource(root, files, classes, root.name, dense)
     train_idx, held_idx = stratified_holdout(torch.from_numpy(files.labels.astype(np.int64)), holdout, seed)
     part = (train_idx if split == "train" else held_idx).numpy()
     src = FolderSource(root, files.subset(part), classes, f"{root.name}-{split}", dense)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .augment import RandAugment, blend, gray, uniform
-from .geometry import CropSpec, eval_geometry, resized_crop_boxes, sample_boxes
+from .geometry import CropSpec, cut_crop, eval_geometry, resized_crop_boxes, sample_boxes
 
 Size = int | tuple[int, int]
 Transform = Callable[..., Tensor]
@@ -251,7 +251,7 @@ class ResizeCenterCrop:
         _check_batch(x, "ResizeCenterCrop")
         (rh, rw), (top, left) = eval_geometry(tuple(x.shape[-2:]), self.spec)
         x = resize(x, (rh, rw), self.spec.interpolation)
-        return x[..., top : top + self.spec.size[0], left : left + self.spec.size[1]]
+        return cut_crop(x, (top, left), self.spec.size)
 
     def __repr__(self) -> str:
         s = self.spec

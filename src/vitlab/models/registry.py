@@ -45,6 +45,7 @@ CFG_KEYS = (
     "architecture",
     "data",
     "holdout",
+    "label_names",
 )
 LUMINANCE = (0.299, 0.587, 0.114)  # ITU-R 601: RGB statistics -> one grey channel
 

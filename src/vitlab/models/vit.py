@@ -205,5 +205,8 @@ class VisionTransformer(Classifier):
                 return logits, logits_dist
             return (logits + logits_dist) / 2
         if self.aux_head is not None:
-            logits = logits + 0.5 * self.aux_head(x[:, self.num_prefix :]).max(1).values
+            token_logits = self.aux_head(x[:, self.num_prefix :])
+            if self.training and getattr(self, "token_label_training", False):  # token labelling's loss needs both
+                return logits, token_logits
+            logits = logits + 0.5 * token_logits.max(1).values
         return logits

@@ -36,10 +36,12 @@ from .config import Run, TrainConfig
 
 # options that define the run: resuming with another value cannot continue the same training
 RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
-RESUME_FIXED += ("fsdp",)
+RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_root")
 # options a resumed run may change (said in a note: it is then not the run that was started)
 RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
 RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
+RESUME_NOTED += ("base_lr", "reprob", "color_jitter", "crop_pct", "distillation", "distill_alpha", "distill_tau")
+RESUME_NOTED += ("token_label_weight", "auto_augment", "workers")
 
 
 class ResumeError(ValueError):
@@ -106,6 +108,7 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
     if ckpt.get("scaler"):
         run.scaler.load_state_dict(ckpt["scaler"])
     run.start_epoch, run.step = int(ckpt["epoch"]), int(ckpt["step"])
+    run.resume_loader, run.resume_tally = ckpt.get("loader"), ckpt.get("tally")  # where in the epoch it stopped
     if run.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
         run.log("note: the schedule is stretched to the new --epochs from here on")
     rngs = ckpt.get("rng") or []
@@ -117,7 +120,8 @@ def restore(run: Run, ckpt: dict[str, Any]) -> None:
         )
         torch.manual_seed(derive_seed(run.cfg.seed, run.world.rank, run.start_epoch))
     restore_log(run, ckpt)
-    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step})")
+    within = f", batch {run.resume_loader['batch']} of epoch {run.start_epoch + 1}" if run.resume_tally else ""
+    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step}{within})")
 
 
 def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
@@ -145,14 +149,10 @@ def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- writing
 
 
-def save_epoch(run: Run, row: dict[str, Any]) -> None:
-    """Checkpoint (every rank contributes its RNG state; rank 0 writes the file, every rank its shards under
-    FSDP), the best checkpoint, the log files."""
-    rngs = gather_objects(rng_state(run.device), run.world)
+def run_state(run: Run, epoch: int, rngs: list, **extra: Any) -> dict[str, Any]:
+    """What a checkpoint holds after ``epoch`` whole epochs (and, mid-epoch, the loader position and sums)."""
     cfg, sharded = run.cfg, run.cfg.fsdp
-    if run.master:
-        run.rows.append(row)
-    state = {
+    return {
         "model_name": cfg.model,
         "model_kwargs": run.kwargs,
         "model": None if sharded else run.raw.state_dict(),
@@ -160,15 +160,46 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
         "scheduler": run.sched.state_dict(),
         "ema": run.ema.state_dict() if run.ema is not None else None,
         "scaler": run.scaler.state_dict(),
-        "epoch": row["epoch"],
+        "epoch": epoch,
         "step": run.step,
         "rng": rngs,
         "world_size": run.world.size,
         "config": asdict(cfg),
-        "metrics": row,
+        "data_cfg": run.data_cfg,  # the evaluation crop and normalisation of streaming data (vitlab eval)
+        "label_names": getattr(run.train_ds, "classes", None),  # a folder's class names: eval labels by name
+        "loader": run.loader.state_dict(),
         "log": list(run.rows),  # the rows so far: resume restores any the log files lack
+        **extra,
     }
-    name = f"epoch-{row['epoch']:04d}" if sharded else None
+
+
+def write_record(run: Run) -> None:
+    """``OUT/run.json`` (rank 0), beside the checkpoint: a run killed before its first one leaves nothing."""
+    if run.record is not None:
+        write_json_atomic(run.out / "run.json", run.record)
+        run.record = None  # once per start
+
+
+def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
+    """A mid-epoch checkpoint (``save_every``): the loader's position and the epoch's sums so far, the
+    per-step log flushed first, so a run resumed from it continues exactly where this one stands."""
+    run.steps.flush()
+    rngs = gather_objects(rng_state(run.device), run.world)
+    state = run_state(run, epoch, rngs, metrics=None, tally=tally)
+    name = f"step-{run.step:09d}" if run.cfg.fsdp else None
+    if write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer) is not None:
+        prune_shards(run.out)
+        write_record(run)
+
+
+def save_epoch(run: Run, row: dict[str, Any]) -> None:
+    """Checkpoint (every rank contributes its RNG state; rank 0 writes the file, every rank its shards under
+    FSDP), the best checkpoint, the log files."""
+    rngs = gather_objects(rng_state(run.device), run.world)
+    if run.master:
+        run.rows.append(row)
+    state = run_state(run, row["epoch"], rngs, metrics=row)
+    name = f"epoch-{row['epoch']:04d}" if run.cfg.fsdp else None
     last = write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer)
     if last is None:  # not rank 0
         return
@@ -177,4 +208,5 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
         copy_atomic(last, run.out / "best.pt")
     prune_shards(run.out)
     write_log(run.out, run.rows)
+    write_record(run)
     run.steps.scalars(run.step, {k: v for k, v in row.items() if k.startswith(("val_", "ema_", "train_"))})

@@ -18,6 +18,9 @@ HELP = {
     "epochs": "training epochs",
     "batch_size": "global batch size (split over torchrun processes)",
     "lr": "peak learning rate (after warmup)",
+    "base_lr": "scale the learning rate by the global batch: lr = BASE_LR x global batch / 512 (DeiT's rule)",
+    "accum_steps": "accumulate the gradients of this many batches per optimizer step (global batch = "
+    "batch size x accum steps)",
     "min_lr": "learning rate at the end of the cosine",
     "warmup_epochs": "linear warmup length in epochs (fractions allowed)",
     "weight_decay": "AdamW weight decay (not applied to norms, biases, tokens, position tables)",
@@ -36,8 +39,23 @@ HELP = {
     "crop_padding": "random-crop padding in pixels (0: no crop)",
     "hflip": "horizontal flip probability (default 0 for digits, else 0.5)",
     "auto_augment": "RandAugment spec, e.g. rand-m9-n2-mstd0.5",
-    "teacher": "DeiT hard distillation from this vitlab checkpoint (needs --dist-token)",
+    "color_jitter": "colour jitter strength of folder:/wds: data (off under RandAugment)",
+    "reprob": "random erasing probability (per-pixel noise), e.g. 0.25",
+    "aug_repeats": "repeated augmentation: each image this many times per epoch, on different processes (DeiT: 3)",
+    "workers": "DataLoader worker processes per training process decoding folder:/wds: data",
+    "crop_pct": "evaluation crop of folder:/wds: data: resize to img-size / CROP_PCT, centre crop (default: the model's)",
+    "teacher": "distil from this teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file "
+    "(needs --dist-token)",
+    "teacher_img_size": "the teacher's input size (default: what its file says, else the training size)",
+    "distillation": "hard (DeiT: the teacher's argmax) or soft (KL at temperature --distill-tau)",
+    "distill_alpha": "weight of the distillation term",
+    "distill_tau": "temperature of soft distillation",
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
+    "token_label": "token labelling (LV-ViT): dense targets beside the images (<stem>.tl.npy, vitlab relabel), "
+    "MixToken with --cutmix, the dense loss on the model's aux head",
+    "token_label_weight": "weight of the dense token-labelling loss",
+    "dense_root": "folder of the dense target files, laid out as the images (default: beside them)",
+    "save_every": "also checkpoint every N optimizer steps within an epoch (0: at epoch ends only)",
     "init_from": "initialise the weights from this checkpoint (e.g. DeiT -> AFT-conv)",
     "eval_batch_size": "batch size of the held-out evaluation",
     "compile": "torch.compile the model (the first steps compile it)",
@@ -49,7 +67,21 @@ HELP = {
     "log_every": "steps between writes of OUT/steps.jsonl (one row per step)",
     "progress_every": "seconds between progress lines when the output is not a terminal",
 }
-HIDDEN = {"progress", "force", "resume", "model_args", "device"}
+HIDDEN = {"progress", "force", "resume", "model_args", "device", "recipe"}
+
+
+class _Store(argparse._StoreAction):
+    """``store`` that also records the option as given on the command line (it then overrides a recipe)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,14 +90,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=HELP[f.name])
+            p.add_argument(flag, action=_StoreTrue, help=HELP[f.name])
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
         kind = OPTION_CHECKS.get(f.name, kind)  # the option's range, checked while parsing
         extra: dict = {"choices": AMP_CHOICES} if f.name == "amp" else {}
         default = f.default if f.name != "out" else None
         show = "" if default is None else f" (default {default})"
-        p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=HELP[f.name] + show, **extra)
+        p.add_argument(
+            flag, action=_Store, type=kind, default=default, metavar=f.name.upper(), help=HELP[f.name] + show, **extra
+        )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="RECIPE",
+        help="options from a recipe file (YAML or TOML; flags given here override it): a path, or the name of a "
+        "shipped recipe such as deit_tiny (see recipes/)",
+    )
     p.add_argument(
         "--model-arg",
         dest="model_args",
@@ -128,8 +169,6 @@ def check_model_args(args: argparse.Namespace) -> None:
     from ..options import check_keyword_values
 
     kind, _ = parse_spec(args.data)
-    if kind == "folder" and args.img_size is None:
-        raise ValueError(f"--data {args.data}: an image folder needs --img-size (its images are resized to it)")
     overrides = parse_model_args(args.model_args)
     if not overrides:
         return
@@ -166,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
     from ..distributed import close_distributed
     from .engine import train
 
+    if args.config:
+        from .recipes import apply_recipe
+
+        apply_recipe(args)
     check_model_args(args)
     try:
         train(config_from_args(args))

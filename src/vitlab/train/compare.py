@@ -47,7 +47,8 @@ from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
 from ..rundir import RunLock
-from .engine import RUN_FILES, TrainConfig, load_data, train
+from .data import data_shape, load_data
+from .engine import RUN_FILES, TrainConfig, train
 
 DEFAULT_MODELS = (
     "deit_mini", "refiner_vit_mini", "deepvit_mini", "cpvt_mini", "tnt_mini", "eamlp_mini", "aft_full_mini",
@@ -544,8 +545,9 @@ def plan_variants(
     n_train = min(args.train_limit, len(train_ds)) if args.train_limit else len(train_ds)
     if recipe["batch_size"] > n_train:
         raise ValueError(f"--batch-size {recipe['batch_size']} exceeds the {n_train} training images")
-    img = args.img_size or int(train_ds.img_size[0])
-    input_size = (int(train_ds.in_chans), img, img)
+    shape = data_shape(probe, train_ds)
+    img = shape["img_size"]
+    input_size = (shape["in_chans"], img, img)
     per_job = max(1, args.threads // jobs)
     seeds = [args.seed + i for i in range(n_seeds)]
     runs, configs, sizes = {}, {}, {}

@@ -3,13 +3,14 @@ holds between its steps (:class:`Run`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .. import options as opt
 from ..data import BatchLoader
@@ -36,6 +37,8 @@ class TrainConfig:
     epochs: int = 10
     batch_size: int = 128  # global batch (split over DDP ranks)
     lr: float = 1e-3
+    base_lr: float | None = None  # if set: lr = base_lr * global batch / 512 (DeiT's rule)
+    accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch_size x accum_steps)
     min_lr: float = 1e-5
     warmup_epochs: float = 1.0
     weight_decay: float = 0.05
@@ -55,12 +58,25 @@ class TrainConfig:
     crop_padding: int = 2
     hflip: float | None = None  # default: 0 for digits, 0.5 otherwise
     auto_augment: str | None = None  # e.g. "rand-m9-n2-mstd0.5"
-    teacher: str | None = None  # checkpoint of a teacher: DeiT hard distillation (needs dist_token)
+    color_jitter: float = 0.4  # streaming data: brightness/contrast/saturation jitter (off under RandAugment)
+    reprob: float = 0.0  # random erasing probability (per-pixel noise)
+    aug_repeats: int = 1  # repeated augmentation (DeiT: 3)
+    workers: int = 0  # DataLoader workers per process decoding folder:/wds: data
+    crop_pct: float | None = None  # evaluation crop of streaming data (default: the model's)
+    teacher: str | None = None  # teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file
+    teacher_img_size: int | None = None  # the teacher's input size (default: what its file says, else the data's)
+    distillation: str = "hard"  # "hard" (DeiT) or "soft" (KL at temperature distill_tau)
+    distill_alpha: float = 0.5
+    distill_tau: float = 1.0
     dist_token: bool = False
+    token_label: bool = False  # LV-ViT token labelling: dense targets beside the images, MixToken, aux loss
+    token_label_weight: float = 0.5  # weight of the dense aux loss
+    dense_root: str | None = None  # where the dense target files are (default: beside the images)
     init_from: str | None = None  # initialise the weights from another checkpoint
     resume: str | None = None  # "auto" = OUT/last.pt, or a checkpoint path
     force: bool = False  # start over even if OUT holds a checkpoint
     eval_batch_size: int = 256
+    save_every: int = 0  # optimizer steps between mid-epoch checkpoints (0: at epoch ends only)
     compile: bool = False  # torch.compile the model
     grad_checkpointing: bool = False  # recompute each block's activations in the backward pass
     tf32: bool = False  # GPU: TF32 tensor cores for fp32 matrix products and convolutions
@@ -69,6 +85,17 @@ class TrainConfig:
     log_every: int = 10  # steps per write of OUT/steps.jsonl
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal
     progress: bool = True
+    recipe: str | None = None  # the recipe file the options came from (--config)
+
+    @property
+    def global_batch(self) -> int:
+        """Images per optimizer step over all processes: ``batch_size`` (split over them) x ``accum_steps``."""
+        return self.batch_size * self.accum_steps
+
+    @property
+    def peak_lr(self) -> float:
+        """The learning rate after warmup: ``base_lr * global_batch / 512`` when ``base_lr`` is set, else ``lr``."""
+        return self.base_lr * self.global_batch / 512 if self.base_lr is not None else self.lr
 
     def __post_init__(self) -> None:
         if self.amp not in AMP_CHOICES:
@@ -107,6 +134,8 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "epochs": opt.positive_int,
     "batch_size": opt.positive_int,
     "lr": opt.positive_float,
+    "base_lr": opt.positive_float,
+    "accum_steps": opt.Int(1, 4096),
     "min_lr": opt.non_negative_float,
     "warmup_epochs": opt.non_negative_float,
     "weight_decay": opt.non_negative_float,
@@ -125,13 +154,76 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "crop_padding": opt.non_negative_int,
     "hflip": opt.probability,
     "auto_augment": opt.Validated(_rand_augment_spec, "a RandAugment spec"),
+    "color_jitter": opt.non_negative_float,
+    "reprob": opt.probability,
+    "aug_repeats": opt.Int(1, 64),
+    "workers": opt.Int(0, 256),
+    "crop_pct": opt.Float(0, 2, low_open=True),
+    "teacher_img_size": opt.image_size,
+    "distillation": opt.Choice("hard", "soft"),
+    "distill_alpha": opt.probability,
+    "distill_tau": opt.positive_float,
+    "token_label_weight": opt.non_negative_float,
+    "save_every": opt.non_negative_int,
     "eval_batch_size": opt.positive_int,
     "log_every": opt.positive_int,
     "progress_every": opt.non_negative_float,
 }
 
 # what a run writes into OUT: a folder holding any of them holds a run
-RUN_FILES = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "tb", "shards")
+RUN_FILES = ("last.pt", "best.pt", "log.json", "log.csv", "summary.json", "steps.jsonl", "tb", "shards", "run.json")
+
+
+def class_targets(y: Tensor) -> Tensor:
+    return y.argmax(-1) if y.is_floating_point() else y
+
+
+@dataclass
+class EpochTally:
+    """The running sums of an epoch (loss x images, correct answers, images) on the device; a mid-epoch
+    checkpoint carries them so the resumed epoch's row equals the uninterrupted one's."""
+
+    loss_sum: Tensor
+    correct: Tensor
+    seen: int = 0
+
+    @classmethod
+    def restore(cls, state: dict[str, Any] | None, device: torch.device) -> EpochTally:
+        if state is None:
+            return cls(torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long))
+        return cls(state["loss_sum"].to(device), state["correct"].to(device), int(state["seen"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.loss_sum.detach().cpu(), "correct": self.correct.detach().cpu(), "seen": self.seen}
+
+    def add(self, loss: Tensor, logits: Tensor, y: Tensor) -> None:
+        self.loss_sum += loss.detach().float() * len(y)
+        self.correct += (logits.argmax(-1) == class_targets(y)).sum()
+        self.seen += len(y)
+
+    def status(self) -> str:
+        return f"loss {self.loss_sum.item() / self.seen:.3f} acc {100 * self.correct.item() / self.seen:.1f}%"
+
+    def row(self, run: Run, epoch: int, train_time: float) -> dict[str, Any]:
+        """The epoch's row of the log, summed over the processes."""
+        from ..distributed import all_reduce_sum
+
+        seen = torch.tensor(float(self.seen), device=self.loss_sum.device)
+        stats = all_reduce_sum(torch.stack([self.loss_sum, self.correct.float(), seen]), run.world)
+        train_loss = (stats[0] / stats[2]).item()
+        if not math.isfinite(train_loss):
+            raise TrainingError(
+                f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none"
+            )
+        return {
+            "epoch": epoch + 1,
+            "step": run.step,
+            "lr": run.optimizer.param_groups[0]["lr"],
+            "train_loss": train_loss,
+            "train_acc": (100 * stats[1] / stats[2]).item(),
+            "train_img_s": stats[2].item() / train_time,
+            "train_time_s": train_time,
+        }
 
 
 @dataclass
@@ -162,6 +254,10 @@ class Run:
     step: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
     best_top1: float | None = None
+    data_cfg: dict[str, Any] | None = None  # the evaluation data configuration of streaming data
+    resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded
+    resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded
+    record: dict[str, Any] | None = None  # what OUT/run.json says (options, versions, revision), rank 0
 
     @property
     def master(self) -> bool:

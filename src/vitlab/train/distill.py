@@ -1,12 +1,28 @@
-"""DeiT hard-label distillation (Touvron et al. 2021, Eq. in Sec. 4 "Hard-label distillation").
+"""Distillation from a teacher (Touvron et al. 2021, DeiT, Sec. 4), soft or hard, with a distillation token.
 
-``L = ½·CE(ψ(Z_cls), y) + ½·CE(ψ(Z_dist), y_t)``, with ``y_t = argmax Z_t`` the teacher's decision. The
-student is a model with a distillation token and head (``dist_token=True``); in training with
+With ``Z_s`` the student's class-token logits, ``Z_d`` its distillation-token logits, ``Z_t`` the teacher's,
+``psi`` the softmax and ``lambda = alpha``:
+
+- hard (DeiT's "hard-label distillation"): ``L = (1 - lambda) CE(psi(Z_s), y) + lambda CE(psi(Z_d), argmax Z_t)``
+  (DeiT uses lambda = 1/2);
+- soft (DeiT Eq. 2): ``L = (1 - lambda) CE(psi(Z_s), y) + lambda tau^2 KL(psi(Z_t / tau) || psi(Z_d / tau))``,
+  the KL averaged over the batch.
+
+The student has a distillation token and head (``dist_token=True``); in training with
 ``distilled_training = True`` it returns ``(cls_logits, dist_logits)``, at test time their average.
+
+The teacher is a vitlab checkpoint, a program saved by ``torch.export.save`` (``.pt2``) or a TorchScript
+file, so a CNN trained elsewhere (DeiT's RegNetY-16GF) plugs in without its code. None of them runs pickled
+Python: checkpoints are read with ``weights_only``; a ``.pt2`` archive's tensors are read with
+``weights_only=True`` and an archive holding other pickled objects is refused; TorchScript is TorchScript's own
+format. The teacher runs in eval mode without gradients, on the batch resized to its own input size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,11 +33,97 @@ from ..checkpoint import load_checkpoint, load_model
 from ..data import resize, soft_target_cross_entropy
 
 
-def load_teacher(path: str | Path, device: torch.device | str = "cpu", ema: bool = False) -> nn.Module:
-    """A frozen teacher in eval mode from any vitlab checkpoint (its model is rebuilt from the record)."""
-    ckpt = load_checkpoint(path)
-    teacher = load_model(ckpt["model_name"], ckpt, ema=ema and bool(ckpt.get("ema")))
-    return teacher.to(device).eval().requires_grad_(False)
+class Teacher(nn.Module):
+    """A frozen teacher and the input size it takes (None: any)."""
+
+    def __init__(self, model: nn.Module, input_size: tuple[int, int] | None, num_classes: int | None = None) -> None:
+        super().__init__()
+        self.model, self.input_size, self.num_classes = model, input_size, num_classes
+        self.in_chans = None
+
+    @torch.no_grad()
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_size is not None and tuple(x.shape[-2:]) != self.input_size:
+            x = resize(x, self.input_size)
+        out = self.model(x)
+        return (out[0] if isinstance(out, (tuple, list)) else out).float()
+
+
+@contextlib.contextmanager
+def _no_pickled_code(path: Path) -> Iterator[None]:
+    """While ``torch.export.load`` reads ``path``: tensors with ``weights_only=True``, other pickles refused."""
+    from torch.export.pt2_archive import _package
+
+    real_load, real_obj = torch.load, torch._C._pickle_load_obj
+
+    def weights_only_load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return real_load(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise ValueError(f"--teacher {path}: the program carries pickled Python objects; refusing to load them")
+
+    class NoPickle:
+        loads = staticmethod(refuse)
+
+    real_pickle = _package.pickle
+    torch.load, torch._C._pickle_load_obj, _package.pickle = weights_only_load, refuse, NoPickle
+    try:
+        yield
+    finally:
+        torch.load, torch._C._pickle_load_obj, _package.pickle = real_load, real_obj, real_pickle
+
+
+def _exported_input_size(program) -> tuple[int, int] | None:
+    """The (H, W) an exported program was traced at, from its first user input (None when symbolic)."""
+    user = program.graph_signature.user_inputs
+    node = next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == user[0]), None)
+    val = getattr(node, "meta", {}).get("val") if node is not None else None
+    if val is None or val.dim() != 4 or not all(isinstance(s, int) for s in val.shape[-2:]):
+        return None
+    return int(val.shape[-2]), int(val.shape[-1])
+
+
+def _archive_kind(path: Path) -> str:
+    """ "export", "torchscript" or "vitlab" (anything else: the checkpoint reader explains)."""
+    if path.suffix == ".pt2":
+        return "export"
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+        if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
+            return "torchscript"
+    return "vitlab"
+
+
+def load_teacher(path: str | Path, device: torch.device | str = "cpu", img_size: int | None = None) -> Teacher:
+    """A frozen teacher in eval mode from a vitlab checkpoint, a ``.pt2`` program or a TorchScript file;
+    ``img_size`` overrides the input size the file says (a TorchScript file says none: the batch's size)."""
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "last.pt").is_file():  # a `vitlab train` output folder
+        path = path / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"--teacher {path}: no such file")
+    kind = _archive_kind(path)
+    size = (img_size, img_size) if img_size else None
+    if kind == "export":
+        with _no_pickled_code(path):
+            program = torch.export.load(path)
+        module, size, classes = program.module(), size or _exported_input_size(program), None
+    elif kind == "torchscript":
+        module, classes = torch.jit.load(path, map_location="cpu"), None
+    else:
+        ckpt = load_checkpoint(path)
+        module = load_model(ckpt["model_name"], ckpt)
+        size, classes = size or tuple(module.meta["input_size"][1:]), module.num_classes
+    if hasattr(module, "eval") and kind != "export":  # an exported program's module has no train/eval switch
+        module = module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    teacher = Teacher(module, size, classes).to(device)
+    if kind == "vitlab":
+        teacher.in_chans = module.in_chans
+    return teacher
 
 
 def check_student(model: nn.Module) -> None:
@@ -32,36 +134,50 @@ def check_student(model: nn.Module) -> None:
         )
 
 
-class HardDistillationLoss(nn.Module):
-    """``½·base(cls_logits, target) + ½·CE(dist_logits, argmax teacher(x))``.
+class DistillationLoss(nn.Module):
+    """DeiT's soft or hard distillation loss (module docstring). ``base`` is soft-target cross-entropy (labels
+    may be Mixup/CutMix soft targets with label smoothing, as in DeiT); the teacher sees the same augmented
+    images, resized to its own input size if that differs."""
 
-    ``base`` is soft-target cross-entropy (labels may be Mixup/CutMix soft targets with label smoothing,
-    as in DeiT); the teacher sees the same augmented images, resized to its own input size if that differs.
-    """
-
-    def __init__(self, teacher: nn.Module, smoothing: float = 0.0, alpha: float = 0.5) -> None:
+    def __init__(
+        self, teacher: Teacher, kind: str = "hard", alpha: float = 0.5, tau: float = 1.0, smoothing: float = 0.0
+    ) -> None:
         super().__init__()
-        self.teacher, self.smoothing, self.alpha = teacher, smoothing, alpha
-        self.teacher_input = tuple(teacher.meta["input_size"]) if hasattr(teacher, "meta") else None
+        if kind not in ("hard", "soft"):
+            raise ValueError(f"distillation must be 'hard' or 'soft', got {kind!r}")
+        self.teacher, self.kind, self.alpha, self.tau, self.smoothing = teacher, kind, alpha, tau, smoothing
 
     def check_student(self, student: nn.Module, in_chans: int) -> None:
         check_student(student)
-        t, s = getattr(self.teacher, "num_classes", None), getattr(student, "num_classes", None)
+        t, s = self.teacher.num_classes, getattr(student, "num_classes", None)
         if t is not None and s is not None and t != s:
             raise ValueError(f"the teacher predicts {t} classes, the student {s}; use a teacher trained on this data")
-        if self.teacher_input is not None and self.teacher_input[0] != in_chans:
-            raise ValueError(f"the teacher takes {self.teacher_input[0]}-channel images, the data has {in_chans}")
+        if self.teacher.in_chans is not None and self.teacher.in_chans != in_chans:
+            raise ValueError(f"the teacher takes {self.teacher.in_chans}-channel images, the data has {in_chans}")
 
-    @torch.no_grad()
-    def teacher_labels(self, x: Tensor) -> Tensor:
-        if self.teacher_input is not None and tuple(x.shape[-2:]) != self.teacher_input[1:]:
-            x = resize(x, self.teacher_input[1:])
-        return self.teacher(x).argmax(-1)
+    def distill_term(self, dist_logits: Tensor, teacher_logits: Tensor) -> Tensor:
+        if teacher_logits.shape != dist_logits.shape:
+            raise ValueError(
+                f"the teacher gives {tuple(teacher_logits.shape)} scores, the student {tuple(dist_logits.shape)}"
+            )
+        if self.kind == "hard":
+            return F.cross_entropy(dist_logits, teacher_logits.argmax(-1))
+        t = self.tau
+        log_student = F.log_softmax(dist_logits.float() / t, -1)
+        log_teacher = F.log_softmax(teacher_logits / t, -1)
+        return F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * (t * t)
 
-    def forward(self, x: Tensor, outputs: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+    def forward(self, x: Tensor, outputs: tuple[Tensor, Tensor], target: Tensor, dense=None) -> Tensor:
         if not isinstance(outputs, tuple):
             raise ValueError("the student must return (cls_logits, dist_logits): set model.distilled_training = True")
         cls_logits, dist_logits = outputs
         base = soft_target_cross_entropy(cls_logits, target, self.smoothing)
-        distill = F.cross_entropy(dist_logits, self.teacher_labels(x))
-        return (1 - self.alpha) * base + self.alpha * distill
+        return (1 - self.alpha) * base + self.alpha * self.distill_term(dist_logits, self.teacher(x))
+
+
+def HardDistillationLoss(teacher: nn.Module, smoothing: float = 0.0, alpha: float = 0.5) -> DistillationLoss:
+    """DeiT's hard distillation from a vitlab model (kept for callers of the earlier class)."""
+    size = tuple(teacher.meta["input_size"][1:]) if hasattr(teacher, "meta") else None
+    wrapped = Teacher(teacher.eval().requires_grad_(False), size, getattr(teacher, "num_classes", None))
+    wrapped.in_chans = getattr(teacher, "in_chans", None)
+    return DistillationLoss(wrapped, "hard", alpha, 1.0, smoothing)

@@ -24,10 +24,11 @@ sharded run ``shards/``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint
-from ..data import BatchLoader, MixupCutmix, derive_seed, load_dataset, make_transform, soft_target_cross_entropy
+from ..data import BatchLoader, derive_seed
 from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
 from ..distributed import World, all_reduce_sum, barrier, init_distributed, parallelize
 from ..io import write_json_atomic
@@ -44,9 +45,11 @@ from ..optim import WarmupCosine, create_optimizer
 from ..rundir import check_free_space, checkpoint_bytes, own_folder
 from ..runtime import is_out_of_memory as is_oom
 from ..tracking import StepLog, memory_probe
-from .checkpointing import check_resume, open_checkpoint, restore, save_epoch
-from .config import OPTION_CHECKS, RUN_FILES, Run, TrainConfig, TrainingError
+from .checkpointing import check_resume, open_checkpoint, restore, save_epoch, save_position
+from .config import OPTION_CHECKS, RUN_FILES, EpochTally, Run, TrainConfig, TrainingError
+from .data import build_loaders, data_shape, open_data
 from .ema import ModelEma
+from .losses import make_criterion
 
 __all__ = [
     "AMP_CHOICES",
@@ -61,10 +64,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- small helpers
-
-
-def class_targets(y: Tensor) -> Tensor:
-    return y.argmax(-1) if y.is_floating_point() else y
 
 
 def local_value(t: Tensor) -> Tensor:
@@ -103,27 +102,11 @@ def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype:
     return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
 
 
-# --------------------------------------------------------------------------- data and model
-
-
-def load_data(cfg: TrainConfig, split: str):
-    try:
-        return load_dataset(cfg.data, split, img_size=cfg.img_size, holdout=cfg.holdout)
-    except ImportError as e:
-        raise TrainingError(str(e)) from None
-    except (EOFError, OSError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise TrainingError(f"cannot read dataset {cfg.data!r} ({e}); check or re-create its files") from None
+# --------------------------------------------------------------------------- model
 
 
 def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
-    kw = dict(
-        img_size=cfg.img_size or int(train_ds.img_size[0]),
-        in_chans=int(train_ds.in_chans),
-        num_classes=int(train_ds.num_classes),
-        **cfg.model_args,
-    )
+    kw = dict(**data_shape(cfg, train_ds), **cfg.model_args)
     if cfg.drop_path > 0:
         kw["drop_path_rate"] = cfg.drop_path
     if cfg.dist_token:
@@ -169,6 +152,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
         if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
             check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
             start_over()
+            run.record = run_record(run)  # OUT/run.json, written with the first checkpoint
         run.model.train()
         try:
             for epoch in range(run.start_epoch, cfg.epochs):
@@ -183,6 +167,43 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
         return finish(run)
 
 
+def git_revision() -> str | None:
+    """The git commit of the vitlab source that runs (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_record(run: Run) -> dict[str, Any]:
+    """``OUT/run.json``: the resolved options, the batch and learning rate they give, the evaluation crop,
+    and what produced the run (vitlab and torch versions, the git revision, the command line)."""
+    import platform
+    import sys
+    from dataclasses import asdict
+
+    from .. import __version__
+
+    cfg = run.cfg
+    return {
+        "config": asdict(cfg),
+        "recipe": cfg.recipe,
+        "global_batch": cfg.global_batch,
+        "batch_per_process": run.per_rank,
+        "world_size": run.world.size,
+        "base_lr": cfg.base_lr,
+        "lr": cfg.peak_lr,
+        "data_cfg": run.data_cfg,
+        "versions": {"vitlab": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        "git_revision": git_revision(),
+        "command": sys.argv,
+    }
+
+
 def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
     """Resume checkpoint, data, model and optimizer state; the model spread over the processes."""
     if cfg.threads > 0:
@@ -191,8 +212,11 @@ def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: to
     run = Run(cfg, log if world.main else (lambda line: None), world, device, None, Path(cfg.out), t_start, steps)
     run.dtype = amp_dtype(cfg.amp, device)
     ckpt = open_checkpoint(run)
-    setup_data(run)
+    open_data(run)
+    warn_one_class(run.train_ds)
     setup_model(run, ckpt)
+    build_loaders(run)
+    setup_optimizer(run)
     if ckpt is not None:
         restore(run, ckpt)
     del ckpt
@@ -202,48 +226,17 @@ def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: to
     extras += ["gradient checkpointing" * cfg.grad_checkpointing, "TF32" * (cfg.tf32 and device.type == "cuda")]
     run.log(
         f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.train_ds)} train / {len(run.val_ds)} held-out "
-        f"images at {run.kwargs['img_size']}px, {cfg.epochs} epochs x {len(run.loader)} steps of {cfg.batch_size}"
-        f"{how}, {device}{''.join(', ' + e for e in extras if e)}"
+        f"images at {run.kwargs['img_size']}px, {cfg.epochs} epochs x {steps_per_epoch(run)} steps of "
+        f"{cfg.global_batch} (lr {cfg.peak_lr:.3g}){how}, {device}{''.join(', ' + e for e in extras if e)}"
     )
     return run
-
-
-def setup_data(run: Run) -> None:
-    """The training subset, the held-out set, their transforms and the per-rank loaders."""
-    cfg = run.cfg
-    if cfg.batch_size % run.world.size:
-        raise TrainingError(f"the global batch {cfg.batch_size} must be divisible by the {run.world.size} processes")
-    train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
-    if cfg.train_limit:
-        pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
-        train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
-    warn_one_class(train_ds)
-    if cfg.batch_size > len(train_ds):
-        raise TrainingError(
-            f"batch size {cfg.batch_size} exceeds the {len(train_ds)} training images; use a smaller --batch-size"
-        )
-    img_size = cfg.img_size or int(train_ds.img_size[0])
-    digits = train_ds.num_classes == 10 and train_ds.in_chans == 1
-    hflip = cfg.hflip if cfg.hflip is not None else (0.0 if digits else 0.5)
-    aug = dict(crop_padding=cfg.crop_padding or None, hflip=hflip, auto_augment=cfg.auto_augment)
-    train_tf = make_transform(True, img_size, train_ds.mean, train_ds.std, **aug)
-    mix = None
-    if cfg.mixup > 0 or cfg.cutmix > 0:
-        mix = MixupCutmix(cfg.mixup, cfg.cutmix, label_smoothing=cfg.smoothing, num_classes=train_ds.num_classes)
-    shard = dict(seed=cfg.seed, rank=run.world.rank, world_size=run.world.size, mix=mix, device=run.device)
-    run.loader = BatchLoader(train_ds, run.per_rank, shuffle=True, drop_last=True, transform=train_tf, **shard)
-    eval_tf = make_transform(False, img_size, val_ds.mean, val_ds.std)
-    run.val_loader = BatchLoader(val_ds, cfg.eval_batch_size, shuffle=False, transform=eval_tf, device=run.device)
-    if len(run.loader) == 0:
-        raise TrainingError(
-            f"no full batch of {run.per_rank} per process in {len(train_ds)} images; use a smaller --batch-size"
-        )
-    run.train_ds, run.val_ds = train_ds, val_ds
 
 
 def warn_one_class(train_ds) -> None:
     """A warning when every training image has the same label: the model then learns to answer that class
     whatever it sees (the training loss goes to 0 and says nothing)."""
+    if not hasattr(train_ds, "labels"):  # shard streams: the labels are inside the shards
+        return
     labels = torch.unique(train_ds.labels)
     if len(labels) == 1:
         warnings.warn(
@@ -254,8 +247,8 @@ def warn_one_class(train_ds) -> None:
 
 
 def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
-    """Model (identical initial weights on every rank), teacher, the model spread over the processes (DDP,
-    or FSDP before the optimizer sees its parameters), optimizer, schedule, EMA, scaler."""
+    """Model (identical initial weights on every rank), its loss (teacher, token labels), the model spread
+    over the processes (DDP, or FSDP before the optimizer sees its parameters)."""
     from ..models import create_model
 
     cfg = run.cfg
@@ -272,36 +265,62 @@ def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
             raise TrainingError(f"{cfg.model} cannot recompute its blocks (no set_grad_checkpointing); drop the flag")
         model.set_grad_checkpointing(True)
     model.to(run.device)
-    if cfg.teacher:
-        from .distill import HardDistillationLoss, load_teacher
-
-        run.criterion = HardDistillationLoss(load_teacher(cfg.teacher, run.device), cfg.smoothing)
-        run.criterion.check_student(model, run.train_ds.in_chans)
-        model.distilled_training = True
+    run.criterion = make_criterion(cfg, model, run.kwargs["in_chans"], run.device)
     run.raw = model
     run.model = parallelize(model, run.device, run.world, cfg.fsdp)
     if cfg.compile:
         run.model = torch.compile(run.model)
-    run.optimizer = create_optimizer(model, cfg.lr, cfg.weight_decay)
-    steps = len(run.loader)
-    run.sched = WarmupCosine(run.optimizer, cfg.lr, cfg.epochs * steps, round(cfg.warmup_epochs * steps), cfg.min_lr)
+
+
+def steps_per_epoch(run: Run) -> int:
+    """Optimizer steps per epoch: the loader's batches in groups of ``accum_steps`` (the last may be short)."""
+    return math.ceil(len(run.loader) / run.cfg.accum_steps)
+
+
+def setup_optimizer(run: Run) -> None:
+    """Optimizer at the peak learning rate (scaled by the global batch with ``base_lr``), schedule, EMA, scaler."""
+    cfg, model = run.cfg, run.raw
+    run.optimizer = create_optimizer(model, cfg.peak_lr, cfg.weight_decay)
+    steps = steps_per_epoch(run)
+    total, warmup = cfg.epochs * steps, round(cfg.warmup_epochs * steps)
+    run.sched = WarmupCosine(run.optimizer, cfg.peak_lr, total, warmup, cfg.min_lr)
     run.ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
     run.scaler = grad_scaler(run.device, run.dtype)
     torch.manual_seed(derive_seed(cfg.seed, run.world.rank))  # dropout / drop-path streams, one per rank
 
 
-def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One optimisation step; returns (the loss, the class logits, the gradient norm before clipping)."""
-    cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+@contextlib.contextmanager
+def oom_guard(run: Run) -> Iterator[None]:
+    """Out of memory in a step as one line saying what to change."""
     try:
+        yield
+    except RuntimeError as e:
+        if is_oom(e):
+            raise TrainingError(
+                f"a batch of {run.per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
+                "use a smaller --batch-size (or --grad-checkpointing, --accum-steps)"
+            ) from None
+        raise
+
+
+def forward_backward(run: Run, batch: tuple, weight: float, sync: bool) -> tuple[Tensor, Tensor]:
+    """One micro-batch: forward, loss, backward of ``weight x loss`` (gradients add up over the group; the
+    gradient all-reduce of DDP only on the group's last micro-batch). Returns (loss, class logits)."""
+    x, y = batch[0], batch[1]
+    dense = batch[2] if len(batch) > 2 else None
+    no_sync = getattr(run.model, "no_sync", None)
+    with oom_guard(run), contextlib.nullcontext() if sync or no_sync is None else no_sync():
         with autocast(run.device, run.dtype):
             outputs = run.model(x)
-            if run.criterion is not None:
-                loss = run.criterion(x, outputs, y)
-            else:
-                loss = soft_target_cross_entropy(outputs, y, cfg.smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+            loss = run.criterion(x, outputs, y, dense)
+        run.scaler.scale(loss * weight).backward()
+    return loss, outputs[0] if isinstance(outputs, tuple) else outputs
+
+
+def optimizer_step(run: Run) -> Tensor:
+    """Clip, step, schedule, EMA; returns the gradient norm before clipping."""
+    cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+    with oom_guard(run):
         scaler.unscale_(optimizer)  # the norm and the clip see the true gradients (no-op without fp16)
         params = [p for p in run.raw.parameters() if p.grad is not None]
         if cfg.clip_grad > 0:
@@ -310,65 +329,59 @@ def train_step(run: Run, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             norm = nn.utils.get_total_norm([p.grad for p in params])
         scaler.step(optimizer)
         scaler.update()
-    except RuntimeError as e:
-        if is_oom(e):
-            raise TrainingError(
-                f"a batch of {run.per_rank} images does not fit in memory ({str(e).splitlines()[0][:120]}); "
-                "use a smaller --batch-size (or --grad-checkpointing)"
-            ) from None
-        raise
+        optimizer.zero_grad(set_to_none=True)
     run.sched.step()
     run.step += 1
     if run.ema is not None:
         run.ema.update(run.raw)
-    return loss, outputs[0] if isinstance(outputs, tuple) else outputs, local_value(norm)
+    return local_value(norm)
+
+
+def start_epoch(run: Run, epoch: int) -> EpochTally:
+    """Position the loader at the epoch's start, or where a mid-epoch checkpoint left it (with its sums)."""
+    if run.resume_loader is not None:
+        run.loader.load_state_dict(run.resume_loader)
+    else:
+        run.loader.set_epoch(epoch)
+    tally = EpochTally.restore(run.resume_tally, run.device)
+    run.resume_loader = run.resume_tally = None
+    return tally
 
 
 def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
     """One pass over the training data; the epoch's row of the log (loss, accuracy, speed over all ranks).
-    Every step's loss, learning rate and gradient norm go to the per-step log."""
+    Every optimizer step's loss (mean over its micro-batches), learning rate and gradient norm go to the
+    per-step log; with ``save_every`` a checkpoint is written between steps."""
     from ..tracking import Progress
 
-    cfg, device, steps = run.cfg, run.device, len(run.loader)
-    run.loader.set_epoch(epoch)
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
-    seen = 0
-    progress = Progress(cfg.epochs * steps, epoch * steps, run.log, cfg.progress and run.master, cfg.progress_every)
-    progress.start(f"epoch {epoch + 1}/{cfg.epochs}", steps)
+    cfg, n_batches, accum = run.cfg, len(run.loader), run.cfg.accum_steps
+    tally = start_epoch(run, epoch)
+    progress = Progress(cfg.epochs * n_batches, epoch * n_batches, run.log, cfg.progress and run.master,
+                        cfg.progress_every)  # fmt: skip
+    progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches)
     run.steps.restart_clock()  # images/s counts training only (not setup, evaluation, checkpoints)
-    t0 = time.perf_counter()
-    for x, y in run.loader:
+    t0, group_loss, group_images = time.perf_counter(), 0.0, 0
+    for batch in run.loader:
+        done = run.loader.state_dict()["batch"]  # batches of the epoch handed out, this one included
+        first = (done - 1) // accum * accum
+        last = done % accum == 0 or done == n_batches
         lr = run.optimizer.param_groups[0]["lr"]
-        loss, logits, norm = train_step(run, x, y)
-        loss_sum += loss.detach().float() * len(x)
-        correct += (logits.argmax(-1) == class_targets(y)).sum()
-        seen += len(x)
-        step_loss = all_reduce_sum(loss.detach().float().clone(), run.world) / run.world.size
-        scalars = {"_names": ("loss", "grad_norm"), "epoch": epoch + 1, "lr": lr}
-        run.steps.add(run.step, len(x) * run.world.size, scalars, torch.stack([step_loss, norm.float()]))
-        status = None
-        if progress.wants_status():
-            status = f"loss {loss_sum.item() / seen:.3f} acc {100 * correct.item() / seen:.1f}%"
-        progress.update(len(x) * run.world.size, status)
+        loss, logits = forward_backward(run, batch, 1.0 / min(accum, n_batches - first), last)
+        tally.add(loss, logits, batch[1])
+        group_loss, group_images = group_loss + loss.detach().float(), group_images + len(batch[0])
+        if last:
+            norm = optimizer_step(run)
+            step_loss = all_reduce_sum(group_loss / (done - first), run.world) / run.world.size
+            scalars = {"_names": ("loss", "grad_norm"), "epoch": epoch + 1, "lr": lr}
+            run.steps.add(run.step, group_images * run.world.size, scalars, torch.stack([step_loss, norm.float()]))
+            group_loss, group_images = 0.0, 0
+            if cfg.save_every and run.step % cfg.save_every == 0 and done < n_batches:
+                save_position(run, epoch, tally.state_dict())
+        progress.update(len(batch[0]) * run.world.size, tally.status() if progress.wants_status() else None)
     progress.close()
     run.steps.flush()
     train_time = time.perf_counter() - t0  # the flush above waited for the device
-    stats = all_reduce_sum(
-        torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)]), run.world
-    )
-    train_loss = (stats[0] / stats[2]).item()
-    if not math.isfinite(train_loss):
-        raise TrainingError(f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none")
-    return {
-        "epoch": epoch + 1,
-        "step": run.step,
-        "lr": run.optimizer.param_groups[0]["lr"],
-        "train_loss": train_loss,
-        "train_acc": (100 * stats[1] / stats[2]).item(),
-        "train_img_s": stats[2].item() / train_time,
-        "train_time_s": train_time,
-    }
+    return tally.row(run, epoch, train_time)
 
 
 def evaluate_epoch(run: Run) -> dict[str, Any]:

@@ -106,8 +106,8 @@ def load_for_eval(
 def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], batch_size: int, workers: int, dev):
     """One evaluation loader per input size.
 
-    A `vitlab train` checkpoint is evaluated as its training evaluated (the held-out images resized whole,
-    the normalisation of its training data). Other weights are evaluated as their official code does, with
+    A `vitlab train` checkpoint of in-memory data is evaluated as its training evaluated (the held-out images
+    resized whole, the normalisation of its training data); one trained on streaming data, and other weights, are evaluated as their official code does, with
     the model's data configuration (``resolve_data_config``: resize the shorter side to size / crop_pct,
     centre crop, the model's mean/std) through ``vitlab.data``'s loaders (a ``folder:`` spec streams)."""
     from ..data import (
@@ -119,22 +119,32 @@ def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], b
         open_source,
         resolve_data_config,
     )
+    from .data import is_streaming
 
     data_cfg = resolve_data_config(model)
-    if trained["trained"]:
+    if trained["trained"] and not is_streaming(spec):
         ds = load_dataset(spec, "test", img_size=model.img_size[0], holdout=trained["holdout"])
         _check_data(spec, ds.num_classes, ds.in_chans, model)
         recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
         mean, std = (data_cfg["mean"], data_cfg["std"]) if recorded else (ds.mean, ds.std)
         tf = lambda size: make_transform(False, size, mean, std)  # noqa: E731
         return [BatchLoader(ds, batch_size, shuffle=False, transform=tf(s), device=dev) for s in sizes]
-    source = open_source(spec, "val", holdout=trained["holdout"])
+    names = model.pretrained_cfg.get("label_names") if spec.startswith("folder:") else None
+    source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"], classes=names)
     _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
     loaders = []
     for size in sizes:
         tf = create_transform(**{**data_cfg, "input_size": (model.in_chans, size, size)}, is_training=False)
         loaders.append(create_loader(source, tf, batch_size, is_training=False, workers=workers, device=dev))
     return loaders
+
+
+def _eval_split(spec: str, trained: dict[str, Any]) -> str:
+    """The held-out split of the run's own data, or a whole folder given with ``--data`` (ImageNet's val/)."""
+    kind, _, path = spec.partition(":")
+    if kind == "folder" and spec != trained.get("data") and not (Path(path).expanduser() / "train").is_dir():
+        return "all"
+    return "val"
 
 
 def _check_data(spec: str, num_classes: int, in_chans: int, model: Any) -> None:

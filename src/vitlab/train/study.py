@@ -28,11 +28,13 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_model
-from ..data import BatchLoader, make_transform
+from ..data import BatchLoader, load_dataset, make_transform
 from ..io import write_figure_atomic, write_json_atomic
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
 from .compare import RECIPE, Column, Plan, Variant, add_run_arguments, compare_note, pyplot, run_variants
-from .engine import TrainConfig, load_data
+from .engine import TrainConfig
+from .recipes import find_recipe
+from .recipes import read_recipe as recipe_file
 from .studies import STUDIES, Study
 
 SCALES = ("small", "full")
@@ -74,47 +76,14 @@ def recipe_keys() -> list[str]:
 
 
 def read_recipe(path: str) -> dict[str, Any]:
-    """A recipe file as a flat mapping of options (``-`` in names read as ``_``); one line for every problem."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist (or is not a file)")
-    suffix = file.suffix.lower()
-    if suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ValueError(
-                f"reading the YAML recipe {path} needs PyYAML: pip install 'vitlab[recipes]' (or write it as .toml)"
-            ) from None
-        try:
-            data = yaml.safe_load(file.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    elif suffix == ".toml":
-        data = _read_toml(file)
-    else:
-        raise ValueError(f"recipe {path}: use a .yaml, .yml or .toml file")
-    if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a mapping of options (key: value), got {type(data).__name__}")
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    """A recipe file (a path, or a name in ``recipes/``) as a flat mapping of options (``-`` in names read as
+    ``_``; the ``reference`` notes of a shipped recipe left out); one line for every problem."""
+    file = find_recipe(path)
+    data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k != "reference"}
     unknown = sorted(set(data) - set(recipe_keys()))
     if unknown:
         raise ValueError(f"recipe {path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(recipe_keys())}")
     return data
-
-
-def _read_toml(file: Path) -> dict[str, Any]:
-    try:
-        import tomllib  # Python >= 3.11
-    except ImportError:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise ValueError(f"reading the TOML recipe {file} needs Python 3.11 or tomli: pip install tomli") from None
-    try:
-        return tomllib.loads(file.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"recipe {file} is not valid TOML: {e}") from None
 
 
 def resolve(args: argparse.Namespace, study: Study) -> tuple[dict[str, Any], str]:
@@ -264,7 +233,7 @@ def similarity_curves(
 def heldout_images(plan: Plan) -> torch.Tensor:
     """The first :data:`SIMILARITY_IMAGES` held-out images, transformed as for evaluation."""
     cfg = next(iter(plan.configs.values()))
-    ds = load_data(cfg, "test")
+    ds = load_dataset(cfg.data, "test", img_size=cfg.img_size, holdout=cfg.holdout)  # in memory: a few images
     loader = BatchLoader(
         ds, SIMILARITY_IMAGES, shuffle=False, transform=make_transform(False, plan.img_size, ds.mean, ds.std)
     )

@@ -1,0 +1,111 @@
+"""Recipes as files: ``vitlab train --config recipes/deit_tiny.yaml`` (or ``--config deit_tiny``).
+
+A recipe is a YAML or TOML mapping of ``vitlab train`` options (the names of :class:`TrainConfig`'s fields,
+``model_args`` a mapping of constructor overrides) plus a ``reference`` mapping saying what the paper reports
+for it (``paper``, ``top1``, ``source``, ``notes``: documentation, not options). Options given on the command
+line override the file's; ``--lr`` on the command line also drops the file's ``base_lr`` (an absolute learning
+rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key is
+one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from .config import OPTION_CHECKS, TrainConfig
+
+REPO_RECIPES = Path(__file__).resolve().parents[3] / "recipes"  # recipes/ of the source tree vitlab runs from
+SUFFIXES = (".yaml", ".yml", ".toml")
+REFERENCE_KEYS = ("paper", "top1", "source", "notes")
+NOT_IN_RECIPES = {"recipe", "resume", "force"}  # how a run starts is said on the command line
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe file from a path, or from the name of a recipe in ``./recipes`` or the source tree's."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if path.suffix in SUFFIXES or "/" in name:
+        raise FileNotFoundError(f"--config {name}: no such recipe file")
+    for folder in (Path("recipes"), REPO_RECIPES):
+        for suffix in SUFFIXES:
+            if (folder / f"{name}{suffix}").is_file():
+                return folder / f"{name}{suffix}"
+    known = ", ".join(sorted(p.stem for p in REPO_RECIPES.glob("*.yaml"))[:8])
+    raise FileNotFoundError(f"--config {name}: no recipe file or shipped recipe of that name (shipped: {known}, ...)")
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML or TOML file (YAML read with ``safe_load``: no Python objects); ``vitlab train``'s
+    and ``vitlab study``'s one reader."""
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"recipe {path}: use a .yaml, .yml or .toml file")
+    text = path.read_text()
+    toml = path.suffix.lower() == ".toml"
+    if not toml:
+        from ..extras import require
+
+        yaml = require("yaml", "reading YAML recipes", "recipes")  # a missing PyYAML says so, not "not valid"
+    try:
+        data = tomllib.loads(text) if toml else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, ValueError) as e:
+        raise ValueError(
+            f"recipe {path}: not valid {path.suffix[1:].upper()} ({' '.join(str(e).split())[:160]})"
+        ) from None
+    except Exception as e:  # yaml.YAMLError (yaml is optional: no name to catch before importing it)
+        raise ValueError(f"recipe {path}: not valid YAML ({' '.join(str(e).split())[:160]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path}: must be a mapping of option names to values")
+    return data
+
+
+def check_value(path: Path, key: str, value: Any) -> None:
+    """A recipe value of the option's type and range (one line naming the key)."""
+    kind = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}[key]
+    if key in OPTION_CHECKS and value is not None:
+        try:
+            OPTION_CHECKS[key].check(value, key)
+        except ValueError as e:
+            raise ValueError(f"recipe {path}: {e}") from None
+    elif kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"recipe {path}: {key} must be true or false, got {value!r}")
+    elif kind.startswith("str") and not (isinstance(value, str) or (value is None and "None" in kind)):
+        raise ValueError(f"recipe {path}: {key} must be a string, got {value!r}")
+    elif key == "model_args" and not isinstance(value, dict):
+        raise ValueError(f"recipe {path}: model_args must be a mapping of constructor options, got {value!r}")
+
+
+def load_recipe(name: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """(the file, its options, its ``reference``), every key and value checked."""
+    path = find_recipe(name)
+    data = read_recipe(path)
+    reference = data.pop("reference", None) or {}
+    if not isinstance(reference, dict) or set(reference) - set(REFERENCE_KEYS):
+        raise ValueError(f"recipe {path}: reference must be a mapping of {', '.join(REFERENCE_KEYS)}")
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - NOT_IN_RECIPES
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"recipe {path}: unknown key {key!r} (not an option of vitlab train)")
+        check_value(path, key, value)
+    return path, data, reference
+
+
+def apply_recipe(args: argparse.Namespace) -> None:
+    """Fill ``args`` from the recipe ``args.config`` wherever the command line did not give the option."""
+    path, values, _ = load_recipe(args.config)
+    given = getattr(args, "given", set())
+    for key, value in values.items():
+        if key == "model_args":
+            args.model_args = [*value.items(), *args.model_args]  # the command line's come last and win
+        elif key not in given:
+            setattr(args, key, value)
+    if "lr" in given and "base_lr" not in given:
+        args.base_lr = None
+    if "out" not in given and "out" not in values:
+        args.out = f"runs/train/{path.stem}"
+    args.recipe = str(path)
