@@ -84,7 +84,9 @@ def test_mini_forward_backward_every_parameter(name):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     model.zero_grad()
     model(x).square().mean().backward()
-    missing = [n for n, p in params if not p.grad.any()]
+    # re-attention's head-mix bias feeds a batch-statistics BatchNorm, whose mean subtraction cancels it: its
+    # gradient is exactly 0 in training (the fused head mix + BatchNorm computes it so; autograd gave rounding)
+    missing = [n for n, p in params if not p.grad.any() and not n.endswith("reatten_matrix.bias")]
     assert not missing, f"no gradient after one step: {missing}"
 
 

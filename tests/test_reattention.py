@@ -94,7 +94,9 @@ def test_gradients_reach_every_parameter():
     m = ReAttention(16, num_heads=2, attn_drop=0.1, proj_drop=0.1).train()
     m(torch.randn(2, 5, 16)).square().sum().backward()
     for name, p in m.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        assert p.grad is not None, name
+        # a training BatchNorm subtracts the batch mean, which cancels the head mix's bias: its gradient is 0
+        assert (p.grad.abs().sum() == 0) if name == "reatten_matrix.bias" else (p.grad.abs().sum() > 0), name
 
 
 def test_bad_input_raises():

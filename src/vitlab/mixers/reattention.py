@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
 from .base import TokenLayout, batchnorm_flops, can_fold, fold_bn, merge_heads
+from .mixnorm import can_fuse, head_mix_batchnorm
 
 
 class ReAttention(Attention):
@@ -63,8 +64,11 @@ class ReAttention(Attention):
         attn = self.attn_drop(attention_map(q, k, self.scale))
         if can_fold(self, attn):
             attn = self._remix_folded(attn)
+        elif can_fuse(attn, self.var_norm):  # training: the same maps, a backward pass that keeps less
+            attn = head_mix_batchnorm(attn, self.reatten_matrix, self.var_norm, self.reatten_scale)
         else:  # BN/conv may run in another precision under autocast; the map stays in V's dtype
-            attn = (self.var_norm(self.reatten_matrix(attn)) * self.reatten_scale).to(v.dtype)
+            attn = self.var_norm(self.reatten_matrix(attn))
+            attn = (attn * self.reatten_scale if self.reatten_scale != 1.0 else attn).to(v.dtype)
         out = self.proj_drop(self.proj(merge_heads(attn @ v)))
         return out, ({"attn": attn} if return_aux else {})
 

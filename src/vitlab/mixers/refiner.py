@@ -31,6 +31,7 @@ from torch.nn.utils import parametrize
 
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
 from .base import RELU6, TokenLayout, batchnorm_flops, can_fold, check_divisible, fold_bn, merge_heads, split_heads
+from .mixnorm import can_fuse, head_mix_batchnorm
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
 OFFICIAL_KEY_PREFIXES: dict[str, str] = {
@@ -178,12 +179,21 @@ class DistributedLocalAttention(nn.Module):
             return self._folded(attn, post)
         out = attn
         for stage in (self.expand, self.local, self.reduce):
-            if stage is not None:
-                out = stage(out)
+            if stage is not None:  # a fused expansion feeds the depth-wise conv channels-last maps, like HeadMix
+                out = self._run_stage(stage, out, heads_last=stage is self.expand and self.local is not None)
         out = attn + out if self.residual else out
         if post is not None:
             out = out * post[0].view(-1, 1, 1) + post[1].view(-1, 1, 1)
         return out
+
+    @staticmethod
+    def _run_stage(stage: nn.Sequential, x: Tensor, heads_last: bool) -> Tensor:
+        """One stage; in training a head mix + BatchNorm runs fused (:func:`head_mix_batchnorm`: the same maps,
+        a backward pass that keeps less)."""
+        if isinstance(stage[0], HeadMix) and len(stage) > 1 and can_fuse(x, stage[1]):
+            x = head_mix_batchnorm(x, stage[0], stage[1], heads_last=heads_last)
+            return x if len(stage) == 2 else stage[2](x)
+        return stage(x)
 
     # ------------------------------------------------------------------ inference fast path
     # Speed (eval, no autograd): each BatchNorm is folded into the conv before it, bias + ReLU6 run in place,

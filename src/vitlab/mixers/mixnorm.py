@@ -1,0 +1,153 @@
+"""A head mix followed by a training-mode BatchNorm on attention maps, with a backward pass that saves less.
+
+Re-attention (DeepViT) and the refiner (Refined-ViT) apply ``c · BN(W A + b)`` to maps ``A`` (B, H, N, N): a 1x1
+convolution over the head axis (``W`` (G, H), bias ``b``), a BatchNorm over the G output maps with the batch's
+statistics (training), and a constant scale ``c``. Through autograd, this chain keeps the mixed maps ``Y = W A + b``
+for the BatchNorm's backward pass, on top of the input and the output that the neighbouring operations keep anyway,
+and its backward pass makes several full passes over the maps (the BatchNorm's, the mix's products, layout copies).
+
+The backward pass needs neither ``Y`` nor the normalised maps: with per-channel mean ``μ`` and inverse deviation
+``r`` of ``Y`` over its M = B·N·N elements, ``κ = c·γ·r``, the output gradient ``g`` and
+
+    S = Σ g,    P = Σ_b g_b A_bᵀ (G, H),    Σ g Y = Σ_h W ⊙ P + b S,
+    m₁ = S / M, m₂ = r (Σ g Y − μ S) / M                          (mean of g and of g ⊙ x̂ per channel)
+
+the BatchNorm's input gradient ``dY = κ (g − m₁ − x̂ m₂)`` is affine in ``g`` and in ``W A``, so
+
+    dA = Wᵀ diag(κ) g − Wᵀ diag(κ r m₂) W A + Wᵀ (κ (r m₂ μ − m₁))
+    dW = diag(κ) P − diag(κ r m₂) W Q + (κ (r m₂ μ − m₁)) ⊗ Σ A,    Q = Σ_b A_b A_bᵀ (H, H)
+    dγ = c M m₂,  dβ = c S,  db = 0 (the batch mean cancels the bias)
+
+with ``μ`` the mean of ``W A + b``. Only ``A`` (which the softmax before keeps) and small (G, H) matrices are
+saved; the backward pass is a few reductions and two head-mixing products over the maps. The products run on the
+maps' (B, N·N, H) view, which needs no copy whether the maps are in the standard layout or channels-last: the input
+stays in its layout (its gradient too) and the output takes the layout its consumer reads best.
+The forward pass is the same BatchNorm (``torch.native_batch_norm``, which also updates the running statistics).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether ``bn`` normalises with the batch's statistics (training, or no running statistics)."""
+    return bn.training or bn.running_mean is None
+
+
+def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether :func:`head_mix_batchnorm` applies: autograd records, the BatchNorm uses batch statistics, and the
+    maps are fp32/fp64 outside autocast (under autocast the plain modules pick their own precisions), in eager
+    mode (``torch.compile`` fuses the plain modules itself)."""
+    return (
+        torch.is_grad_enabled()
+        and uses_batch_stats(bn)
+        and attn.dtype in (torch.float32, torch.float64)
+        and attn.device.type in ("cpu", "cuda")  # before the autocast query, which rejects e.g. "meta"
+        and not torch.is_autocast_enabled(attn.device.type)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def token_rows(maps: Tensor) -> Tensor:
+    """Maps (B, C, N, N) as a (B, N·N, C) view (no copy for the standard layout or channels-last): every head
+    mix below is a batched product on this view, with the transposes passed to BLAS rather than copied."""
+    b, c, n, m = maps.shape
+    return maps.permute(0, 2, 3, 1).reshape(b, n * m, c)
+
+
+def mix_heads(weight: Tensor, rows: Tensor, heads_last: bool, out: Tensor | None = None, alpha: float = 1.0) -> Tensor:
+    """``weight @ maps`` for a (G, C) matrix and maps given as :func:`token_rows` (B, L, C), added to ``out`` (times
+    ``alpha``) when given: (B, L, G) when ``heads_last`` (channels-last maps), else (B, G, L) (standard layout)."""
+    b = rows.shape[0]
+    lhs, rhs = (
+        (rows, weight.t().expand(b, *weight.shape[::-1]))
+        if heads_last
+        else (weight.expand(b, *weight.shape), rows.transpose(1, 2))
+    )
+    return torch.bmm(lhs, rhs) if out is None else out.baddbmm_(lhs, rhs, alpha=alpha)
+
+
+def as_maps(t: Tensor, n: int, heads_last: bool) -> Tensor:
+    """:func:`mix_heads`'s result as maps (B, G, N, N): channels-last strides when ``heads_last``."""
+    return t.view(t.shape[0], n, n, -1).permute(0, 3, 1, 2) if heads_last else t.view(t.shape[0], -1, n, n)
+
+
+def _momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
+    """The running-statistics factor of this call, as ``nn.BatchNorm`` computes it (counting the batch)."""
+    if not (bn.training and bn.track_running_stats and bn.num_batches_tracked is not None):
+        return 0.0 if bn.momentum is None else bn.momentum
+    bn.num_batches_tracked.add_(1)
+    return 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+
+
+class _HeadMixBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, weight, bias, gamma, beta, running_mean, running_var, momentum, eps, scale, heads_last):
+        rows = token_rows(a)
+        y = as_maps(mix_heads(weight, rows, heads_last), a.shape[-1], heads_last)  # W A; b enters the running mean
+        w_eff = gamma * scale if gamma is not None else weight.new_full((weight.shape[0],), scale)
+        b_eff = beta * scale if beta is not None else None
+        out, mean, rstd = torch.native_batch_norm(y, w_eff, b_eff, running_mean, running_var, True, momentum, eps)
+        if running_mean is not None and bias is not None:  # mean(W A + b) = mean(W A) + b
+            running_mean.add_(bias, alpha=momentum)
+        ctx.save_for_backward(rows, weight, w_eff, mean, rstd)
+        ctx.scale, ctx.has = scale, (bias is not None, gamma is not None, beta is not None)
+        ctx.layout = (a.shape, a.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, w_eff, mean, rstd = ctx.saved_tensors
+        has_bias, has_gamma, has_beta = ctx.has
+        shape, rows_in = ctx.layout
+        count = rows.shape[0] * rows.shape[1]
+        g = token_rows(grad)  # (B, L, G)
+        s = g.sum((0, 1))  # (G,)
+        p = torch.bmm(g.transpose(1, 2), rows).sum(0)  # (G, H)
+        m1 = s / count
+        m2 = rstd * ((weight * p).sum(1) - mean * s) / count  # mean of g·x̂ (mean: of W A)
+        kappa = w_eff * rstd
+        slope = kappa * rstd * m2  # dY = κ g − slope ⊙ (W A) + shift
+        shift = slope * mean - kappa * m1
+        grad_a = grad_w = None
+        if ctx.needs_input_grad[0]:  # in the input's layout
+            wt = weight.t()
+            grad_a = mix_heads(wt * kappa, g, rows_in)
+            mix_heads((wt * slope) @ weight, rows, rows_in, out=grad_a, alpha=-1.0)
+            grad_a = as_maps(grad_a.add_((wt @ shift).view((1, 1, -1) if rows_in else (1, -1, 1))), shape[-1], rows_in)
+        if ctx.needs_input_grad[1]:
+            q = torch.bmm(rows.transpose(1, 2), rows).sum(0)  # (H, H)
+            grad_w = kappa[:, None] * p - slope[:, None] * (weight @ q) + shift[:, None] * rows.sum((0, 1))
+        grad_bias = torch.zeros_like(mean) if has_bias and ctx.needs_input_grad[2] else None
+        grad_gamma = ctx.scale * count * m2 if has_gamma and ctx.needs_input_grad[3] else None
+        grad_beta = ctx.scale * s if has_beta and ctx.needs_input_grad[4] else None
+        return grad_a, grad_w, grad_bias, grad_gamma, grad_beta, None, None, None, None, None, None
+
+
+def head_mix_batchnorm(
+    attn: Tensor,
+    mix: nn.Conv2d,
+    bn: nn.modules.batchnorm._BatchNorm,
+    scale: float = 1.0,
+    heads_last: bool = False,
+) -> Tensor:
+    """``scale · bn(mix(attn))`` for maps ``attn`` (B, H, N, N), a 1x1 head mix ``mix`` (H -> G, a Conv2d weight
+    (G, H, 1, 1)) and a BatchNorm with batch statistics (:func:`can_fuse`): the same values and running-statistics
+    update as the modules, with the lean backward pass of this module's docstring. The result has channels-last
+    strides when ``heads_last`` (what a following depth-wise conv reads fastest), else the standard layout; the
+    input may be in either."""
+    return _HeadMixBatchNorm.apply(
+        attn,
+        mix.weight[:, :, 0, 0],
+        mix.bias,
+        bn.weight,
+        bn.bias,
+        bn.running_mean if bn.track_running_stats else None,
+        bn.running_var if bn.track_running_stats else None,
+        _momentum(bn),
+        bn.eps,
+        float(scale),
+        heads_last,
+    )
