@@ -13,13 +13,15 @@ from torch import Tensor, nn
 from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, fused_linear, merge_heads
 
 
-def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False) -> Tensor:
-    """Explicit ``softmax(q kᵀ · scale)`` over keys, (B, H, N, N), in fp32 internally.
+def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias: Tensor | None = None) -> Tensor:
+    """Explicit ``softmax(q kᵀ · scale + bias)`` over keys, (B, H, N, N), in fp32 internally.
 
     Shared by every mixer that needs the map itself (re-attention, refiner,
     analysis). ``softmax`` subtracts the row max, so large logits are safe.
     """
     logits = (q * scale) @ k.transpose(-2, -1)
+    if bias is not None:  # additive logits, e.g. relative positions
+        logits = logits + bias
     if causal:
         n = logits.shape[-1]
         mask = logits.new_ones(n, n, dtype=bool).triu(1)
@@ -96,13 +98,22 @@ class Attention(TokenMixer):
         return q, k, v
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        q, k, v = self.qkv_heads(x)
+        return self.attend(*self.qkv_heads(x), return_aux)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, return_aux: bool, bias: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``proj(merge_h(softmax(q kᵀ s + bias) v))``: SDPA unless the map is asked for (the explicit path
+        computes the same function and returns the map as ``aux["attn"]``). Variants that change only q, k, v
+        or add logits (:mod:`vitlab.mixers.attention_variants`) call this too."""
         aux: dict[str, Tensor] = {}
         if self.fused and not return_aux:
             drop = self.attn_drop.p if self.training else 0.0
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=self.causal, scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=drop, is_causal=self.causal, scale=self.scale
+            )
         else:
-            attn = attention_map(q, k, self.scale, self.causal)
+            attn = attention_map(q, k, self.scale, self.causal, bias)
             aux["attn"] = attn
             out = self.attn_drop(attn) @ v
         return self.proj_drop(fused_linear(self.proj, merge_heads(out))), aux

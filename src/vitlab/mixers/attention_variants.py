@@ -28,21 +28,6 @@ from .external import double_norm_flops, double_normalize
 TEMPERATURES = ("learnable", "scheduled")
 
 
-def attend(m: Attention, q: Tensor, k: Tensor, v: Tensor, return_aux: bool, bias: Tensor | None = None):
-    """``proj(merge_h(softmax(q kᵀ s + bias) v))`` for an :class:`Attention` ``m``: SDPA unless the map is asked
-    for (the explicit path computes the same function and returns it as ``aux["attn"]``)."""
-    if m.fused and not return_aux:
-        drop = m.attn_drop.p if m.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop, scale=m.scale)
-        return m.proj_drop(m.proj(merge_heads(out))), {}
-    logits = (q * m.scale) @ k.transpose(-2, -1)
-    logits = logits if bias is None else logits + bias
-    low = logits.dtype in (torch.float16, torch.bfloat16)
-    attn = logits.softmax(-1, dtype=torch.float32 if low else None).to(q.dtype)
-    out = m.attn_drop(attn) @ v
-    return m.proj_drop(m.proj(merge_heads(out))), {"attn": attn}
-
-
 class TemperatureAttention(Attention):
     """``softmax(q kᵀ s / τ_h) V`` with a per-head temperature τ (Decision D3).
 
@@ -232,7 +217,7 @@ class RelPos2dAttention(Attention):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
-        return attend(self, q, k, v, return_aux, self.relative_logits(q, layout))
+        return self.attend(q, k, v, return_aux, self.relative_logits(q, layout))
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
@@ -274,7 +259,7 @@ class PEGQKAttention(Attention):
         qk = F.linear(grid_residual(x, layout, self.peg), w[: 2 * c], None if b is None else b[: 2 * c])
         v = F.linear(x, w[2 * c :], None if b is None else b[2 * c :])
         q, k = (split_heads(t, self.num_heads) for t in qk.chunk(2, -1))
-        return attend(self, q, k, split_heads(v, self.num_heads), return_aux)
+        return self.attend(q, k, split_heads(v, self.num_heads), return_aux)
 
 
 __all__ = [
@@ -284,5 +269,4 @@ __all__ = [
     "RelPos2dAttention",
     "RowRenormDropout",
     "TemperatureAttention",
-    "attend",
 ]
