@@ -90,28 +90,42 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
 
 
-def test_resume_mid_epoch_with_two_workers_is_bit_identical(folder, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory) -> Path:
+    """The folder as WebDataset shards written by `vitlab data shards`: 8 train and 2 val shards of 8."""
+    pytest.importorskip("webdataset")
+    out = tmp_path_factory.mktemp("wds") / "shards"
+    assert cli_main(["data", "shards", str(folder), str(out), "--shard-size", "8"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["folder", pytest.param("wds", marks=pytest.mark.slow)])
+def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_path, monkeypatch):
     """A run stopped right after a mid-epoch checkpoint and resumed ends with the same weights, EMA, log rows
-    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on)."""
+    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on): on a
+    folder (sampler position) and on shards (each worker's place in its shard stream)."""
     import vitlab.train.engine as engine
 
-    base = dict(TINY, data=f"folder:{folder}", epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
+    data = f"{kind}:{request.getfixturevalue('folder' if kind == 'folder' else 'shards')}"
+    base = dict(TINY, data=data, epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
                 auto_augment="rand-m9-mstd0.5-inc1", reprob=0.25, threads=1, progress=False, save_every=3)  # fmt: skip
     train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)
 
     real, saves = engine.save_position, []
 
-    def stop_after_second(run, epoch, tally):  # the second mid-epoch checkpoint: step 6, inside epoch 1
+    def stop_after_third(run, epoch, tally):  # the third mid-epoch checkpoint: step 9, batch 1 of epoch 2
         real(run, epoch, tally)
         saves.append(run.step)
-        if len(saves) == 2:
+        if len(saves) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "save_position", stop_after_second)
+    monkeypatch.setattr(engine, "save_position", stop_after_third)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(**base, out=str(tmp_path / "cut")), quiet)
     monkeypatch.setattr(engine, "save_position", real)
-    assert saves == [3, 6] and load_checkpoint(tmp_path / "cut")["loader"]["batch"] == 6
+    # an odd batch of the second epoch: the worker that makes the next batch is not worker 0's usual one
+    assert saves == [3, 6, 9] and load_checkpoint(tmp_path / "cut")["loader"] | {"num_batches": 8} == {
+        "epoch": 1, "batch": 1, "seed": 0, "num_batches": 8} | ({"workers": 2} if kind == "wds" else {})  # fmt: skip
     train(TrainConfig(**base, out=str(tmp_path / "cut"), resume="auto"), quiet)
     whole, cut = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "cut")
     for key in ("model", "optimizer"):
