@@ -462,6 +462,13 @@ def test_bad_specs_are_one_line(tmp_path):
         open_source(f"wds:{tmp_path}")
     with pytest.raises(FileNotFoundError, match="do not exist"):
         open_source(f"wds:{tmp_path}/x-{{0..3}}.tar")
+    from vitlab.data.datasets import check_spec, load_dataset
+
+    assert check_spec(f"wds:{tmp_path}") == f"wds:{tmp_path}"  # the option check of vitlab train/eval
+    with pytest.raises(FileNotFoundError, match="vitlab data shards"):
+        check_spec(f"wds:{tmp_path / 'nope'}")
+    with pytest.raises(ValueError, match="stream through vitlab train"):
+        load_dataset(f"wds:{tmp_path}")
 
 
 # --------------------------------------------------------------------------- transforms, CLI
