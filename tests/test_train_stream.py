@@ -243,6 +243,67 @@ def test_soft_and_hard_distillation_equal_deit_equations_for_exported_teachers(t
     assert all(not p.requires_grad for p in teacher.parameters())
 
 
+class DenseCnn(SmallCnn):
+    """The same CNN without its global pool: class scores at every location, (B, 4, 11, 11) at 24 px."""
+
+    def forward(self, x):
+        return self.fc(self.conv(x).relu().permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+EXPORTS = {  # the batch dimension as exported, and the batch range the teacher reads from the program
+    "static": (None, (2, 2)),
+    "auto": ({"x": {0: torch.export.Dim.AUTO}}, (2, None)),  # torch.export's AUTO batch takes 2 and more
+    "bounded": ({"x": {0: torch.export.Dim("batch", min=1, max=3)}}, (1, 3)),
+}
+
+
+def _export(model: torch.nn.Module, path: Path, batch: str) -> Path:
+    dims, _ = EXPORTS[batch]
+    torch.export.save(torch.export.export(model.eval(), (torch.randn(2, 3, 24, 24),), dynamic_shapes=dims), path)
+    return path
+
+
+@pytest.mark.parametrize("batch", sorted(EXPORTS))
+def test_a_pt2_teacher_of_any_batch_dimension_serves_every_batch_size(tmp_path, batch):
+    """A program exported with a static batch of 2 (or a dynamic batch with bounds) is called on chunks it takes,
+    a short chunk padded: its logits equal the eager teacher's for batches below, at and above those sizes."""
+    from vitlab.train.distill import load_teacher
+
+    torch.manual_seed(2)
+    cnn = SmallCnn().eval()
+    teacher = load_teacher(_export(cnn, tmp_path / "t.pt2", batch))
+    assert teacher.batch_range == EXPORTS[batch][1] and teacher.input_size == (24, 24)
+    for n in (1, 2, 3, 5):
+        x = torch.randn(n, 3, 32, 32)
+        with torch.no_grad():
+            eager = cnn(F.interpolate(x, size=(24, 24), mode="bilinear", antialias=True, align_corners=False))
+        torch.testing.assert_close(teacher(x), eager)  # float32 tolerances: same math, other batch shapes
+
+
+def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tmp_path):
+    """`vitlab relabel` with a dense teacher exported at batch 2, fed 3 images per call (a full chunk and a
+    padded one): the written maps are the eager teacher's top-k probabilities and classes."""
+    from vitlab.data import create_transform
+    from vitlab.train.relabel import image_files, top_k_maps
+
+    torch.manual_seed(3)
+    cnn = DenseCnn().eval()
+    path = _export(cnn, tmp_path / "dense.pt2", "static")
+    assert cli_main(["relabel", str(path), str(folder), "--top-k", "2", "--batch-size", "3", "--out",
+                     str(tmp_path / "maps"), "--threads", "1"]) == 0  # fmt: skip
+    files = image_files(folder)
+    tf = create_transform((24, 24), crop_mode="squash", crop_pct=1.0)
+    with torch.no_grad():
+        eager = top_k_maps(cnn(torch.stack([tf(f) for f in files])), 2)
+    written = np.stack([np.load(tmp_path / "maps" / f.relative_to(folder).with_suffix(".tl.npy")) for f in files])
+    assert written.shape == eager.shape == (80, 2, 2, 11, 11)
+    eps = float(np.finfo(np.float16).eps)  # one float16 step of a probability <= 1 (float32 sums differ below it)
+    np.testing.assert_allclose(written[:, 0], eager[:, 0], atol=eps, rtol=0)
+    apart = np.abs(eager[:, 0, 0] - eager[:, 0, 1]) > 2 * eps  # the top classes are decided where not tied
+    assert apart.mean() > 0.9
+    assert np.array_equal(written[:, 1, 0][apart], eager[:, 1, 0][apart])
+
+
 def test_a_pt2_teacher_with_pickled_objects_is_refused(tmp_path, monkeypatch):
     from vitlab.train import distill
 
