@@ -22,7 +22,7 @@ from vitlab.cli import main as cli_main
 from vitlab.data import CropSpec, ResizeCenterCrop, eval_geometry
 from vitlab.data.synth import synthesize
 from vitlab.train import TrainConfig, train
-from vitlab.train.recipes import REPO_RECIPES, load_recipe
+from vitlab.train.recipes import find_recipe, load_recipe, shipped_recipes
 
 # a tiny DeiT on 32-px crops: 4x4 grid of 8-px patches, one block of width 32
 TINY = dict(model="deit_mini", model_args={"patch_size": 8, "depth": 1, "embed_dim": 32}, img_size=32)
@@ -150,14 +150,15 @@ def _flat(tree, prefix="") -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- recipes
 
 
-RECIPES = sorted(REPO_RECIPES.glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_paper_model_has_a_recipe_that_validates():
     from vitlab.models import get_config
 
-    assert len(RECIPES) >= 30
-    for path in RECIPES:
+    assert len(shipped_recipes()) >= 30
+    for name, path in shipped_recipes().items():
+        assert load_recipe(name)[0] == path
         _, options, reference = load_recipe(str(path))
         get_config(options["model"])  # a registered model
         TrainConfig(**options)  # every value in its range
@@ -166,6 +167,50 @@ def test_every_paper_model_has_a_recipe_that_validates():
     deit = load_recipe("deit_tiny")[1]
     cfg = TrainConfig(**deit)
     assert cfg.global_batch == 1024 and cfg.peak_lr == pytest.approx(1e-3) and cfg.aug_repeats == 3
+
+
+def _documented_recipes() -> list[str]:
+    """The recipe names of the table in docs/training.md."""
+    text = (REPO / "docs" / "training.md").read_text()
+    return [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
+
+
+def test_every_recipe_resolves_by_name_from_the_installed_package(tmp_path, monkeypatch):
+    """Each recipe of the docs' table is package data: `--config NAME` finds it through importlib.resources,
+    from any working directory (none holds a recipes/ folder here), and reads it."""
+    from importlib import resources
+
+    monkeypatch.chdir(tmp_path)
+    names = _documented_recipes()
+    assert len(names) >= 30 and sorted(names) == sorted(shipped_recipes())
+    for name in names:
+        packaged = resources.files("vitlab").joinpath("recipes", f"{name}.yaml")
+        assert packaged.is_file() and find_recipe(name) == Path(str(packaged)), name
+    (tmp_path / "recipes").mkdir()  # a user's own recipe of a shipped name comes first
+    (tmp_path / "recipes" / "deit_tiny.toml").write_text('model = "deit_mini"\nepochs = 3\n')
+    assert load_recipe("deit_tiny")[1] == {"model": "deit_mini", "epochs": 3}
+    with pytest.raises(FileNotFoundError, match="shipped: aft_conv_small"):
+        find_recipe("deit_nano")
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_recipes(tmp_path):
+    """`pip wheel` of the project (offline, no build isolation) puts every recipe into the wheel."""
+    import zipfile
+
+    src = tmp_path / "project"  # a copy: the build writes build/ and an egg-info beside the sources
+    shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
+           str(src)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "w").glob("vitlab-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        inside = sorted(Path(n).stem for n in z.namelist() if n.startswith("vitlab/recipes/") and n.endswith(".yaml"))
+    assert inside == sorted(_documented_recipes()) and len(inside) >= 30
 
 
 def test_recipe_keys_are_checked_and_the_command_line_wins(tmp_path, capsys, monkeypatch):
@@ -403,8 +448,8 @@ def test_two_torchrun_processes_train_on_a_generated_folder(folder, tmp_path):
 
 
 def _recipe_run(folder: Path, out: Path, epochs: int) -> int:
-    return cli_main(["train", "--config", "recipes/deit_tiny.yaml" if (Path("recipes") / "deit_tiny.yaml").is_file()
-                     else "deit_tiny", "--data", f"folder:{folder}", "--img-size", "64", "--model", "deit_mini",
+    return cli_main(["train", "--config", "deit_tiny", "--data", f"folder:{folder}", "--img-size", "64",
+                     "--model", "deit_mini",
                      "--model-arg", "patch_size=8", "--model-arg", "depth=2", "--model-arg", "embed_dim=64",
                      "--batch-size", "32", "--workers", "2", "--epochs", str(epochs), "--threads", "2",
                      "--warmup-epochs", "1", "--lr", "2e-3", "--aug-repeats", "1", "--reprob", "0", "--mixup", "0", "--cutmix", "0",
