@@ -422,6 +422,37 @@ def test_shards_written_from_a_folder_read_back_and_resume(synth, tmp_path):
         create_loader(train, tf, 3, **(kw | {"workers": 1})).load_state_dict(first.state_dict())
 
 
+def test_shard_streams_split_by_rank_and_worker_per_epoch_and_resume_on_every_rank(synth, tmp_path):
+    """Every epoch's first round hands each shard to exactly one (rank, worker), in an order that changes with the
+    epoch; a rank's loader stopped mid-epoch and resumed from its state gives that rank's remaining batches."""
+    pytest.importorskip("webdataset")
+    from vitlab.data.wds import ShardStream, write_shards
+
+    write_shards(synth, tmp_path / "shards", shard_size=3)  # 8 train shards
+    train = open_source(f"wds:{tmp_path / 'shards'}", "train")
+    tf = create_transform(16, True, re_prob=0.25)
+    streams = [ShardStream(train, tf.crop, tf.batch, batch_size=2, train=True, seed=3, rank=r, world_size=2,
+                           workers=2) for r in range(2)]  # fmt: skip
+    for epoch in (0, 1):
+        reads = [s._shards(epoch, w, 0) for s in streams for w in range(2)]
+        assert sorted(s for r in reads for s in r) == sorted(train.shards) and all(len(r) == 2 for r in reads)
+    assert [s._shards(0, w, 0) for s in streams for w in range(2)] != reads
+    for rank in (0, 1):
+        kw = dict(is_training=True, workers=2, seed=3, rank=rank, world_size=2, shuffle_buffer=4)
+        full = create_loader(train, tf, 2, **kw)
+        full.set_epoch(1)
+        whole = _take(full)
+        first = create_loader(train, tf, 2, **kw)
+        first.set_epoch(1)
+        _take(first, 3)
+        state = first.state_dict()
+        assert state == {"epoch": 1, "batch": 3, "seed": 3, "num_batches": 6, "workers": 2}
+        resumed = create_loader(train, tf, 2, **kw)
+        resumed.load_state_dict(state)
+        rest = _take(resumed)
+        assert len(whole) == 6 and len(rest) == 3 and all(_equal(a, b) for a, b in zip(rest, whole[3:]))
+
+
 def test_bad_specs_are_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         open_source(f"folder:{tmp_path / 'nope'}")
@@ -431,6 +462,13 @@ def test_bad_specs_are_one_line(tmp_path):
         open_source(f"wds:{tmp_path}")
     with pytest.raises(FileNotFoundError, match="do not exist"):
         open_source(f"wds:{tmp_path}/x-{{0..3}}.tar")
+    from vitlab.data.datasets import check_spec, load_dataset
+
+    assert check_spec(f"wds:{tmp_path}") == f"wds:{tmp_path}"  # the option check of vitlab train/eval
+    with pytest.raises(FileNotFoundError, match="vitlab data shards"):
+        check_spec(f"wds:{tmp_path / 'nope'}")
+    with pytest.raises(ValueError, match="stream through vitlab train"):
+        load_dataset(f"wds:{tmp_path}")
 
 
 # --------------------------------------------------------------------------- transforms, CLI

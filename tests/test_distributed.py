@@ -154,6 +154,40 @@ def test_sharded_checkpoint_resumes_on_one_and_on_two_processes(single_run, tmp_
     assert steps == list(range(1, 9))  # one row per step, none twice
 
 
+# runs `vitlab ARGS` with FSDP's reduce-scatter counted, the count written to PREFIX-rank<r>.json
+COUNT_REDUCE_SCATTER = """
+import json, os, sys
+import torch.distributed as dist
+calls, real = [0], dist.reduce_scatter_single
+def counted(*args, **kwargs):
+    calls[0] += 1
+    return real(*args, **kwargs)
+dist.reduce_scatter_single = counted
+from vitlab.cli import main
+code = main(sys.argv[2:])
+with open(f"{sys.argv[1]}-rank{os.environ['RANK']}.json", "w") as f:
+    json.dump(calls[0], f)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_with_accumulation_syncs_once_per_step_and_matches_the_larger_batch(single_run, tmp_path):
+    """2 processes x 2 micro-batches of 8 under FSDP2 = one process with the batch of 32 (within the float32
+    round-off of the module docstring), and the gradients are reduce-scattered once per optimizer step: one
+    collective per FSDP unit (the block and the root) per step, none on the first micro-batch."""
+    script, out = tmp_path / "count.py", tmp_path / "accum"
+    script.write_text(COUNT_REDUCE_SCATTER)
+    launch = torchrun(2, "train")[: -len(["-m", "vitlab.cli", "train"])]
+    args = ["train", *TINY_RUN, "--epochs", "2", "--fsdp", "--batch-size", "16", "--accum-steps", "2"]
+    (log,) = run_all([*launch, str(script), str(tmp_path / "calls"), *args, "--out", str(out)])
+    assert "on 2 processes (FSDP)" in log and load_checkpoint(out / "last.pt", weights=False)["step"] == 8
+    units, steps = 2, 8  # depth 1: one block + the root
+    calls = [json.loads((tmp_path / f"calls-rank{r}.json").read_text()) for r in (0, 1)]
+    assert calls == [units * steps] * 2, calls  # syncing every micro-batch would double them
+    assert_same_run(weights(single_run), weights(out))
+
+
 def test_lm_train_under_ddp_with_accumulation_matches_one_process(tmp_path):
     """2 processes x 2 micro-batches of 2 sequences = one process with the batch of 8."""
     text = tmp_path / "t.txt"

@@ -216,6 +216,29 @@ def test_loading_never_runs_code_and_bad_files_are_clear(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- training runs
 
 
+def test_accumulation_syncs_gradients_on_the_last_micro_batch_of_each_step(tmp_path, monkeypatch):
+    """The training step asks the spread model (DDP or FSDP: :func:`vitlab.distributed.gradient_sync`) to skip the
+    gradient collective on every micro-batch but a step's last; 5 micro-batches in groups of 2 end with a short
+    group of 1 (the FSDP collectives themselves are counted across two processes in test_distributed)."""
+    import contextlib
+
+    import vitlab.train.engine as engine
+    from vitlab.train import TrainConfig, train
+
+    flags = []
+
+    @contextlib.contextmanager
+    def record(model, enabled):
+        flags.append(enabled)
+        yield
+
+    monkeypatch.setattr(engine, "gradient_sync", record)
+    cfg = TrainConfig(model="deit_mini", model_args={"patch_size": 7, "depth": 1, "embed_dim": 32}, train_limit=80,
+                      holdout=50, batch_size=16, accum_steps=2, epochs=1, threads=1, progress=False, out=str(tmp_path / "r"))  # fmt: skip
+    summary = train(cfg, lambda line: None)
+    assert flags == [False, True, False, True, True] and summary["final"]["step"] == 3
+
+
 def test_sigkill_then_resume_gives_bitwise_identical_weights(tmp_path):
     """A real `vitlab train` process killed with SIGKILL after its first checkpoint, then resumed, ends with
     exactly the weights of an uninterrupted run (same options and thread count). Dropout and stochastic depth

@@ -22,7 +22,7 @@ from vitlab.cli import main as cli_main
 from vitlab.data import CropSpec, ResizeCenterCrop, eval_geometry
 from vitlab.data.synth import synthesize
 from vitlab.train import TrainConfig, train
-from vitlab.train.recipes import REPO_RECIPES, load_recipe
+from vitlab.train.recipes import find_recipe, load_recipe, shipped_recipes
 
 # a tiny DeiT on 32-px crops: 4x4 grid of 8-px patches, one block of width 32
 TINY = dict(model="deit_mini", model_args={"patch_size": 8, "depth": 1, "embed_dim": 32}, img_size=32)
@@ -90,28 +90,42 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in rows]
 
 
-def test_resume_mid_epoch_with_two_workers_is_bit_identical(folder, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory) -> Path:
+    """The folder as WebDataset shards written by `vitlab data shards`: 8 train and 2 val shards of 8."""
+    pytest.importorskip("webdataset")
+    out = tmp_path_factory.mktemp("wds") / "shards"
+    assert cli_main(["data", "shards", str(folder), str(out), "--shard-size", "8"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["folder", pytest.param("wds", marks=pytest.mark.slow)])
+def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_path, monkeypatch):
     """A run stopped right after a mid-epoch checkpoint and resumed ends with the same weights, EMA, log rows
-    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on)."""
+    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on): on a
+    folder (sampler position) and on shards (each worker's place in its shard stream)."""
     import vitlab.train.engine as engine
 
-    base = dict(TINY, data=f"folder:{folder}", epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
+    data = f"{kind}:{request.getfixturevalue('folder' if kind == 'folder' else 'shards')}"
+    base = dict(TINY, data=data, epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
                 auto_augment="rand-m9-mstd0.5-inc1", reprob=0.25, threads=1, progress=False, save_every=3)  # fmt: skip
     train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)
 
     real, saves = engine.save_position, []
 
-    def stop_after_second(run, epoch, tally):  # the second mid-epoch checkpoint: step 6, inside epoch 1
+    def stop_after_third(run, epoch, tally):  # the third mid-epoch checkpoint: step 9, batch 1 of epoch 2
         real(run, epoch, tally)
         saves.append(run.step)
-        if len(saves) == 2:
+        if len(saves) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "save_position", stop_after_second)
+    monkeypatch.setattr(engine, "save_position", stop_after_third)
     with pytest.raises(KeyboardInterrupt):
         train(TrainConfig(**base, out=str(tmp_path / "cut")), quiet)
     monkeypatch.setattr(engine, "save_position", real)
-    assert saves == [3, 6] and load_checkpoint(tmp_path / "cut")["loader"]["batch"] == 6
+    # an odd batch of the second epoch: the worker that makes the next batch is not worker 0's usual one
+    assert saves == [3, 6, 9] and load_checkpoint(tmp_path / "cut")["loader"] | {"num_batches": 8} == {
+        "epoch": 1, "batch": 1, "seed": 0, "num_batches": 8} | ({"workers": 2} if kind == "wds" else {})  # fmt: skip
     train(TrainConfig(**base, out=str(tmp_path / "cut"), resume="auto"), quiet)
     whole, cut = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "cut")
     for key in ("model", "optimizer"):
@@ -136,14 +150,15 @@ def _flat(tree, prefix="") -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- recipes
 
 
-RECIPES = sorted(REPO_RECIPES.glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_paper_model_has_a_recipe_that_validates():
     from vitlab.models import get_config
 
-    assert len(RECIPES) >= 30
-    for path in RECIPES:
+    assert len(shipped_recipes()) >= 30
+    for name, path in shipped_recipes().items():
+        assert load_recipe(name)[0] == path
         _, options, reference = load_recipe(str(path))
         get_config(options["model"])  # a registered model
         TrainConfig(**options)  # every value in its range
@@ -152,6 +167,50 @@ def test_every_paper_model_has_a_recipe_that_validates():
     deit = load_recipe("deit_tiny")[1]
     cfg = TrainConfig(**deit)
     assert cfg.global_batch == 1024 and cfg.peak_lr == pytest.approx(1e-3) and cfg.aug_repeats == 3
+
+
+def _documented_recipes() -> list[str]:
+    """The recipe names of the table in docs/training.md."""
+    text = (REPO / "docs" / "training.md").read_text()
+    return [line.split("`")[1] for line in text.splitlines() if line.startswith("| `")]
+
+
+def test_every_recipe_resolves_by_name_from_the_installed_package(tmp_path, monkeypatch):
+    """Each recipe of the docs' table is package data: `--config NAME` finds it through importlib.resources,
+    from any working directory (none holds a recipes/ folder here), and reads it."""
+    from importlib import resources
+
+    monkeypatch.chdir(tmp_path)
+    names = _documented_recipes()
+    assert len(names) >= 30 and sorted(names) == sorted(shipped_recipes())
+    for name in names:
+        packaged = resources.files("vitlab").joinpath("recipes", f"{name}.yaml")
+        assert packaged.is_file() and find_recipe(name) == Path(str(packaged)), name
+    (tmp_path / "recipes").mkdir()  # a user's own recipe of a shipped name comes first
+    (tmp_path / "recipes" / "deit_tiny.toml").write_text('model = "deit_mini"\nepochs = 3\n')
+    assert load_recipe("deit_tiny")[1] == {"model": "deit_mini", "epochs": 3}
+    with pytest.raises(FileNotFoundError, match="shipped: aft_conv_small"):
+        find_recipe("deit_nano")
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_recipes(tmp_path):
+    """`pip wheel` of the project (offline, no build isolation) puts every recipe into the wheel."""
+    import zipfile
+
+    src = tmp_path / "project"  # a copy: the build writes build/ and an egg-info beside the sources
+    shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "w"),
+           str(src)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (wheel,) = (tmp_path / "w").glob("vitlab-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        inside = sorted(Path(n).stem for n in z.namelist() if n.startswith("vitlab/recipes/") and n.endswith(".yaml"))
+    assert inside == sorted(_documented_recipes()) and len(inside) >= 30
 
 
 def test_recipe_keys_are_checked_and_the_command_line_wins(tmp_path, capsys, monkeypatch):
@@ -227,6 +286,67 @@ def test_soft_and_hard_distillation_equal_deit_equations_for_exported_teachers(t
     soft.backward()  # the student learns, the teacher does not
     assert student.head_dist.weight.grad is not None
     assert all(not p.requires_grad for p in teacher.parameters())
+
+
+class DenseCnn(SmallCnn):
+    """The same CNN without its global pool: class scores at every location, (B, 4, 11, 11) at 24 px."""
+
+    def forward(self, x):
+        return self.fc(self.conv(x).relu().permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+EXPORTS = {  # the batch dimension as exported, and the batch range the teacher reads from the program
+    "static": (None, (2, 2)),
+    "auto": ({"x": {0: torch.export.Dim.AUTO}}, (2, None)),  # torch.export's AUTO batch takes 2 and more
+    "bounded": ({"x": {0: torch.export.Dim("batch", min=1, max=3)}}, (1, 3)),
+}
+
+
+def _export(model: torch.nn.Module, path: Path, batch: str) -> Path:
+    dims, _ = EXPORTS[batch]
+    torch.export.save(torch.export.export(model.eval(), (torch.randn(2, 3, 24, 24),), dynamic_shapes=dims), path)
+    return path
+
+
+@pytest.mark.parametrize("batch", sorted(EXPORTS))
+def test_a_pt2_teacher_of_any_batch_dimension_serves_every_batch_size(tmp_path, batch):
+    """A program exported with a static batch of 2 (or a dynamic batch with bounds) is called on chunks it takes,
+    a short chunk padded: its logits equal the eager teacher's for batches below, at and above those sizes."""
+    from vitlab.train.distill import load_teacher
+
+    torch.manual_seed(2)
+    cnn = SmallCnn().eval()
+    teacher = load_teacher(_export(cnn, tmp_path / "t.pt2", batch))
+    assert teacher.batch_range == EXPORTS[batch][1] and teacher.input_size == (24, 24)
+    for n in (1, 2, 3, 5):
+        x = torch.randn(n, 3, 32, 32)
+        with torch.no_grad():
+            eager = cnn(F.interpolate(x, size=(24, 24), mode="bilinear", antialias=True, align_corners=False))
+        torch.testing.assert_close(teacher(x), eager)  # float32 tolerances: same math, other batch shapes
+
+
+def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tmp_path):
+    """`vitlab relabel` with a dense teacher exported at batch 2, fed 3 images per call (a full chunk and a
+    padded one): the written maps are the eager teacher's top-k probabilities and classes."""
+    from vitlab.data import create_transform
+    from vitlab.train.relabel import image_files, top_k_maps
+
+    torch.manual_seed(3)
+    cnn = DenseCnn().eval()
+    path = _export(cnn, tmp_path / "dense.pt2", "static")
+    assert cli_main(["relabel", str(path), str(folder), "--top-k", "2", "--batch-size", "3", "--out",
+                     str(tmp_path / "maps"), "--threads", "1"]) == 0  # fmt: skip
+    files = image_files(folder)
+    tf = create_transform((24, 24), crop_mode="squash", crop_pct=1.0)
+    with torch.no_grad():
+        eager = top_k_maps(cnn(torch.stack([tf(f) for f in files])), 2)
+    written = np.stack([np.load(tmp_path / "maps" / f.relative_to(folder).with_suffix(".tl.npy")) for f in files])
+    assert written.shape == eager.shape == (80, 2, 2, 11, 11)
+    eps = float(np.finfo(np.float16).eps)  # one float16 step of a probability <= 1 (float32 sums differ below it)
+    np.testing.assert_allclose(written[:, 0], eager[:, 0], atol=eps, rtol=0)
+    apart = np.abs(eager[:, 0, 0] - eager[:, 0, 1]) > 2 * eps  # the top classes are decided where not tied
+    assert apart.mean() > 0.9
+    assert np.array_equal(written[:, 1, 0][apart], eager[:, 1, 0][apart])
 
 
 def test_a_pt2_teacher_with_pickled_objects_is_refused(tmp_path, monkeypatch):
@@ -328,8 +448,8 @@ def test_two_torchrun_processes_train_on_a_generated_folder(folder, tmp_path):
 
 
 def _recipe_run(folder: Path, out: Path, epochs: int) -> int:
-    return cli_main(["train", "--config", "recipes/deit_tiny.yaml" if (Path("recipes") / "deit_tiny.yaml").is_file()
-                     else "deit_tiny", "--data", f"folder:{folder}", "--img-size", "64", "--model", "deit_mini",
+    return cli_main(["train", "--config", "deit_tiny", "--data", f"folder:{folder}", "--img-size", "64",
+                     "--model", "deit_mini",
                      "--model-arg", "patch_size=8", "--model-arg", "depth=2", "--model-arg", "embed_dim=64",
                      "--batch-size", "32", "--workers", "2", "--epochs", str(epochs), "--threads", "2",
                      "--warmup-epochs", "1", "--lr", "2e-3", "--aug-repeats", "1", "--reprob", "0", "--mixup", "0", "--cutmix", "0",

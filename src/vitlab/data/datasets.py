@@ -254,6 +254,9 @@ IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff",
 
 
 FOLDER_FIX = "point to a folder laid out root/<class>/<image>"
+WDS_FIX = (
+    "write shards with `vitlab data shards SRC OUT`, or give a brace pattern: wds:/data/train-{000000..000009}.tar"
+)
 
 
 def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
@@ -376,6 +379,8 @@ def load_dataset(
     """
     _check_split(split)
     kind, path = parse_spec(spec)
+    if kind == "wds":
+        raise ValueError(f"{spec}: WebDataset shards stream through vitlab train and vitlab eval, not into memory")
     if kind == "mnist":
         return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
     if kind == "cifar10":
@@ -400,11 +405,12 @@ def parse_spec(spec: str) -> tuple[str, str]:
     kind = kind.lower()
     if kind == "mnist" and path:
         kind = "mnist-idx"  # mnist:<folder> reads idx files
-    if kind in ("cifar10", "mnist-idx", "folder") and not path:
+    if kind in ("cifar10", "mnist-idx", "folder", "wds") and not path:
         raise ValueError(f"dataset {spec!r} needs a path: write {kind}:/path/to/data")
-    if kind not in ("mnist", "cifar10", "mnist-idx", "folder"):
+    if kind not in ("mnist", "cifar10", "mnist-idx", "folder", "wds"):
         raise ValueError(
-            f"unknown dataset {spec!r}; use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>' or 'folder:<path>'"
+            f"unknown dataset {spec!r}; use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>', 'folder:<path>' or "
+            "'wds:<shards>'"
         )
     return kind, path
 
@@ -420,6 +426,8 @@ def check_spec(spec: str) -> str:
         _data_dir(path, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
     elif kind == "folder":
         _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)
+    elif kind == "wds" and "{" not in path and not Path(path).expanduser().is_file():  # a folder of shards
+        _data_dir(path, "shard", "shards.json and the shards `vitlab data shards` writes", WDS_FIX)
     return spec
 
 

@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RECIPE",
         help="options from a recipe file (YAML or TOML; flags given here override it): a path, or the name of a "
-        "shipped recipe such as deit_tiny (see recipes/)",
+        "recipe shipped in the package such as deit_tiny (docs/training.md lists them)",
     )
     p.add_argument(
         "--model-arg",

@@ -15,7 +15,9 @@ The teacher is a vitlab checkpoint, a program saved by ``torch.export.save`` (``
 file, so a CNN trained elsewhere (DeiT's RegNetY-16GF) plugs in without its code. None of them runs pickled
 Python: checkpoints are read with ``weights_only``; a ``.pt2`` archive's tensors are read with
 ``weights_only=True`` and an archive holding other pickled objects is refused; TorchScript is TorchScript's own
-format. The teacher runs in eval mode without gradients, on the batch resized to its own input size.
+format. The teacher runs in eval mode without gradients, on the batch resized to its own input size; a program
+exported with a static batch size (or a bounded dynamic one) is called on chunks of the sizes it takes, a short
+last chunk padded and its padding's outputs dropped.
 """
 
 from __future__ import annotations
@@ -34,19 +36,41 @@ from ..data import resize, soft_target_cross_entropy
 
 
 class Teacher(nn.Module):
-    """A frozen teacher and the input size it takes (None: any)."""
+    """A frozen teacher, the input size it takes (None: any) and the batch sizes it takes: ``batch_range`` =
+    (lowest, highest or None), ``(B, B)`` for a program exported with a static batch ``B``."""
 
-    def __init__(self, model: nn.Module, input_size: tuple[int, int] | None, num_classes: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        input_size: tuple[int, int] | None,
+        num_classes: int | None = None,
+        batch_range: tuple[int, int | None] = (1, None),
+    ) -> None:
         super().__init__()
-        self.model, self.input_size, self.num_classes = model, input_size, num_classes
+        self.model, self.input_size, self.num_classes, self.batch_range = model, input_size, num_classes, batch_range
         self.in_chans = None
 
     @torch.no_grad()
+    def predict(self, x: Tensor) -> Tensor:
+        """The model's (first) output for ``x``, called on chunks of at most the highest batch size it takes; a
+        chunk below the lowest is padded with zero images whose outputs are dropped (a static-batch program
+        then serves any batch, the last short one of an epoch included)."""
+        lower, upper = self.batch_range
+        step = upper or len(x)
+        outs = []
+        for start in range(0, len(x), step):
+            chunk = x[start : start + step]
+            n = len(chunk)
+            if n < lower:
+                chunk = torch.cat([chunk, chunk.new_zeros(lower - n, *chunk.shape[1:])])
+            out = self.model(chunk)
+            outs.append((out[0] if isinstance(out, (tuple, list)) else out)[:n])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.input_size is not None and tuple(x.shape[-2:]) != self.input_size:
             x = resize(x, self.input_size)
-        out = self.model(x)
-        return (out[0] if isinstance(out, (tuple, list)) else out).float()
+        return self.predict(x).float()
 
 
 @contextlib.contextmanager
@@ -74,14 +98,36 @@ def _no_pickled_code(path: Path) -> Iterator[None]:
         torch.load, torch._C._pickle_load_obj, _package.pickle = real_load, real_obj, real_pickle
 
 
-def _exported_input_size(program) -> tuple[int, int] | None:
-    """The (H, W) an exported program was traced at, from its first user input (None when symbolic)."""
+def _exported_input(program) -> Tensor | None:
+    """The example (fake) tensor of an exported program's first user input, with its static or symbolic shape."""
     user = program.graph_signature.user_inputs
     node = next((n for n in program.graph.nodes if n.op == "placeholder" and n.name == user[0]), None)
     val = getattr(node, "meta", {}).get("val") if node is not None else None
-    if val is None or val.dim() != 4 or not all(isinstance(s, int) for s in val.shape[-2:]):
+    return val if isinstance(val, Tensor) and val.dim() == 4 else None
+
+
+def _exported_input_size(program) -> tuple[int, int] | None:
+    """The (H, W) an exported program was traced at (None when symbolic)."""
+    val = _exported_input(program)
+    if val is None or not all(isinstance(s, int) for s in val.shape[-2:]):
         return None
     return int(val.shape[-2]), int(val.shape[-1])
+
+
+def _exported_batch_range(program) -> tuple[int, int | None]:
+    """The batch sizes an exported program takes, (lowest, highest or None): ``(B, B)`` for a static batch ``B``,
+    the range torch.export recorded for a dynamic one (``Dim.AUTO`` takes 2 and more)."""
+    val = _exported_input(program)
+    if val is None:
+        return 1, None
+    batch = val.shape[0]
+    if isinstance(batch, int):
+        return batch, batch
+    bounds = program.range_constraints.get(batch.node.expr)
+    if bounds is None:
+        return 1, None
+    upper = int(bounds.upper) if bool(bounds.upper < 2**62) else None  # torch's integer infinity: no bound
+    return max(1, int(bounds.lower)), upper
 
 
 def _archive_kind(path: Path) -> str:
@@ -106,10 +152,12 @@ def load_teacher(path: str | Path, device: torch.device | str = "cpu", img_size:
         raise FileNotFoundError(f"--teacher {path}: no such file")
     kind = _archive_kind(path)
     size = (img_size, img_size) if img_size else None
+    batches: tuple[int, int | None] = (1, None)
     if kind == "export":
         with _no_pickled_code(path):
             program = torch.export.load(path)
         module, size, classes = program.module(), size or _exported_input_size(program), None
+        batches = _exported_batch_range(program)
     elif kind == "torchscript":
         module, classes = torch.jit.load(path, map_location="cpu"), None
     else:
@@ -120,7 +168,7 @@ def load_teacher(path: str | Path, device: torch.device | str = "cpu", img_size:
         module = module.eval()
     for p in module.parameters():
         p.requires_grad_(False)
-    teacher = Teacher(module, size, classes).to(device)
+    teacher = Teacher(module, size, classes, batches).to(device)
     if kind == "vitlab":
         teacher.in_chans = module.in_chans
     return teacher

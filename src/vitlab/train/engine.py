@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint
 from ..data import BatchLoader, derive_seed
 from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
-from ..distributed import World, all_reduce_sum, barrier, init_distributed, parallelize
+from ..distributed import World, all_reduce_sum, barrier, gradient_sync, init_distributed, parallelize
 from ..io import write_json_atomic
 from ..optim import WarmupCosine, create_optimizer
 from ..rundir import check_free_space, checkpoint_bytes, own_folder
@@ -305,11 +305,12 @@ def oom_guard(run: Run) -> Iterator[None]:
 
 def forward_backward(run: Run, batch: tuple, weight: float, sync: bool) -> tuple[Tensor, Tensor]:
     """One micro-batch: forward, loss, backward of ``weight x loss`` (gradients add up over the group; the
-    gradient all-reduce of DDP only on the group's last micro-batch). Returns (loss, class logits)."""
+    gradient all-reduce of DDP, or reduce-scatter of FSDP, only on the group's last micro-batch). Returns
+    (loss, class logits)."""
     x, y = batch[0], batch[1]
     dense = batch[2] if len(batch) > 2 else None
-    no_sync = getattr(run.model, "no_sync", None)
-    with oom_guard(run), contextlib.nullcontext() if sync or no_sync is None else no_sync():
+    spread = getattr(run.model, "_orig_mod", run.model)  # under torch.compile: the DDP or FSDP module inside
+    with oom_guard(run), gradient_sync(spread, sync):
         with autocast(run.device, run.dtype):
             outputs = run.model(x)
             loss = run.criterion(x, outputs, y, dense)

@@ -1,4 +1,4 @@
-"""Recipes as files: ``vitlab train --config recipes/deit_tiny.yaml`` (or ``--config deit_tiny``).
+"""Recipes as files: ``vitlab train --config deit_tiny`` (a shipped recipe) or ``--config path/to/file.yaml``.
 
 A recipe is a YAML or TOML mapping of ``vitlab train`` options (the names of :class:`TrainConfig`'s fields,
 ``model_args`` a mapping of constructor overrides) plus a ``reference`` mapping saying what the paper reports
@@ -6,12 +6,17 @@ for it (``paper``, ``top1``, ``source``, ``notes``: documentation, not options).
 line override the file's; ``--lr`` on the command line also drops the file's ``base_lr`` (an absolute learning
 rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key is
 one line naming it.
+
+The papers' recipes ship inside the package (``vitlab/recipes/*.yaml``, package data read through
+``importlib.resources``), so an installed wheel has them; a bare name is looked up in ``./recipes`` first (a
+user's own), then among them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +24,30 @@ import tomllib
 
 from .config import OPTION_CHECKS, TrainConfig
 
-REPO_RECIPES = Path(__file__).resolve().parents[3] / "recipes"  # recipes/ of the source tree vitlab runs from
 SUFFIXES = (".yaml", ".yml", ".toml")
 REFERENCE_KEYS = ("paper", "top1", "source", "notes")
 NOT_IN_RECIPES = {"recipe", "resume", "force"}  # how a run starts is said on the command line
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes shipped in the package, by name (the file's stem)."""
+    folder = resources.files("vitlab") / "recipes"
+    files = [f for f in folder.iterdir() if f.is_file() and Path(f.name).suffix in SUFFIXES]
+    return {Path(f.name).stem: Path(str(f)) for f in sorted(files, key=lambda f: f.name)}
+
+
 def find_recipe(name: str) -> Path:
-    """A recipe file from a path, or from the name of a recipe in ``./recipes`` or the source tree's."""
+    """A recipe file from a path, or from the name of a recipe in ``./recipes`` or of a shipped one."""
     path = Path(name).expanduser()
     if path.is_file():
         return path
     if path.suffix in SUFFIXES or "/" in name:
         raise FileNotFoundError(f"--config {name}: no such recipe file")
-    for folder in (Path("recipes"), REPO_RECIPES):
-        for suffix in SUFFIXES:
-            if (folder / f"{name}{suffix}").is_file():
-                return folder / f"{name}{suffix}"
-    known = ", ".join(sorted(p.stem for p in REPO_RECIPES.glob("*.yaml"))[:8])
+    local = next((Path("recipes") / f"{name}{s}" for s in SUFFIXES if (Path("recipes") / f"{name}{s}").is_file()), None)
+    shipped = shipped_recipes()
+    if local is not None or name in shipped:
+        return local or shipped[name]
+    known = ", ".join(list(shipped)[:8])
     raise FileNotFoundError(f"--config {name}: no recipe file or shipped recipe of that name (shipped: {known}, ...)")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from torch import Tensor, nn
 
 from .. import options as opt
 from ..device import add_device_argument, resolve_device
+
+if TYPE_CHECKING:
+    from .distill import Teacher
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +74,7 @@ def top_k_maps(scores: Tensor, k: int) -> np.ndarray:
     return torch.stack([values, classes.float()], 1).to(torch.float16).numpy()
 
 
-def load_dense_teacher(path: str, img_size: int | None, device: torch.device) -> tuple[nn.Module, tuple[int, int]]:
+def load_dense_teacher(path: str, img_size: int | None, device: torch.device) -> tuple[Teacher, tuple[int, int]]:
     from .distill import load_teacher
 
     teacher = load_teacher(path, device, img_size)
@@ -107,8 +111,7 @@ def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int
     for start in range(0, len(files), batch_size):
         chunk = files[start : start + batch_size]
         x = torch.stack([tf(f) for f in chunk]).to(dev)
-        with torch.no_grad():
-            maps = top_k_maps(dense_scores(teacher.model(x)).cpu(), top_k)
+        maps = top_k_maps(dense_scores(teacher.predict(x)).cpu(), top_k)  # chunked as the teacher's batch allows
         for f, m in zip(chunk, maps):
             target = (Path(out) / f.relative_to(folder)) if out else f
             target.parent.mkdir(parents=True, exist_ok=True)

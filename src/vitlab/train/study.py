@@ -76,8 +76,9 @@ def recipe_keys() -> list[str]:
 
 
 def read_recipe(path: str) -> dict[str, Any]:
-    """A recipe file (a path, or a name in ``recipes/``) as a flat mapping of options (``-`` in names read as
-    ``_``; the ``reference`` notes of a shipped recipe left out); one line for every problem."""
+    """A recipe file (a path, or the name of one in ``./recipes`` or shipped in the package) as a flat mapping
+    of options (``-`` in names read as ``_``; the ``reference`` notes of a shipped recipe left out); one line for
+    every problem."""
     file = find_recipe(path)
     data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k != "reference"}
     unknown = sorted(set(data) - set(recipe_keys()))
