@@ -30,7 +30,7 @@ from vitlab.data import (
     open_source,
 )
 from vitlab.data.crop import crop_resize, load_sample
-from vitlab.data.decode import Decoded, min_decode_size
+from vitlab.data.decode import Decoded, min_decode_size, power_of_two_reduction
 from vitlab.data.geometry import boxes_statistics, train_boxes
 from vitlab.data.synth import synthesize
 
@@ -89,6 +89,22 @@ def test_corrupt_and_truncated_files_raise_one_named_error(tmp_path, decoder):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(UnreadableImage, match=name):
             load_sample(tmp_path / name, CropSpec((16, 16)), torch.Generator().manual_seed(0), decoder)
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "simplejpeg"])
+def test_decoders_reduce_only_by_powers_of_two(decoder):
+    """Both decoders take the largest of 1, 2, 4, 8 that still covers the minimum (libjpeg-turbo's other M/8
+    scales are slower than a full decode); a minimum no power of two covers gets the whole image."""
+    pytest.importorskip("simplejpeg") if decoder == "simplejpeg" else None
+    data = _jpeg(np.random.default_rng(1).integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    for need, shape in [((280, 350), (300, 400)), ((150, 200), (150, 200)), ((151, 10), (300, 400)),
+                        ((70, 90), (75, 100)), ((1, 1), (38, 50)), (None, (300, 400))]:  # fmt: skip
+        assert decode(data, need, decoder=decoder).pixels.shape[:2] == shape, (need, decoder)
+    for size in [(300, 400), (301, 17), (8, 8), (1000, 3)]:  # the naive definition, over every minimum
+        for mh in range(1, size[0] + 1, max(1, size[0] // 37)):
+            for mw in range(1, size[1] + 1, max(1, size[1] // 29)):
+                ok = [r for r in (1, 2, 4, 8) if math.ceil(size[0] / r) >= mh and math.ceil(size[1] / r) >= mw]
+                assert power_of_two_reduction(size, (mh, mw)) == max(ok)
 
 
 def test_draft_decodes_at_the_smallest_scale_covering_the_crop():
@@ -257,6 +273,9 @@ def test_worker_count_does_not_change_the_batches(synth):
     a = _take(create_loader(src, tf, 5, is_training=True, workers=0, seed=3))
     b = _take(create_loader(src, tf, 5, is_training=True, workers=2, seed=3))
     assert len(a) == len(b) == 4 and all(_equal(p, q) for p, q in zip(a, b))
+    # the batch stage in the workers (float batches cross over) instead of the main process: the same batches
+    c = _take(create_loader(src, tf, 5, is_training=True, workers=2, seed=3, transform_on_device=False))
+    assert all(_equal(p, q) for p, q in zip(a, c))
 
 
 def test_eval_loader_and_in_memory_sets_share_the_interface(synth):

@@ -195,7 +195,7 @@ def create_loader(
     device: torch.device | str | None = None,
     decoder: str = "auto",
     dense_grid: tuple[int, int] | None = None,
-    transform_on_device: bool = False,
+    transform_on_device: bool = True,
     drop_last: bool | None = None,
     pin_memory: bool | None = None,
     persistent_workers: bool = True,
@@ -206,7 +206,8 @@ def create_loader(
     """The loader of ``source`` (see the module docstring). Training shuffles, drops the last short batch and
     with ``repeats > 1`` uses repeated augmentation; evaluation visits every sample exactly once over the
     ranks. ``dense_grid`` (the patch grid) turns on dense token-label targets; ``mix`` runs on the main
-    process (MixupCutmix, or MixToken with dense targets)."""
+    process (MixupCutmix, or MixToken with dense targets). ``transform_on_device`` runs the batch stage where
+    the batch is consumed (default; workers send uint8), else in the workers."""
     drop_last = is_training if drop_last is None else drop_last
     if isinstance(source, ImageDataset):
         if dense_grid is not None:

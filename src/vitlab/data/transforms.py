@@ -147,8 +147,12 @@ class Normalize:
         return as_t(self.mean), as_t(self.std)
 
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
+        return self.normalize_(x.clone())
+
+    def normalize_(self, x: Tensor) -> Tensor:
+        """In place on ``x`` (the same rounding as ``(x - mean) / std``)."""
         mean, std = self._stats(x)
-        return (x - mean).div_(std)  # one temporary, the same rounding as (x - mean) / std
+        return x.sub_(mean).div_(std)
 
     def denormalize(self, x: Tensor) -> Tensor:
         mean, std = self._stats(x)
@@ -265,9 +269,12 @@ class Compose:
         self.steps = list(steps)
 
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
+        steps = self.steps
         if x.dtype == torch.uint8:
             x = x.float().div_(255)
-        for step in self.steps:
+            if steps and isinstance(steps[0], Normalize):  # the buffer just made is ours: normalise it in place
+                x, steps = steps[0].normalize_(x), steps[1:]
+        for step in steps:
             x = step(x, g)
         return x
 

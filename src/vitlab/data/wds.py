@@ -171,7 +171,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 2000,
         decoder: str = "pillow",
         dense_grid: tuple[int, int] | None = None,
-        transform_on_device: bool = False,
+        transform_on_device: bool = True,
     ) -> None:
         readers = world_size * max(workers, 1)
         if len(source.shards) < readers:
