@@ -57,13 +57,38 @@ def test_sdpa_path_equals_explicit_path(causal, train):
     torch.testing.assert_close(out_fused, explicit(x), rtol=1e-5, atol=1e-6)
 
 
+def _graph_ops(t: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes that produced ``t``."""
+    seen, todo = {}, [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = type(node).__name__
+            todo += [f for f, _ in node.next_functions]
+    return set(seen.values())
+
+
+def test_short_sequences_train_through_the_explicit_map():
+    """Training on the CPU with N <= 64 takes the explicit map (faster there); longer sequences, inference and
+    attention dropout take SDPA."""
+    m = Attention(24, num_heads=3).train()
+    short, long = torch.randn(2, 16, 24, requires_grad=True), torch.randn(2, 65, 24, requires_grad=True)
+    assert not any("ScaledDotProduct" in op for op in _graph_ops(m(short)))
+    assert any("ScaledDotProduct" in op for op in _graph_ops(m(long)))
+    assert not Attention(24, 3, attn_drop=0.1).train()._explicit_trains_faster(short[:, None])
+    assert m._explicit_trains_faster(short[:, None]) and not m._explicit_trains_faster(long[:, None])
+    with torch.no_grad():
+        assert not m._explicit_trains_faster(short[:, None])
+
+
+@pytest.mark.parametrize("tokens", [7, 70])  # 7: the explicit map in training, 70: SDPA
 @pytest.mark.parametrize("fused", [True, False])
-def test_gradients_match_the_naive_equation(fused):
+def test_gradients_match_the_naive_equation(fused, tokens):
     """Input and weight gradients of both paths against autograd through the written-out equation (float64)."""
     torch.manual_seed(2)
     m = Attention(24, num_heads=3, fused=fused).double().train()
-    x = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, 7, 24, dtype=torch.float64)
+    x = torch.randn(2, tokens, 24, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, tokens, 24, dtype=torch.float64)
     m(x).backward(g)
     grads = [x.grad] + [p.grad for p in m.parameters()]
     x2 = x.detach().requires_grad_()
