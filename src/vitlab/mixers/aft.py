@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
-from .base import TokenLayout, TokenMixer, check_divisible
+from .base import TokenLayout, TokenMixer, check_divisible, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -118,7 +118,7 @@ def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: Bi
 def _data_checks_allowed(t: Tensor) -> bool:
     """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
     traced or exported (TorchScript trace, ONNX), which records the fast path only."""
-    return t.device.type != "meta" and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
+    return t.device.type != "meta" and not traced_or_exported()
 
 
 def _no_autograd(*tensors: Tensor) -> bool:
@@ -168,7 +168,8 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     ctx = _key_context(k, v)
     ew = (w - wmax).exp_()  # exp in place on a fresh difference: autograd saves the result either way
     if _no_autograd(q, k, v, w):  # a batch of 2B (T, T) @ (T, C) products on ctx as laid out (no copy)
-        num, den = torch.matmul(ew, ctx).split(b)
+        sums = torch.matmul(ew, ctx).view(2, b, n, c)
+        num, den = sums[0], sums[1]  # indexing, not split: ONNX export cannot fold a split of a traced size
     else:  # one (T, T) @ (T, B·2C) product for numerator and denominator (a faster backward)
         ctx = ctx.transpose(0, 1).reshape(n, b * 2 * c)
         num, den = (ew @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
