@@ -147,7 +147,8 @@ class Normalize:
         return as_t(self.mean), as_t(self.std)
 
     def __call__(self, x: Tensor, g: torch.Generator | None = None) -> Tensor:
-        return self.normalize_(x.clone())
+        mean, std = self._stats(x)
+        return (x - mean).div_(std)  # one temporary, the same rounding as (x - mean) / std
 
     def normalize_(self, x: Tensor) -> Tensor:
         """In place on ``x`` (the same rounding as ``(x - mean) / std``)."""

@@ -185,6 +185,18 @@ def grid_to_tokens(prefix: Tensor, grid: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- inference fast paths
 
 
+def traced_or_exported() -> bool:
+    """Whether a TorchScript trace or an ONNX export is recording: they keep one path of any data-dependent branch."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
+def capturing_graph() -> bool:
+    """Whether a graph is being captured (``torch.compile``, TorchScript trace, ONNX export): eager-only fast paths
+    (custom autograd functions, oneDNN primitives called directly) give way to the plain operations, which the
+    capturing tool differentiates, fuses or exports itself."""
+    return torch.compiler.is_compiling() or traced_or_exported()
+
+
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`fused_linear` takes oneDNN's fused primitive: bf16 input and weights on the CPU, nothing
     recorded by autograd, eager mode (not traced, exported or compiled)."""
@@ -194,9 +206,7 @@ def fuses_linear(x: Tensor, weight: Tensor) -> bool:
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and torch.backends.mkldnn.is_available()
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and not torch.onnx.is_in_onnx_export()
+        and not capturing_graph()
     )
 
 

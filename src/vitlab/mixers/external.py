@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import SOFTMAX, TokenLayout, TokenMixer, can_fold, check_divisible
+from .base import SOFTMAX, TokenLayout, TokenMixer, can_fold, capturing_graph, check_divisible
 
 
 class _DoubleNormalize(torch.autograd.Function):
@@ -55,12 +55,6 @@ class _DoubleNormalize(torch.autograd.Function):
         return u.addcmul_(y, n * u.sum(token_dim, keepdim=True), value=-1.0), None, None, None
 
 
-def _plain_ops_only() -> bool:
-    """Whether a graph is being captured (compile, TorchScript trace, ONNX export): these record the composite
-    operations, which they differentiate and fuse themselves."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
-
-
 def double_normalize(
     logits: Tensor, token_dim: int = -2, memory_dim: int = -1, eps: float = 1e-9, inplace: bool = False
 ) -> Tensor:
@@ -74,7 +68,7 @@ def double_normalize(
     :class:`_DoubleNormalize` (same values, a backward pass with fewer and faster passes over the map).
     """
     low = logits.dtype in (torch.float16, torch.bfloat16)
-    if not low and not inplace and not _plain_ops_only():
+    if not low and not inplace and not capturing_graph():
         return _DoubleNormalize.apply(logits, token_dim, memory_dim, eps)
     if inplace and not low:  # softmax over a middle axis by hand, in place: faster than its strided kernel
         attn = logits.sub_(logits.amax(dim=token_dim, keepdim=True)).exp_()
