@@ -216,7 +216,7 @@ def test_conv_matches_literal_eq6():
     b, n, h, c = 2, 20, 3, 12
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h)
     w = torch.randn(h, 5, 5)
-    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_paper(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
 
@@ -229,7 +229,7 @@ def test_conv_without_global_context_is_local_only(scale):
     b, n, h, c = 2, 20, 2, 8
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h) * scale
     w = torch.randn(h, 3, 3) * scale
-    y = aft_mod.aft_conv(q, k, v, w, grid, 0, global_context=False)
+    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, grid, 0, global_context=False)
     assert torch.isfinite(y).all()
     assert_rel(y, naive_conv_pairs(q, k, v, w, grid, 0, outside=-math.inf), 1e-5)
     m = make("conv", num_heads=2, kernel_size=3, outside="-inf")
@@ -395,10 +395,10 @@ def test_conv_core_stable(bias_sign, monkeypatch):
     b, n, h, c = 2, 21, 2, 8
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), big(b, n, h, scale=30)
     w = bias_sign * big(h, 3, 3).abs()
-    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
     k = big(b, n, h)
-    y = aft_mod.aft_conv(q, k, v, w, layout.grid, layout.num_prefix)
+    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
 
 

@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
-from .base import TokenLayout, TokenMixer, check_divisible, traced_or_exported
+from .aft_conv_sums import AFTConvCore, conv_core, split_qkv, window_band
+from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -228,14 +229,8 @@ def _outside_window_sum(x: Tensor, s: int) -> Tensor:
     columns): small matrix products with non-negative coefficients, never ``total - window``, which cancels.
     """
     h, w = x.shape[-2:]
-    near_h, near_w = (_band(n, s // 2, x) for n in (h, w))
+    near_h, near_w = (window_band(n, s // 2, x) for n in (h, w))
     return (1 - near_h) @ x.sum(-1, keepdim=True) + near_h @ (x @ (1 - near_w))
-
-
-def _band(n: int, p: int, like: Tensor) -> Tensor:
-    """(n, n) 0/1 matrix, 1 where |i - j| <= p (symmetric)."""
-    i = torch.arange(n, device=like.device)
-    return ((i[:, None] - i[None]).abs() <= p).to(like.dtype)
 
 
 def _conv_bias_rows(
@@ -258,21 +253,21 @@ def _conv_bias_rows(
 
 
 def aft_conv(
-    q: Tensor | None,
-    k: Tensor,
-    v: Tensor,
+    qkv: Tensor,
     w: Tensor,
     grid: tuple[int, int],
     num_prefix: int = 0,
     global_context: bool = True,
+    query: bool = True,
 ) -> Tensor:
     """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
 
         Y^i_t = sigmoid(Q^i_t) * [conv(e^{K^i} V^i, e^{w^i} - 1) + Σ_t' e^{K^i_t'} V^i_t']
                                / [conv(e^{K^i}, e^{w^i} - 1) + Σ_t' e^{K^i_t'}]
 
-    ``q, v`` (B, N, C) head-major, ``k`` (B, N, h), ``w`` (h, s, s) the (re-parameterised) bias, s odd.
-    conv is PyTorch's cross-correlation with zero padding s//2 over the patch grid: query (r, c) meets key
+    ``qkv`` (B, N, C + h + C) is the fused projection ``[Q | K | V]`` (``[K | V]`` with ``query=False``): Q, V
+    head-major, one key channel per head; ``w`` (h, s, s) the (re-parameterised) bias, s odd. conv is
+    PyTorch's cross-correlation with zero padding s//2 over the patch grid: query (r, c) meets key
     (r + dy, c + dx) with bias ``w[i, dy + s//2, dx + s//2]``. The ``num_prefix`` leading tokens (class
     token) take part in the global sums only: no local term for a pair involving a prefix token.
 
@@ -280,11 +275,34 @@ def aft_conv(
     with ``m = max(max w^i, 0)`` (same value as Eq. 6, whose ``e^w - 1`` form cancels for w << 0).
 
     ``global_context=False`` is the paper's ablation with ``w = -inf`` outside the window: only the local
-    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0). ``q=None`` is the
-    paper's Table 12 ablation without the query term: the gate ``sigmoid(Q)`` is left out.
+    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0). ``query=False`` is
+    the paper's Table 12 ablation without the query term: the gate ``sigmoid(Q)`` is left out.
+
+    In eager mode the sums are the operator of :mod:`~vitlab.mixers.aft_conv_sums` on head planes, under
+    autograd :class:`~vitlab.mixers.aft_conv_sums.AFTConvCore` (closed-form backward, the gradient of ``qkv``
+    in one buffer). Should a denominator underflow there, the call is recomputed by
+    :func:`_aft_conv_composite`, which repairs those entries exactly (:func:`_ratio`); graphs being captured
+    (compile, trace, ONNX) and the meta device take that composite form directly.
     """
+    if not global_context and num_prefix:
+        raise ValueError("aft_conv: global_context=False has no pairs for prefix tokens; use num_prefix=0")
+    if capturing_graph() or qkv.device.type == "meta":
+        return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query)
+    args = (qkv, w, grid, num_prefix, global_context, query, _UNDERFLOW)
+    out, den_min = conv_core(*args) if _no_autograd(qkv, w) else AFTConvCore.apply(*args)
+    if den_min < _UNDERFLOW:  # keys or biases of extreme magnitude: the composite form repairs
+        return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query)
+    return out
+
+
+def _aft_conv_composite(
+    qkv: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int, global_context: bool, query: bool
+) -> Tensor:
+    """:func:`aft_conv` as composite operations on token-major ``(B, N, C + h)`` key contexts: what autograd
+    differentiates and graph capture records, with the exact repair of underflowed entries (:func:`_ratio`)."""
+    h, s = w.shape[0], w.shape[-1]
+    q, k, v = split_qkv(qkv, h, query)
     b, n, c = v.shape
-    h, s = k.shape[-1], w.shape[-1]
     r = c // h
     ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)
     x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
@@ -753,8 +771,7 @@ class AFTConv(TokenMixer):
         self.reparam = reparam
         self.query = query
         # fused [Q (dim, unless query=False) | K (num_heads) | V (dim)]
-        self.split = [dim, num_heads, dim] if query else [num_heads, dim]
-        self.qkv = nn.Linear(dim, sum(self.split), bias=qkv_bias)
+        self.qkv = nn.Linear(dim, (2 * dim if query else dim) + num_heads, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
         self.gamma = nn.Parameter(torch.zeros(num_heads)) if reparam else None
@@ -799,16 +816,9 @@ class AFTConv(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.outside == "-inf" and layout.num_prefix:
             raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
-        q, k, v = self.qkv(x).split(self.split, -1) if self.query else (None, *self.qkv(x).split(self.split, -1))
+        qkv = self.qkv(x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
         with _no_autocast(x):
-            y = aft_conv(
-                None if q is None else q.float(),
-                k.float(),
-                v.float(),
-                self.position_bias(),
-                layout.grid,
-                layout.num_prefix,
-                self.outside == "zero",
-            )
-        out = self.proj(y.to(k.dtype)).to(x.dtype)
-        return out, ({"keys": k} if return_aux else {})
+            w = self.position_bias()
+            y = aft_conv(qkv.float(), w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
+        out = self.proj(y.to(qkv.dtype)).to(x.dtype)
+        return out, ({"keys": split_qkv(qkv, self.num_heads, self.query)[1]} if return_aux else {})
