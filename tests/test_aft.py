@@ -159,7 +159,7 @@ IDS = [f"{k}-{'-'.join(f'{a}={b}' for a, b in kw.items())}" for k, kw in CASES]
 
 def randomise_conv(m):
     """Give γ, β non-zero values (they start at 0, which hides the local term and w's gradient)."""
-    if isinstance(m, AFTConv):
+    if isinstance(m, AFTConv) and m.reparam:
         with torch.no_grad():
             m.gamma.normal_(0, 1.0)
             m.beta.normal_(0, 0.5)
