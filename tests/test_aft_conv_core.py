@@ -89,12 +89,12 @@ def test_adjoint_is_the_flipped_kernel_operator():
     """<L(x), y> = <x, L*(y)> with L* = window_sums with the kernel flipped (prefix rows included)."""
     torch.manual_seed(3)
     b, h, r1, grid, s = 2, 3, 4, (5, 3), 5
-    x, y = torch.randn(2, b, h, r1, *grid, dtype=torch.float64)
+    x, y = torch.randn(2, b, grid[0] * grid[1], h, r1, dtype=torch.float64)
+    # x_pre, y_pre stand for sums over the prefix tokens, each of which gets the same prefix row
     x_pre, y_pre = torch.randn(2, b, h, r1, dtype=torch.float64)
     kernel, scale = kernel_and_scale(torch.randn(h, s, s, dtype=torch.float64), True)
-    lx, lx_pre = window_sums(x, x_pre, kernel, scale)
-    ly, ly_pre = window_sums(y, y_pre, kernel.flip(-1, -2), scale)
-    # x_pre, y_pre stand for sums over the prefix tokens, each of which gets the same prefix row
+    lx, lx_pre = window_sums(x, x_pre, kernel, scale, grid)
+    ly, ly_pre = window_sums(y, y_pre, kernel.flip(-1, -2), scale, grid)
     left = (lx * y).sum() + (lx_pre * y_pre).sum()
     right = (x * ly).sum() + (x_pre * ly_pre).sum()
     torch.testing.assert_close(left, right, rtol=1e-12, atol=0)

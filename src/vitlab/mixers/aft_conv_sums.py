@@ -1,4 +1,4 @@
-"""AFT-conv's sums (paper Eq. 6) as one linear operator on head planes, and the core as one autograd function.
+"""AFT-conv's sums (paper Eq. 6) as one linear operator, and the core as one autograd function.
 
 Per head i, the numerators and denominators of AFT-conv are a linear operator ``L`` of the key context
 ``x = [e^{K^i} ⊙ V^i, e^{K^i}]`` (the r value channels of the head and its key channel)::
@@ -7,14 +7,16 @@ Per head i, the numerators and denominators of AFT-conv are a linear operator ``
     L(x)_t = e^{-m} Σ_{all t'} x_t'                                                                  prefix t
 
 ``m = max(max w^i, 0)`` keeps every weight <= 1; the outside sums are products with 0/1 band matrices
-(non-negative coefficients: no ``total - window`` cancellation). The grid part lives in *head planes*
-``(B, h, r + 1, H, W)`` (:func:`head_planes`): the layout of a depth-wise convolution, in which the kernel
-gradient is one convolution too (:func:`kernel_grad`).
+(non-negative coefficients: no ``total - window`` cancellation). The patches' context is kept token-major,
+``(B, H·W, h, r + 1)`` (:func:`key_context`): the channels-last layout of the depth-wise convolution, which
+oneDNN runs without reordering its input or output, and the order of the tokens, so the ratio, the gate and
+every gradient are elementwise passes over contiguous memory (no transposes).
 
 Training runs the core as :class:`AFTConvCore`: ``L`` is its own adjoint up to flipping the kernel
 (cross-correlation with zero padding s//2 has the flipped-kernel correlation as adjoint; the outside relation
-and the prefix sums are symmetric), so the gradient of the key context is one more :func:`window_sums`, and the
-ratio and gate have a closed-form backward that needs only the gate, the output and the denominators.
+and the prefix sums are symmetric), so the gradient of the key context is one more :func:`window_sums`; the
+kernel's gradient is a correlation of x with that gradient (:func:`kernel_grad`); the ratio and gate have a
+closed-form backward that needs only the gate, the output and the denominators.
 :func:`vitlab.mixers.aft.aft_conv` decides when this path runs (eager mode) and repairs underflowed
 denominators.
 """
@@ -44,28 +46,20 @@ def kernel_and_scale(w: Tensor, global_context: bool) -> tuple[Tensor, Tensor | 
     return torch.exp(w - m[:, None, None]), torch.exp(-m)
 
 
-def token_planes(t: Tensor, num_prefix: int, heads: int) -> Tensor:
-    """The patch tokens of ``t`` (B, N, h·r) as a (B, h, r, H·W) view of head planes (no copy)."""
-    b, n, c = t.shape
-    return t[:, num_prefix:].view(b, n - num_prefix, heads, c // heads).permute(0, 2, 3, 1)
-
-
-def head_planes(ek: Tensor, v: Tensor, grid: tuple[int, int], num_prefix: int) -> tuple[Tensor, Tensor | None]:
-    """The key context ``[e^K ⊙ V, e^K]`` of the patches as head planes (B, h, r + 1, H, W), written in one
-    pass from the token-major ``ek`` (B, N, h) and ``v`` (B, N, C); and its sum over the prefix tokens
-    (B, h, r + 1), None without any."""
-    b, h = ek.shape[0], ek.shape[-1]
+def key_context(ek: Tensor, v: Tensor, num_prefix: int) -> tuple[Tensor, Tensor | None]:
+    """``[e^K ⊙ V, e^K]`` of the patches (B, H·W, h, r + 1) from ``ek`` (B, N, h) and ``v`` (B, N, C), and its
+    sum over the prefix tokens (B, h, r + 1), None without any."""
+    b, n, h = ek.shape
     r = v.shape[-1] // h
-    x = v.new_empty(b, h, r + 1, grid[0] * grid[1])
-    torch.mul(token_planes(v, num_prefix, h), token_planes(ek, num_prefix, h), out=x[:, :, :r])
-    x[:, :, r] = ek[:, num_prefix:].transpose(1, 2)
+    x = v.new_empty(b, n - num_prefix, h, r + 1)
+    torch.mul(v[:, num_prefix:].view(b, -1, h, r), ek[:, num_prefix:, :, None], out=x[..., :r])
+    x[..., r] = ek[:, num_prefix:]
     pre = None
     if num_prefix:
         ek_pre = ek[:, :num_prefix]
-        pre = torch.cat(
-            [torch.einsum("bph,bphr->bhr", ek_pre, v[:, :num_prefix].view(b, -1, h, r)), ek_pre.sum(1)[..., None]], -1
-        )
-    return x.view(b, h, r + 1, *grid), pre
+        pre_v = torch.einsum("bph,bphr->bhr", ek_pre, v[:, :num_prefix].view(b, -1, h, r))
+        pre = torch.cat([pre_v, ek_pre.sum(1)[..., None]], -1)
+    return x, pre
 
 
 def window_band(n: int, p: int, like: Tensor) -> Tensor:
@@ -74,67 +68,76 @@ def window_band(n: int, p: int, like: Tensor) -> Tensor:
     return ((i[:, None] - i[None]).abs() <= p).to(like.dtype)
 
 
-def window_sums(x: Tensor, pre: Tensor | None, kernel: Tensor, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """``L(x)``: for head planes ``x`` (B, h, r + 1, H, W) and the prefix tokens' sum ``pre`` (B, h, r + 1) or
-    None, the planes ``conv(x, kernel) + scale · (Σ_outside x + pre)`` and the prefix rows
-    ``scale · (pre + Σ x)`` (B, h, r + 1); ``scale=None``: the convolution only (no global context).
+def _as_image(x: Tensor, grid: tuple[int, int]) -> Tensor:
+    """Token-major patches (B, H·W, h, r + 1) as a channels-last (B, h·(r + 1), H, W) view."""
+    b, _, h, r1 = x.shape
+    return x.view(b, *grid, h * r1).permute(0, 3, 1, 2)
 
-    With the band matrices ``A_H, A_W`` (1 within s//2), the outside sum of a plane X is
-    ``(A_H X)(1 - A_W) + ((1 - A_H) X 1) 1ᵀ``: the window's rows outside its columns, then whole rows outside the
-    window's rows. The first term is accumulated into the convolution's output per (batch, head) with
-    ``scale · (1 - A_W)`` as the right factor, so the per-head scale costs no pass of its own.
+
+def window_sums(
+    x: Tensor, pre: Tensor | None, kernel: Tensor, scale: Tensor | None, grid: tuple[int, int]
+) -> tuple[Tensor, Tensor | None]:
+    """``L(x)``: for the patches' context ``x`` (B, H·W, h, r + 1) on the ``grid`` and the prefix tokens' sum
+    ``pre`` (B, h, r + 1) or None, the patches' ``conv(x, kernel) + scale · (Σ_outside x + pre)`` (like x) and
+    the prefix rows ``scale · (pre + Σ x)`` (B, h, r + 1); ``scale=None``: the convolution only.
+
+    With the band matrices ``A_H, A_W`` (1 within s//2), the outside sum of a grid X is
+    ``A_H X (1 - A_W) + ((1 - A_H) X 1) 1ᵀ``: the window's rows outside its columns, then whole rows outside the
+    window's rows. Both are matrix products over the grid's rows and columns with the channels as the long
+    dimension, accumulated into the convolution's output.
     """
-    b, h, r1, hh, ww = x.shape
-    s = kernel.shape[-1]
-    planes = x.view(b, h * r1, hh, ww)
-    nd = F.conv2d(planes, kernel.repeat_interleave(r1, 0)[:, None], padding=s // 2, groups=h * r1).view(x.shape)
+    b, _, h, r1 = x.shape
+    (hh, ww), s = grid, kernel.shape[-1]
+    weight = kernel.repeat_interleave(r1, 0)[:, None]
+    nd = F.conv2d(_as_image(x, grid), weight, padding=s // 2, groups=h * r1).permute(0, 2, 3, 1)
+    nd = nd.contiguous().view(x.shape)  # channels-last in, channels-last out: no copy
     if scale is None:
         return nd, None
     near_h, near_w = window_band(hh, s // 2, x), window_band(ww, s // 2, x)
-    far_w = (1 - near_w) * scale[:, None, None]  # (h, W, W)
-    window_rows = (near_h @ x).view(b * h, r1 * hh, ww)
-    nd.view(b * h, r1 * hh, ww).baddbmm_(window_rows, far_w.repeat(b, 1, 1))
+    window_rows = (near_h @ x.view(b, hh, -1)).view(b, hh, ww, h, r1).mul_(scale[:, None])
+    nd.view(b * hh, ww, -1).baddbmm_((1 - near_w).expand(b * hh, ww, ww), window_rows.view(b * hh, ww, -1))
     del window_rows
-    rows = x.sum(-1)  # (B, h, r + 1, H)
-    outer = rows @ (1 - near_h)
+    rows = x.view(b, hh, ww, -1).sum(2)  # (B, H, h·(r + 1))
+    outer = (1 - near_h) @ rows
     if pre is not None:
-        outer += pre[..., None]
-    nd += (outer * scale[:, None, None]).unsqueeze(-1)
-    total = rows.sum(-1) if pre is None else rows.sum(-1) + pre
-    return nd, total * scale[:, None]
+        outer += pre.view(b, 1, -1)
+    nd.view(b, hh, ww, h, r1).add_(outer.view(b, hh, 1, h, r1) * scale[:, None])
+    total = rows.sum(1).view(b, h, r1)
+    return nd, (total if pre is None else total + pre) * scale[:, None]
 
 
-def kernel_grad(x: Tensor, g: Tensor, s: int) -> Tensor:
+def kernel_grad(x: Tensor, g: Tensor, grid: tuple[int, int], s: int) -> Tensor:
     """``Σ_{b, c, t} g_t x_{t + δ}`` per head (h, s, s): the gradient of ``conv(x, kernel)`` in the kernel for the
-    output gradient ``g`` (both head planes, B, h, r + 1, H, W). One depth-wise convolution of the B·h·(r + 1)
-    planes of x with those of g as kernels (zero padding s//2 gives the s x s offsets), summed per head."""
-    b, h, r1, hh, ww = x.shape
-    n = b * h * r1
-    corr = F.conv2d(x.reshape(1, n, hh, ww), g.reshape(n, 1, hh, ww), padding=s // 2, groups=n)
-    return corr.view(b, h, r1, s, s).sum((0, 2))
+    output gradient ``g`` (both token-major patches, B, H·W, h, r + 1). Per batch item, one depth-wise
+    convolution of x's channels with g's channels as (H x W) kernels (zero padding s//2 gives the s x s
+    offsets), in the channels-last layout as laid out; summed per head. (oneDNN's own kernel gradient of a
+    channels-last depth-wise convolution took ~30 MB of workspace.)"""
+    b, _, h, r1 = x.shape
+    corr = 0
+    for i in range(b):
+        image, weight = _as_image(x[i : i + 1], grid), _as_image(g[i : i + 1], grid).transpose(0, 1)
+        corr = corr + F.conv2d(image, weight, padding=s // 2, groups=h * r1)
+    return corr.view(h, r1, s, s).sum(1)
 
 
 def _gated_ratio(nd: Tensor, nd_pre: Tensor | None, sq: Tensor | None, num_prefix: int, in_place: bool) -> Tensor:
-    """``sigmoid(Q) ⊙ num / den`` (B, N, C) in token order from the planes ``nd`` and prefix rows ``nd_pre`` of
-    :func:`window_sums`, with the gate ``sq`` (None: no query term). ``in_place``: written into ``sq``."""
-    b, h, r1 = nd.shape[:3]
-    r, n = r1 - 1, num_prefix + nd.shape[-2] * nd.shape[-1]
-    num, den = nd.flatten(3)[:, :, :r], nd.flatten(3)[:, :, r:]
-    out = sq if in_place and sq is not None else nd.new_empty(b, n, h * r)
-    grid_out = token_planes(out, num_prefix, h)
-    if out is sq:
-        grid_out.mul_(num).div_(den)
-    else:
-        torch.div(num, den, out=grid_out)
-    if num_prefix:  # every prefix token has the same sums
-        pre_out = out[:, :num_prefix].view(b, num_prefix, h, r)
-        ratio = (nd_pre[..., :r] / nd_pre[..., r:])[:, None]
-        if out is sq:
-            pre_out.mul_(ratio)
+    """``sigmoid(Q) ⊙ num / den`` (B, N, C) from the patches' sums ``nd`` (B, H·W, h, r + 1) and the prefix rows
+    ``nd_pre`` (B, h, r + 1), with the gate ``sq`` (None: no query term); ``in_place``: written into ``sq``."""
+    b, hw, h, r1 = nd.shape
+    r, p = r1 - 1, num_prefix
+    out = sq if in_place and sq is not None else nd.new_empty(b, p + hw, h * r)
+    parts = [(out[:, p:].view(b, hw, h, r), nd, None if sq is None else sq[:, p:].view(b, hw, h, r))]
+    if p:  # every prefix token has the same sums
+        gate = None if sq is None else sq[:, :p].view(b, p, h, r)
+        parts.append((out[:, :p].view(b, p, h, r), nd_pre[:, None].expand(b, p, h, r1), gate))
+    for dst, sums, gate in parts:
+        num, den = sums[..., :r], sums[..., r:]
+        if gate is None:
+            torch.div(num, den, out=dst)
+        elif out is sq:
+            dst.mul_(num).div_(den)
         else:
-            pre_out.copy_(ratio.expand_as(pre_out))
-    if sq is not None and out is not sq:
-        out.mul_(sq)
+            torch.mul(gate, num, out=dst).div_(den)
     return out
 
 
@@ -162,18 +165,19 @@ def _forward(
     q, k, v = split_qkv(qkv, w.shape[0], query)
     kernel, scale = kernel_and_scale(w, global_context)
     ek = (k - k.amax(1, keepdim=True)).exp()  # the shift cancels in the ratio
-    x, pre = head_planes(ek, v, grid, num_prefix)
-    nd, nd_pre = window_sums(x, pre, kernel, scale)
-    den = nd[:, :, -1:]
+    x, pre = key_context(ek, v, num_prefix)
+    nd, nd_pre = window_sums(x, pre, kernel, scale, grid)
+    if not keep:
+        del x
+    den = nd[..., -1]
     den_min = den.amin() if nd_pre is None else torch.minimum(den.amin(), nd_pre[..., -1].amin())
     den.clamp_min_(floor)
     if nd_pre is not None:
         nd_pre[..., -1].clamp_min_(floor)
     sq = None if q is None else torch.sigmoid(q)
+    out = _gated_ratio(nd, nd_pre, sq, num_prefix, in_place=not keep)
     if not keep:
-        del x
-        return _gated_ratio(nd, nd_pre, sq, num_prefix, in_place=True), den_min, None
-    out = _gated_ratio(nd, nd_pre, sq, num_prefix, in_place=False)
+        return out, den_min, None
     v_pre = v[:, :num_prefix].clone() if num_prefix else None
     return out, den_min, (x, ek, v_pre, sq, out, den.clone(), nd_pre, kernel, scale)
 
@@ -193,7 +197,7 @@ class AFTConvCore(torch.autograd.Function):
     def forward(ctx, qkv, w, grid, num_prefix, global_context, query, floor):
         out, den_min, saved = _forward(qkv, w, grid, num_prefix, global_context, query, floor, keep=True)
         ctx.save_for_backward(*saved)
-        ctx.num_prefix = num_prefix
+        ctx.grid, ctx.num_prefix = grid, num_prefix
         ctx.mark_non_differentiable(den_min)
         return out, den_min
 
@@ -201,41 +205,48 @@ class AFTConvCore(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g, _):
         x, ek, v_pre, sq, out, den, nd_pre, kernel, scale = ctx.saved_tensors
-        p, (b, h) = ctx.num_prefix, x.shape[:2]
+        grid, p, h = ctx.grid, ctx.num_prefix, x.shape[2]
         g = g.contiguous()
         dot = torch.linalg.vecdot(g.view(*g.shape[:2], h, -1), out.view(*g.shape[:2], h, -1))  # Σ_head g ⊙ y
-        gnd = _ratio_grad(g, sq, den, dot, x, p)
+        gnd = _ratio_grad(g[:, p:], None if sq is None else sq[:, p:], den, dot[:, p:])
         pre = None
         if p:
-            g_num = g[:, :p] if sq is None else g[:, :p] * sq[:, :p]
-            pre = torch.cat([g_num.view(b, p, h, -1).sum(1), -dot[:, :p].sum(1)[..., None]], -1) / nd_pre[..., -1:]
-        gx, gx_pre = window_sums(gnd, pre, kernel.flip(-1, -2), scale)
-        dw = kernel_grad(x, gnd, kernel.shape[-1]) * kernel if ctx.needs_input_grad[1] else None
+            pre = _ratio_grad(g[:, :p], None if sq is None else sq[:, :p], nd_pre[:, None, :, -1], dot[:, :p]).sum(1)
+        gx, gx_pre = window_sums(gnd, pre, kernel.flip(-1, -2), scale, grid)
+        dw = kernel_grad(x, gnd, grid, kernel.shape[-1]) * kernel if ctx.needs_input_grad[1] else None
         del gnd
         dqkv = _qkv_grad(g, sq, out, gx, gx_pre, x, ek, v_pre, p) if ctx.needs_input_grad[0] else None
         return dqkv, dw, None, None, None, None, None
 
 
-def _ratio_grad(g: Tensor, sq: Tensor | None, den: Tensor, dot: Tensor, x: Tensor, p: int) -> Tensor:
-    """The gradient of the patch planes of ``[num, den]`` (head planes like x): ``g ⊙ σ(Q) / den`` and
-    ``-Σ_head g ⊙ y / den`` (``dot``, B, N, h)."""
-    h, r = x.shape[1], x.shape[2] - 1
-    gnd = torch.empty_like(x).flatten(3)
-    g_num = gnd[:, :, :r]
+def _ratio_grad(g: Tensor, sq: Tensor | None, den: Tensor, dot: Tensor) -> Tensor:
+    """The gradient of ``[num, den]`` (B, T, h, r + 1) at T tokens: ``g ⊙ σ(Q) / den`` and ``-Σ_head g ⊙ y / den``
+    (``dot``, B, T, h); ``den`` (B, T, h)."""
+    b, t, h = dot.shape
+    gnd = g.new_empty(b, t, h, g.shape[-1] // h + 1)
+    g_num = gnd[..., :-1]
     if sq is None:
-        g_num.copy_(token_planes(g, p, h))
+        g_num.copy_(g.view(b, t, h, -1))
     else:
-        torch.mul(token_planes(g, p, h), token_planes(sq, p, h), out=g_num)
-    g_num.div_(den.flatten(3))
-    torch.div(dot[:, p:].transpose(1, 2), den.flatten(2), out=gnd[:, :, r]).neg_()
-    return gnd.view(x.shape)
+        torch.mul(g.view(b, t, h, -1), sq.view(b, t, h, -1), out=g_num)
+    g_num.div_(den[..., None])
+    torch.div(dot, den, out=gnd[..., -1]).neg_()
+    return gnd
 
 
 def _qkv_grad(
-    g: Tensor, sq: Tensor | None, out: Tensor, gx: Tensor, gx_pre: Tensor | None, x: Tensor, ek: Tensor, v_pre, p: int
+    g: Tensor,
+    sq: Tensor | None,
+    out: Tensor,
+    gx: Tensor,
+    gx_pre: Tensor | None,
+    x: Tensor,
+    ek: Tensor,
+    v_pre: Tensor | None,
+    p: int,
 ) -> Tensor:
-    """The gradient of ``[Q | K | V]`` in one buffer from the key context's gradient ``gx`` (planes; consumed) and
-    ``gx_pre`` (B, h, r + 1, the same for every prefix token)."""
+    """The gradient of ``[Q | K | V]`` in one buffer, from the key context's gradient of the patches ``gx``
+    (B, H·W, h, r + 1; consumed) and of each prefix token ``gx_pre`` (B, h, r + 1)."""
     b, n, c = g.shape
     h = ek.shape[-1]
     r = c // h
@@ -243,8 +254,8 @@ def _qkv_grad(
     dq, dk, dv = split_qkv(dqkv, h, sq is not None)
     if sq is not None:  # g ⊙ y ⊙ (1 - σ(Q))
         torch.mul(g, out, out=dq).addcmul_(dq, sq, value=-1.0)
-    torch.mul(gx.flatten(3)[:, :, :r], token_planes(ek, p, h), out=token_planes(dv, p, h))
-    dk[:, p:] = gx.mul_(x).sum(2).flatten(2).transpose(1, 2)
+    torch.mul(gx[..., :r], ek[:, p:, :, None], out=dv[:, p:].view(b, n - p, h, r))
+    torch.sum(gx.mul_(x), -1, out=dk[:, p:])  # Σ_head ∂x ⊙ x
     if p:
         ek_pre = ek[:, :p]
         dv[:, :p] = (gx_pre[:, None, :, :r] * ek_pre[..., None]).flatten(2)
