@@ -93,10 +93,10 @@ def window_sums(
     nd = nd.contiguous().view(x.shape)  # channels-last in, channels-last out: no copy
     if scale is None:
         return nd, None
-    near_h, near_w = window_band(hh, s // 2, x), window_band(ww, s // 2, x)
-    window_rows = (near_h @ x.view(b, hh, -1)).view(b, hh, ww, h, r1).mul_(scale[:, None])
-    nd.view(b * hh, ww, -1).baddbmm_((1 - near_w).expand(b * hh, ww, ww), window_rows.view(b * hh, ww, -1))
-    del window_rows
+    near_h, far_w = window_band(hh, s // 2, x), 1 - window_band(ww, s // 2, x)
+    for i in range(b):  # per batch item: the intermediate A_H X is 1/B of a full-size temporary
+        window_rows = (near_h @ x[i].view(hh, -1)).view(hh, ww, h, r1).mul_(scale[:, None])
+        nd[i].view(hh, ww, -1).baddbmm_(far_w.expand(hh, ww, ww), window_rows.view(hh, ww, -1))
     rows = x.view(b, hh, ww, -1).sum(2)  # (B, H, h·(r + 1))
     outer = (1 - near_h) @ rows
     if pre is not None:
