@@ -23,6 +23,8 @@ denominators.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -208,22 +210,32 @@ class AFTConvCore(torch.autograd.Function):
         grid, p, h = ctx.grid, ctx.num_prefix, x.shape[2]
         g = g.contiguous()
         dot = torch.linalg.vecdot(g.view(*g.shape[:2], h, -1), out.view(*g.shape[:2], h, -1))  # Σ_head g ⊙ y
-        gnd = _ratio_grad(g[:, p:], None if sq is None else sq[:, p:], den, dot[:, p:])
+        # ∂qkv's buffer first: until it is written, it holds ∂[num, den] of the patches (no allocation of its own)
+        dqkv = g.new_empty(*g.shape[:2], qkv_width(g.shape[-1], h, sq is not None))
+        gnd = _ratio_grad(g[:, p:], None if sq is None else sq[:, p:], den, dot[:, p:], into=dqkv)
         pre = None
         if p:
             pre = _ratio_grad(g[:, :p], None if sq is None else sq[:, :p], nd_pre[:, None, :, -1], dot[:, :p]).sum(1)
         gx, gx_pre = window_sums(gnd, pre, kernel.flip(-1, -2), scale, grid)
         dw = kernel_grad(x, gnd, grid, kernel.shape[-1]) * kernel if ctx.needs_input_grad[1] else None
         del gnd
-        dqkv = _qkv_grad(g, sq, out, gx, gx_pre, x, ek, v_pre, p) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dw, None, None, None, None, None
+        _qkv_grad(dqkv, g, sq, out, gx, gx_pre, x, ek, v_pre, p)
         return dqkv, dw, None, None, None, None, None
 
 
-def _ratio_grad(g: Tensor, sq: Tensor | None, den: Tensor, dot: Tensor) -> Tensor:
+def qkv_width(c: int, heads: int, query: bool) -> int:
+    """The width of the fused projection ``[Q | K | V]`` (``[K | V]`` without the query) for C channels."""
+    return (2 * c if query else c) + heads
+
+
+def _ratio_grad(g: Tensor, sq: Tensor | None, den: Tensor, dot: Tensor, into: Tensor | None = None) -> Tensor:
     """The gradient of ``[num, den]`` (B, T, h, r + 1) at T tokens: ``g ⊙ σ(Q) / den`` and ``-Σ_head g ⊙ y / den``
-    (``dot``, B, T, h); ``den`` (B, T, h)."""
+    (``dot``, B, T, h); ``den`` (B, T, h). Written into the leading elements of ``into`` if given."""
     b, t, h = dot.shape
-    gnd = g.new_empty(b, t, h, g.shape[-1] // h + 1)
+    shape = (b, t, h, g.shape[-1] // h + 1)
+    gnd = g.new_empty(shape) if into is None else into.view(-1)[: math.prod(shape)].view(shape)
     g_num = gnd[..., :-1]
     if sq is None:
         g_num.copy_(g.view(b, t, h, -1))
@@ -235,6 +247,7 @@ def _ratio_grad(g: Tensor, sq: Tensor | None, den: Tensor, dot: Tensor) -> Tenso
 
 
 def _qkv_grad(
+    dqkv: Tensor,
     g: Tensor,
     sq: Tensor | None,
     out: Tensor,
@@ -244,13 +257,12 @@ def _qkv_grad(
     ek: Tensor,
     v_pre: Tensor | None,
     p: int,
-) -> Tensor:
-    """The gradient of ``[Q | K | V]`` in one buffer, from the key context's gradient of the patches ``gx``
+) -> None:
+    """Write the gradient of ``[Q | K | V]`` into ``dqkv``, from the key context's gradient of the patches ``gx``
     (B, H·W, h, r + 1; consumed) and of each prefix token ``gx_pre`` (B, h, r + 1)."""
     b, n, c = g.shape
     h = ek.shape[-1]
     r = c // h
-    dqkv = g.new_empty(b, n, (c if sq is not None else 0) + h + c)
     dq, dk, dv = split_qkv(dqkv, h, sq is not None)
     if sq is not None:  # g ⊙ y ⊙ (1 - σ(Q))
         torch.mul(g, out, out=dq).addcmul_(dq, sq, value=-1.0)
@@ -262,4 +274,3 @@ def _qkv_grad(
         dk[:, :p] = ek_pre * (
             torch.einsum("bhr,bphr->bph", gx_pre[..., :r], v_pre.view(b, p, h, r)) + gx_pre[:, None, :, r]
         )
-    return dqkv
