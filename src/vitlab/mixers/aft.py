@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
-from .aft_conv_sums import AFTConvCore, conv_core, split_qkv, window_band
+from .aft_conv_sums import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
 from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
@@ -306,21 +306,17 @@ def _aft_conv_composite(
     r = c // h
     ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)
     x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
-    m = w.detach().amax((1, 2))
-    if global_context:
-        m = m.clamp_min(0)  # pairs outside the window have bias 0
-    scale = torch.exp(-m)
-    kernel = torch.exp(w - m[:, None, None])  # (h, s, s), <= 1
+    kernel, scale = kernel_and_scale(w, global_context)  # (h, s, s) <= 1; e^{-m} (h,) or None
     per_chan = torch.cat([torch.arange(h, device=w.device).repeat_interleave(r), torch.arange(h, device=w.device)])
     x_pre, x_grid = x[:, :num_prefix], x[:, num_prefix:].transpose(1, 2).reshape(b, c + h, *grid)
-    local = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)
-    if global_context:
+    nd = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)  # (B, C + h, H, W)
+    if scale is not None:
         outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
-        patch = local + scale[per_chan][:, None, None] * outside  # (B, C + h, H, W)
-    else:
-        patch = local
-    prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
-    nd = torch.cat([prefix, patch.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
+        nd = nd + scale[per_chan][:, None, None] * outside
+        prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
+        nd = torch.cat([prefix, nd.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
+    else:  # no prefix tokens without the global context
+        nd = nd.flatten(2).transpose(1, 2)
     rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
     y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
     return y.reshape(b, n, c) if q is None else _gate(q, y.reshape(b, n, c))

@@ -40,8 +40,9 @@ def split_qkv(qkv: Tensor, heads: int, query: bool) -> tuple[Tensor | None, Tens
 
 def kernel_and_scale(w: Tensor, global_context: bool) -> tuple[Tensor, Tensor | None]:
     """``e^{w - m}`` (h, s, s) and ``e^{-m}`` (h,) with ``m = max(max w^i, 0)`` per head; without the global
-    context (no pairs outside the window) ``m = max w^i`` and no scale."""
-    m = w.amax((1, 2))
+    context (no pairs outside the window) ``m = max w^i`` and no scale. m is a constant to autograd: the ratio
+    of the sums does not depend on it."""
+    m = w.detach().amax((1, 2))
     if not global_context:
         return torch.exp(w - m[:, None, None]), None
     m = m.clamp_min(0)
