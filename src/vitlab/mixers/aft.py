@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
 from .aft_conv_sums import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
+from .aft_simple_fused import aft_simple_qkv
 from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
@@ -704,11 +705,14 @@ class AFTSimple(TokenMixer):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, causal={self.causal}"
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        q, k, v = self.qkv(x).chunk(3, -1)
+        qkv = self.qkv(x)
         with _no_autocast(x):
-            y = aft_simple(q.float(), k.float(), v.float(), self.causal)
-        out = self.proj(y.to(q.dtype)).to(x.dtype)
-        return out, ({"keys": k} if return_aux else {})
+            if self.causal or capturing_graph():  # a captured graph differentiates the plain operations itself
+                y = aft_simple(*qkv.float().chunk(3, -1), self.causal)
+            else:
+                y = aft_simple_qkv(qkv.float())
+        out = self.proj(y.to(qkv.dtype)).to(x.dtype)
+        return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
