@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
-from .aft_conv_sums import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
+from .aft_conv_sums import AFTConvCore, conv_core, kernel_and_scale, qkv_width, split_qkv, window_band
 from .aft_simple_fused import aft_simple_qkv
 from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, traced_or_exported
 
@@ -279,9 +279,9 @@ def aft_conv(
     term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0). ``query=False`` is
     the paper's Table 12 ablation without the query term: the gate ``sigmoid(Q)`` is left out.
 
-    In eager mode the sums are the operator of :mod:`~vitlab.mixers.aft_conv_sums` on head planes, under
-    autograd :class:`~vitlab.mixers.aft_conv_sums.AFTConvCore` (closed-form backward, the gradient of ``qkv``
-    in one buffer). Should a denominator underflow there, the call is recomputed by
+    In eager mode the sums are the operator of :mod:`~vitlab.mixers.aft_conv_sums` on the token-major key
+    context, under autograd :class:`~vitlab.mixers.aft_conv_sums.AFTConvCore` (closed-form backward, the
+    gradient of ``qkv`` in one buffer). Should a denominator underflow there, the call is recomputed by
     :func:`_aft_conv_composite`, which repairs those entries exactly (:func:`_ratio`); graphs being captured
     (compile, trace, ONNX) and the meta device take that composite form directly.
     """
@@ -771,7 +771,7 @@ class AFTConv(TokenMixer):
         self.reparam = reparam
         self.query = query
         # fused [Q (dim, unless query=False) | K (num_heads) | V (dim)]
-        self.qkv = nn.Linear(dim, (2 * dim if query else dim) + num_heads, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, qkv_width(dim, num_heads, query), bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
         self.gamma = nn.Parameter(torch.zeros(num_heads)) if reparam else None
