@@ -97,9 +97,12 @@ def window_sums(
     if scale is None:
         return nd, None
     near_h, far_w = window_band(hh, s // 2, x), 1 - window_band(ww, s // 2, x)
-    for i in range(b):  # per batch item: the intermediate A_H X is 1/B of a full-size temporary
-        window_rows = (near_h @ x[i].view(hh, -1)).view(hh, ww, h, r1).mul_(scale[:, None])
+    window_rows = x.new_empty(hh, ww, h, r1)  # one batch item's: 1/B of a full-size temporary
+    for i in range(b):
+        torch.mm(near_h, x[i].view(hh, -1), out=window_rows.view(hh, -1))
+        window_rows.mul_(scale[:, None])
         nd[i].view(hh, ww, -1).baddbmm_(far_w.expand(hh, ww, ww), window_rows.view(hh, ww, -1))
+    del window_rows
     rows = x.view(b, hh, ww, -1).sum(2)  # (B, H, h·(r + 1))
     outer = (1 - near_h) @ rows
     if pre is not None:
@@ -170,13 +173,13 @@ def _forward(
     ek = (k - k.amax(1, keepdim=True)).exp()  # the shift cancels in the ratio
     x, pre = key_context(ek, v, num_prefix)
     nd, nd_pre = window_sums(x, pre, kernel, scale, grid)
-    if not keep:
-        del x
     den = nd[..., -1]
     den_min = den.amin() if nd_pre is None else torch.minimum(den.amin(), nd_pre[..., -1].amin())
     den.clamp_min_(floor)
     if nd_pre is not None:
         nd_pre[..., -1].clamp_min_(floor)
+    if not keep:
+        del x
     sq = None if q is None else torch.sigmoid(q)
     out = _gated_ratio(nd, nd_pre, sq, num_prefix, in_place=not keep)
     if not keep:
