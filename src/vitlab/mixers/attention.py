@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, fused_linear, merge_heads
+from .base import SOFTMAX, TokenLayout, TokenMixer, capturing_graph, check_divisible, fused_linear, merge_heads
 
 
 def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias: Tensor | None = None) -> Tensor:
@@ -130,7 +130,7 @@ class Attention(TokenMixer):
             and torch.is_grad_enabled()
             and q.requires_grad
             and (self.attn_drop.p == 0 or not self.training)
-            and not torch.compiler.is_compiling()
+            and not capturing_graph()
         )
 
     def extra_flops(
