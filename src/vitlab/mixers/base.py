@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 @dataclass(frozen=True)
@@ -198,26 +199,29 @@ def capturing_graph() -> bool:
 
 
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` takes oneDNN's fused primitive: bf16 input and weights on the CPU, nothing
-    recorded by autograd, eager mode (not traced, exported or compiled)."""
+    """Whether :func:`fused_linear` takes oneDNN's fused primitive: fp32 or bf16 input and weights of one dtype on
+    the CPU, nothing recorded by autograd, eager mode (not traced, exported or compiled) and no dispatch mode active
+    (``torch.utils.flop_counter`` and fake tensors know the plain ``addmm``, not oneDNN's primitive)."""
     return (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
+        x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
         and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and torch.backends.mkldnn.is_available()
         and not capturing_graph()
+        and _get_current_dispatch_mode() is None  # a mode watching the ops (FLOP counter, fake tensors) sees aten's
     )
 
 
 def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
     """``linear(x)``, then the exact GELU (``gelu``) or ``+ residual``, as one matrix product.
 
-    In bf16 on the CPU ``F.linear`` copies the bias into its output and accumulates the product onto it, and
-    GELU and the residual add are one more pass over the output each: together more time than the bf16 product
-    itself. oneDNN's linear primitive applies the bias, GELU or the addition to the product's result as it
-    leaves the kernel (:func:`fuses_linear` says when); elsewhere, fp32 included, these are the plain
-    operations, unchanged."""
+    On the CPU ``F.linear`` copies the bias into its output (a broadcast copy, slow for its size) and accumulates
+    the product onto it, and GELU and the residual add are one more pass over the output each: in bf16 together
+    more time than the product itself, in fp32 10-25 % of it (DeiT-S's fc1 at batch 8: 13.8 ms plain, 10.4 ms
+    fused; whole models 3-9 % faster in inference). oneDNN's linear primitive applies the bias, GELU or the
+    addition to the product's result as it leaves the kernel (:func:`fuses_linear` says when: inference, fp32 or
+    bf16); when autograd records, in float64 and on other devices these are the plain operations, unchanged."""
     if not fuses_linear(x, linear.weight):
         y = linear(x)
         y = F.gelu(y) if gelu else y
@@ -225,7 +229,9 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     if residual is not None:
         if gelu:
             raise ValueError("fused_linear: either gelu or residual, not both")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
+        if residual.shape == (*x.shape[:-1], linear.out_features):  # the primitive does not broadcast
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.weight, linear.bias, "add")
+        return residual + fused_linear(linear, x)
     return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "gelu" if gelu else "none", [], "none")
 
 
