@@ -119,3 +119,15 @@ def test_an_fp32_model_is_as_accurate_fused_as_plain(name, monkeypatch):
         plain = model(x)
     err_fused, err_plain = ((t.double() - exact).abs().max().item() for t in (fused, plain))
     assert err_fused <= 4 * err_plain + 16 * FP32_UNIT * exact.abs().max().item(), (err_fused, err_plain)
+
+
+def test_autocast_keeps_its_precision():
+    """Under CPU autocast an fp32 model's linear layers run in bf16 (autocast's choice), not fused in fp32."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48)
+    x = torch.randn(4, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fuses_linear(x, lin.weight)
+        assert fused_linear(lin, x, gelu=True).dtype == torch.bfloat16
+        model = vitlab.create_model("deit_mini", num_classes=10).eval()
+        assert model(torch.randn(1, *model.meta["input_size"])).dtype == torch.bfloat16

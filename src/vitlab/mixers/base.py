@@ -200,12 +200,13 @@ def capturing_graph() -> bool:
 
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`fused_linear` takes oneDNN's fused primitive: fp32 or bf16 input and weights of one dtype on
-    the CPU, nothing recorded by autograd, eager mode (not traced, exported or compiled) and no dispatch mode active
+    the CPU, autocast off, nothing recorded by autograd, eager mode (not traced, exported or compiled) and no dispatch mode active
     (``torch.utils.flop_counter`` and fake tensors know the plain ``addmm``, not oneDNN's primitive)."""
     return (
         x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and x.device.type == "cpu"
+        and not torch.is_autocast_enabled("cpu")  # autocast picks the product's precision itself
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and torch.backends.mkldnn.is_available()
         and not capturing_graph()
