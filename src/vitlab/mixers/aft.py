@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from .aft_banded import band_block, banded_flops, banded_sums, local_bias_band
 from .aft_conv_sums import AFTConvCore, conv_core, kernel_and_scale, qkv_width, split_qkv, window_band
 from .aft_simple_fused import aft_simple_qkv
-from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, traced_or_exported
+from .base import TokenLayout, TokenMixer, capturing_graph, check_divisible, fused_linear, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -577,10 +577,10 @@ class AFTFull(TokenMixer):
         return w
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k, v = fused_linear(self.qkv, x).chunk(3, -1)
         with _no_autocast(x):
             y = self._core(q.float(), k.float(), v.float(), layout)
-        out = self.proj(y.to(q.dtype)).to(x.dtype)
+        out = fused_linear(self.proj, y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
@@ -705,13 +705,13 @@ class AFTSimple(TokenMixer):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, causal={self.causal}"
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        qkv = self.qkv(x)
+        qkv = fused_linear(self.qkv, x)
         with _no_autocast(x):
             if self.causal or capturing_graph():  # a captured graph differentiates the plain operations itself
                 y = aft_simple(*qkv.float().chunk(3, -1), self.causal)
             else:
                 y = aft_simple_qkv(qkv.float())
-        out = self.proj(y.to(qkv.dtype)).to(x.dtype)
+        out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
 
     def extra_flops(
@@ -816,9 +816,9 @@ class AFTConv(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.outside == "-inf" and layout.num_prefix:
             raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
-        qkv = self.qkv(x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
+        qkv = fused_linear(self.qkv, x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
         with _no_autocast(x):
             w = self.position_bias()
             y = aft_conv(qkv.float(), w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
-        out = self.proj(y.to(qkv.dtype)).to(x.dtype)
+        out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": split_qkv(qkv, self.num_heads, self.query)[1]} if return_aux else {})

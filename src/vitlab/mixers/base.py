@@ -200,8 +200,9 @@ def capturing_graph() -> bool:
 
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`fused_linear` takes oneDNN's fused primitive: fp32 or bf16 input and weights of one dtype on
-    the CPU, autocast off, nothing recorded by autograd, eager mode (not traced, exported or compiled) and no dispatch mode active
-    (``torch.utils.flop_counter`` and fake tensors know the plain ``addmm``, not oneDNN's primitive)."""
+    the CPU, autocast off, nothing recorded by autograd, eager mode (not traced, exported or compiled) and no
+    dispatch mode active (``torch.utils.flop_counter`` and fake tensors know the plain ``addmm``, not oneDNN's
+    primitive)."""
     return (
         x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
@@ -223,7 +224,7 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     fused; whole models 3-9 % faster in inference). oneDNN's linear primitive applies the bias, GELU or the
     addition to the product's result as it leaves the kernel (:func:`fuses_linear` says when: inference, fp32 or
     bf16); when autograd records, in float64 and on other devices these are the plain operations, unchanged."""
-    if not fuses_linear(x, linear.weight):
+    if type(linear) is not nn.Linear or not fuses_linear(x, linear.weight):  # a replaced layer runs as it is
         y = linear(x)
         y = F.gelu(y) if gelu else y
         return y if residual is None else residual + y

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import SOFTMAX, TokenLayout, TokenMixer, can_fold, capturing_graph, check_divisible
+from .base import SOFTMAX, TokenLayout, TokenMixer, can_fold, capturing_graph, check_divisible, fused_linear
 
 
 class _DoubleNormalize(torch.autograd.Function):
@@ -225,13 +225,13 @@ class MultiHeadExternalAttention(TokenMixer):
         # heads as a middle axis, (B, N, heads, d_h): a view of the query, and the memories' output is already
         # the merged (B, N, heads · d_h) layout -- no head split/merge copies (the same function as the
         # official (B, heads, N, d_h) layout; the softmax runs over the token axis 1)
-        t = self.query(x).view(b, n, self.num_heads, -1)
+        t = fused_linear(self.query, x).view(b, n, self.num_heads, -1)
         if can_fold(self, x) and self.memory_norm == "double":  # the fold relies on the softmax over the tokens
             attn, out = self._memories_folded(t)
             out = F.linear(out.view(b, n, -1), self.proj.weight, self._proj_bias())
         else:
             attn = normalize_memory(self.mk(t), self.memory_norm, token_dim=1, memory_dim=-1)
-            out = self.proj(self.mv(self.attn_drop(attn)).view(b, n, -1))
+            out = fused_linear(self.proj, self.mv(self.attn_drop(attn)).view(b, n, -1))
         return self.proj_drop(out), ({"memory_attn": attn.transpose(1, 2)} if return_aux else {})
 
     def _memories_folded(self, t: Tensor) -> tuple[Tensor, Tensor]:

@@ -30,7 +30,17 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
-from .base import RELU6, TokenLayout, batchnorm_flops, can_fold, check_divisible, fold_bn, merge_heads, split_heads
+from .base import (
+    RELU6,
+    TokenLayout,
+    batchnorm_flops,
+    can_fold,
+    check_divisible,
+    fold_bn,
+    fused_linear,
+    merge_heads,
+    split_heads,
+)
 from .mixnorm import can_fuse, head_mix_batchnorm
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
@@ -395,7 +405,7 @@ class RefinerAttention(Attention):
         if self.share:
             if attn_prev is None:
                 raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")
-            v = split_heads(self.qkv(x), self.value_heads)
+            v = split_heads(fused_linear(self.qkv, x), self.value_heads)
             attn = self.refine_map(attn_prev.to(v.dtype), self.scale)
             carry = attn_prev
         else:
@@ -410,5 +420,5 @@ class RefinerAttention(Attention):
             if self.refiner is not None:
                 attn = self.refine_map(attn)
             carry = attn
-        out = self.proj_drop(self.proj(merge_heads(attn @ v)))
+        out = self.proj_drop(fused_linear(self.proj, merge_heads(attn @ v)))
         return out, {"attn": attn, "carry": carry}

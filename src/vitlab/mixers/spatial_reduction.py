@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import attention_map, attention_softmax_flops
-from .base import TokenLayout, TokenMixer, check_divisible, merge_heads, split_heads, tokens_to_grid
+from .base import TokenLayout, TokenMixer, check_divisible, fused_linear, merge_heads, split_heads, tokens_to_grid
 
 
 class SpatialReductionAttention(TokenMixer):
@@ -84,4 +84,4 @@ class SpatialReductionAttention(TokenMixer):
         else:
             drop = self.attn_drop.p if self.training else 0.0
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=self.scale)
-        return self.proj_drop(self.proj(merge_heads(out))), aux
+        return self.proj_drop(fused_linear(self.proj, merge_heads(out))), aux
