@@ -14,7 +14,7 @@ import torch
 
 import vitlab
 from vitlab.cli import main as cli_main
-from vitlab.device import amp_dtype, device_memory, resolve_device, time_call
+from vitlab.device import amp_dtype, device_memory, resolve_device, set_tf32, time_call
 from vitlab.measure.gemm import measure_gemm
 from vitlab.optim import create_optimizer
 from vitlab.options import device as parse_device
@@ -80,6 +80,18 @@ def test_autocast_choices():
         amp_dtype("fp8", cpu)
     if CUDA:
         assert amp_dtype("auto", torch.device("cuda")) == torch.float16
+
+
+def test_the_tf32_switch_leaves_the_flags_readable():
+    """torch.export (and other code) reads cuDNN's TF32 flag; a switch that set only some of PyTorch's newer
+    per-backend flags made that read an error, on any machine."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for enabled in (True, False):
+            set_tf32(enabled)
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled and torch.backends.cudnn.allow_tf32 is enabled
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_cpu_timing_and_memory():

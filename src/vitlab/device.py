@@ -108,9 +108,10 @@ def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.Gr
 
 def set_tf32(enabled: bool) -> None:
     """Allow (or forbid) TF32 tensor-core math for fp32 matrix products and cuDNN convolutions (GPU only)."""
-    precision = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    # the flags every torch since 2.4 has; torch.export and others read them, and setting the newer per-backend
+    # ``fp32_precision`` beside them makes that read an error
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 # --------------------------------------------------------------------------- timing and memory
