@@ -459,7 +459,9 @@ def _resample_tokens(t: Tensor, n: int, layout: TokenLayout, dim: int) -> Tensor
 
 def _no_autocast(x: Tensor) -> AbstractContextManager:
     """Context that runs the AFT core in fp32 even under autocast (exp of half-precision logits is lossy)."""
-    if not torch.amp.is_autocast_available(x.device.type):  # e.g. the meta device used to count MACs
+    # the CPU and CUDA always have autocast; asking only for other devices (e.g. the meta device that counts
+    # MACs) keeps torch.compile from a graph break (dynamo in torch 2.11 cannot trace the availability query)
+    if x.device.type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(x.device.type):
         return nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
 
