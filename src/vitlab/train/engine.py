@@ -269,7 +269,9 @@ def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
     run.raw = model
     run.model = parallelize(model, run.device, run.world, cfg.fsdp)
     if cfg.compile:
-        run.model = torch.compile(run.model)
+        # static shapes: one graph per input shape (training drops its last short batch; evaluation adds at most
+        # one more). Symbolic sizes give slower kernels, and inductor failed on them on CUDA (torch 2.11).
+        run.model = torch.compile(run.model, dynamic=False)
 
 
 def steps_per_epoch(run: Run) -> int:
