@@ -50,8 +50,10 @@ def _webdataset():
 
 def expand_pattern(pattern: str) -> list[str]:
     """Brace-expand a shard pattern (``/data/train-{000000..000146}.tar``) into existing shard paths."""
-    import braceexpand
-
+    try:
+        import braceexpand  # webdataset's own dependency
+    except ImportError as e:
+        raise ImportError(f"wds: data needs the webdataset package; {WDS_FIX}") from e
     paths = [str(Path(p).expanduser()) for p in braceexpand.braceexpand(pattern)]
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
