@@ -23,6 +23,7 @@ last chunk padded and its padding's outputs dropped.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,10 +76,12 @@ class Teacher(nn.Module):
 
 @contextlib.contextmanager
 def _no_pickled_code(path: Path) -> Iterator[None]:
-    """While ``torch.export.load`` reads ``path``: tensors with ``weights_only=True``, other pickles refused."""
-    from torch.export.pt2_archive import _package
+    """While ``torch.export.load`` reads ``path``: tensors with ``weights_only=True``, other pickles refused.
 
-    real_load, real_obj = torch.load, torch._C._pickle_load_obj
+    The archive reader unpickles custom objects with ``pickle.loads`` or torch's own object loader, depending on
+    the torch release; both are replaced for the duration of the load (the stdlib function itself, not a name
+    inside torch's private modules, which differ between releases)."""
+    real_load, real_obj, real_loads = torch.load, torch._C._pickle_load_obj, pickle.loads
 
     def weights_only_load(*args, **kwargs):
         kwargs["weights_only"] = True
@@ -87,15 +90,11 @@ def _no_pickled_code(path: Path) -> Iterator[None]:
     def refuse(*args, **kwargs):
         raise ValueError(f"--teacher {path}: the program carries pickled Python objects; refusing to load them")
 
-    class NoPickle:
-        loads = staticmethod(refuse)
-
-    real_pickle = _package.pickle
-    torch.load, torch._C._pickle_load_obj, _package.pickle = weights_only_load, refuse, NoPickle
+    torch.load, torch._C._pickle_load_obj, pickle.loads = weights_only_load, refuse, refuse
     try:
         yield
     finally:
-        torch.load, torch._C._pickle_load_obj, _package.pickle = real_load, real_obj, real_pickle
+        torch.load, torch._C._pickle_load_obj, pickle.loads = real_load, real_obj, real_loads
 
 
 def _exported_input(program) -> Tensor | None:
