@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT: 4x4 grid of 7-px patches, 1 block of width 32 -> a few seconds per epoch
 TINY = ["--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32"]
 TINY_RUN = [*TINY, "--train-limit", "128", "--holdout", "200", "--batch-size", "32", "--threads", "1", "--no-progress"]
+TINY_RUN += ["--device", "cpu"]  # the CPU suite (gloo, exact resumes), also where a GPU is present
 
 
 def mnist_model(name: str = "deit_mini", **kw) -> torch.nn.Module:
