@@ -105,7 +105,8 @@ DEFINITIONS = {
     "flops": "2 x macs + extra_flops (the mixers' elementwise work, analytic; see vitlab.measure.flops)",
     "util": "model_flops (x3 for a training step) / median call time / the best GEMM rate measured in the run",
     "util_case": "model_flops (x3 for a training step) / median call time / this case's GEMM rate",
-    "gemm_flops_per_s": "this case's GEMM rate: median rate of single 2048^3 torch.mm calls over >= 2 s",
+    "gemm_flops_per_s": "this case's GEMM rate: median rate of single torch.mm calls over >= 2 s, 2048^3 on the "
+    "CPU, 8192^3 on a GPU",
     "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes; on a GPU the GPU "
     "allocator's peak over the call and peak - allocated after setup (the host's RSS figures under mem.host)",
 }
@@ -459,8 +460,9 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     legend = (
         "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
-        "util: 2 x MACs (x3 when training) / median call time / the best GEMM rate (median of 2048^3 calls) of the "
-        "run; case util: / the case's own GEMM rate; peak: peak RSS of one call, +MiB: peak - baseline after setup"
+        "util: 2 x MACs (x3 when training) / median call time / the best GEMM rate (median of 2048^3 calls on the "
+        "CPU, 8192^3 on a GPU) of the run; case util: / the case's own GEMM rate; peak: peak RSS of one call (on a "
+        "GPU the allocator's peak), +MiB: peak - baseline after setup"
     )
     return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
 
