@@ -1,6 +1,7 @@
-"""fp32 and bf16 inference on the CPU: linear layers with their bias, GELU and residual addition fused into
-oneDNN's matrix product (vitlab.mixers.base.fused_linear) compute the same function as the plain operations, and
-nothing changes in float64 or when autograd records.
+"""Linear layers on the CPU through oneDNN (vitlab.mixers.base.fused_linear): in fp32 and bf16 inference with
+their bias, GELU and residual addition fused into the product, in fp32 training with the forward and both
+gradient products in oneDNN's GEMM (OneDNNLinear); each computes the same function and gradients as the plain
+operations, and nothing changes in float64, under autocast or while a dispatch mode watches the ops.
 
 Tolerance: the plain bf16 path rounds the product to bf16 before adding the bias (and again after GELU or the
 residual add), the fused one once at the end; both are within a few bf16 units (2^-8 relative) of the float64
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitlab
-from vitlab.mixers.base import fused_linear, fuses_linear
+from vitlab.mixers.base import ONEDNN_WEIGHT_GRAD_MIN, OneDNNLinear, fused_linear, fuses_linear, trains_linear_in_onednn
 
 BF16_UNIT = 2.0**-8
 
@@ -73,13 +74,116 @@ def test_float64_and_autograd_take_the_plain_operations():
         assert not fuses_linear(x, lin.weight)
         assert torch.equal(fused_linear(lin, x, residual=res), res + lin(x))
         assert torch.equal(fused_linear(lin, x, gelu=True), F.gelu(lin(x)))
+    assert not trains_linear_in_onednn(x.requires_grad_(), lin.weight)  # float64 training: plain
     lin = lin.float()
     assert not fuses_linear(x.float(), lin.weight)  # autograd records: the weights require grad
     for low in (lin, lin.to(torch.bfloat16)):
-        x_low = x.to(low.weight.dtype).requires_grad_()
+        x_low = x.detach().to(low.weight.dtype).requires_grad_()
         assert not fuses_linear(x_low, low.weight)
         fused_linear(low, x_low, gelu=True).sum().backward()
         assert low.weight.grad is not None and x_low.grad is not None
+
+
+def _abs_product(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest sum of |terms| of ``a @ b``: the scale of a dot product's fp32 rounding error."""
+    return (a.double().abs() @ b.double().abs()).max().item()
+
+
+@pytest.mark.parametrize("kind", ["plain", "gelu", "residual", "broadcast residual"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("width", [96, 200])  # the weight gradient in aten's BLAS product (< 128) and in oneDNN
+def test_fp32_training_products_give_the_plain_values_and_gradients(kind, bias, width):
+    torch.manual_seed(0)
+    lin = nn.Linear(width, 160, bias=bias)
+    x = torch.randn(3, 40, width)[:, ::2].requires_grad_()  # a strided view
+    res = (torch.randn(3, 20, 160) if kind == "residual" else torch.randn(160)).requires_grad_()
+    kw = {"gelu": kind == "gelu", "residual": res if "residual" in kind else None}
+    g = torch.randn(3, 20, 160)
+    assert trains_linear_in_onednn(x, lin.weight) and (min(width, 160) >= ONEDNN_WEIGHT_GRAD_MIN) == (width == 200)
+    out = fused_linear(lin, x, **kw)
+    out.backward(g)
+    got = [
+        out,
+        x.grad,
+        lin.weight.grad,
+        *([lin.bias.grad] if bias else []),
+        *([res.grad] if kw["residual"] is not None else []),
+    ]
+    # float64 autograd through the plain operations, on the same values
+    x64, res64 = x.detach().double().requires_grad_(), res.detach().double().requires_grad_()
+    lin64 = nn.Linear(width, 160, bias=bias).double()
+    lin64.load_state_dict(lin.state_dict())
+    y = lin64(x64)
+    exact = F.gelu(y) if kw["gelu"] else y + res64 if kw["residual"] is not None else y
+    exact.backward(g.double())
+    want = [
+        exact,
+        x64.grad,
+        lin64.weight.grad,
+        *([lin64.bias.grad] if bias else []),
+        *([res64.grad] if kw["residual"] is not None else []),
+    ]
+    g2, x2 = g.reshape(-1, 160), x.detach().reshape(-1, width)
+    scales = [
+        _abs_product(x2, lin.weight.detach().t()),
+        _abs_product(g2, lin.weight.detach()),
+        _abs_product(g2.t(), x2),
+    ]
+    scales += [g2.abs().sum(0).max().item()] * (len(got) - 3)
+    for name, a, b, scale in zip(["out", "x", "weight", "bias/residual", "residual"], got, want, scales):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert (a.double() - b).abs().max().item() <= 64 * FP32_UNIT * scale, name
+
+
+def test_fp32_training_takes_onednn_only_where_it_may():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48)
+    x = torch.randn(4, 32, requires_grad=True)
+    assert trains_linear_in_onednn(x, lin.weight)
+    assert trains_linear_in_onednn(x.detach(), lin.weight)  # the first layer: gradients for the weights only
+    out = fused_linear(lin, x.detach())
+    assert type(out.grad_fn).__name__ == "OneDNNLinearBackward"
+    out.sum().backward()
+    assert lin.weight.grad is not None
+    with torch.no_grad():
+        assert not trains_linear_in_onednn(x, lin.weight)  # nothing recorded: the inference path
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not trains_linear_in_onednn(x, lin.weight) and fused_linear(lin, x).dtype == torch.bfloat16
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:  # counts aten's addmm: the plain operations run
+        assert not trains_linear_in_onednn(x, lin.weight)
+        fused_linear(lin, x).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 4 * 32 * 48
+    with pytest.raises(RuntimeError, match=r"once_differentiable"):  # no second derivative
+        (gx,) = torch.autograd.grad(
+            OneDNNLinear.apply(x, lin.weight, lin.bias, None).square().sum(), x, create_graph=True
+        )
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("name", ["deit_mini", "refiner_vit_mini"])
+def test_an_fp32_model_trains_as_accurately_in_onednn_as_plain(name, monkeypatch):
+    """A training step's gradients against the same model in float64: the oneDNN products are no less accurate
+    than the plain fp32 ones."""
+    import vitlab.mixers.base as base
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(name, num_classes=10).train()
+    x = torch.randn(2, *model.meta["input_size"])
+
+    def grads(m, inp):
+        m.zero_grad(set_to_none=True)
+        m(inp).square().sum().backward()
+        return torch.cat([p.grad.flatten().double() for p in m.parameters() if p.grad is not None])
+
+    exact = grads(model.double(), x.double())
+    model.float()
+    onednn = grads(model, x)
+    monkeypatch.setattr(base, "trains_linear_in_onednn", lambda *a: False)
+    plain = grads(model, x)
+    err_onednn, err_plain = ((g - exact).norm().item() for g in (onednn, plain))
+    assert err_onednn <= 4 * err_plain + 16 * FP32_UNIT * exact.norm().item(), (err_onednn, err_plain)
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "cpvt_mini"])

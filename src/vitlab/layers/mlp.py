@@ -29,26 +29,26 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """The FFN of ``x``; with ``residual``, ``residual + FFN(x)`` (the block's addition, fused into fc2's
-        product in bf16 inference)."""
-        if self._fuses(x):  # bf16 inference on the CPU: bias, GELU and the residual inside the products
+        product on the CPU)."""
+        if self._fuses(x):  # inference on the CPU: bias, GELU and the residual inside the products
             return fused_linear(self.fc2, fused_linear(self.fc1, x, gelu=True), residual=residual)
-        y = self._ffn(x)
-        return y if residual is None else residual + y
-
-    def _fuses(self, x: Tensor) -> bool:
-        exact_gelu = type(self.act) is nn.GELU and self.act.approximate == "none"
-        no_dropout = not self.training or (self.drop1.p == 0 and self.drop2.p == 0)
-        return exact_gelu and no_dropout and fuses_linear(x, self.fc1.weight)
-
-    def _ffn(self, x: Tensor) -> Tensor:
-        h = self.fc1(x)
+        h = fused_linear(self.fc1, x)  # fp32 training on the CPU: oneDNN's products (see fused_linear)
         if type(self.act) is nn.GELU and not (torch.is_grad_enabled() and h.requires_grad):
             # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation
             # and page-faulting of it fewer; the same values)
             h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
         else:
             h = self.act(h)
-        return self.drop2(self.fc2(self.drop1(h)))
+        h = self.drop1(h)
+        if residual is not None and (self.drop2.p == 0 or not self.training):
+            return fused_linear(self.fc2, h, residual=residual)
+        y = self.drop2(fused_linear(self.fc2, h))
+        return y if residual is None else residual + y
+
+    def _fuses(self, x: Tensor) -> bool:
+        exact_gelu = type(self.act) is nn.GELU and self.act.approximate == "none"
+        no_dropout = not self.training or (self.drop1.p == 0 and self.drop2.p == 0)
+        return exact_gelu and no_dropout and fuses_linear(x, self.fc1.weight)
 
 
 class LayerScale(nn.Module):
