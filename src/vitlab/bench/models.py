@@ -464,6 +464,12 @@ def table(results: list[dict[str, Any]]) -> str:
         "CPU, 8192^3 on a GPU) of the run; case util: / the case's own GEMM rate; peak: peak RSS of one call (on a "
         "GPU the allocator's peak), +MiB: peak - baseline after setup"
     )
+    if any((row.get("util_pct") or 0) > 100 for row in rows):
+        legend += (
+            "\nutil above 100 %: the model's products run faster than the yardstick's torch.mm (fp32 on the CPU: "
+            "vitlab's linear layers run in oneDNN, torch.mm in the BLAS, which lacks its fastest kernels on some "
+            "CPUs; docs/performance.md)"
+        )
     return "\n".join([*text, "", legend, *(["not measured:", *notes] if notes else [])])
 
 
