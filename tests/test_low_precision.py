@@ -1,6 +1,6 @@
 """Linear layers on the CPU through oneDNN (vitlab.mixers.base.fused_linear): in fp32 and bf16 inference with
 their bias, GELU and residual addition fused into the product, in fp32 training with the forward and both
-gradient products in oneDNN's GEMM (OneDNNLinear); each computes the same function and gradients as the plain
+gradient products in oneDNN's GEMM (the operator vitlab::onednn_linear); each computes the same function and gradients as the plain
 operations, and nothing changes in float64, under autocast or while a dispatch mode watches the ops.
 
 Tolerance: the plain bf16 path rounds the product to bf16 before adding the bias (and again after GELU or the
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitlab
-from vitlab.mixers.base import ONEDNN_WEIGHT_GRAD_MIN, OneDNNLinear, fused_linear, fuses_linear, trains_linear_in_onednn
+from vitlab.mixers.base import fused_linear, fuses_linear, trains_linear_in_onednn
+from vitlab.mixers.onednn import ONEDNN_WEIGHT_GRAD_MIN
 
 BF16_UNIT = 2.0**-8
 
@@ -142,7 +143,7 @@ def test_fp32_training_takes_onednn_only_where_it_may():
     assert trains_linear_in_onednn(x, lin.weight)
     assert trains_linear_in_onednn(x.detach(), lin.weight)  # the first layer: gradients for the weights only
     out = fused_linear(lin, x.detach())
-    assert type(out.grad_fn).__name__ == "OneDNNLinearBackward"
+    assert "onednn_linear" in type(out.grad_fn).__name__
     out.sum().backward()
     assert lin.weight.grad is not None
     with torch.no_grad():
@@ -155,11 +156,38 @@ def test_fp32_training_takes_onednn_only_where_it_may():
         assert not trains_linear_in_onednn(x, lin.weight)
         fused_linear(lin, x).sum().backward()
     assert counter.get_total_flops() == 3 * 2 * 4 * 32 * 48
-    with pytest.raises(RuntimeError, match=r"once_differentiable"):  # no second derivative
-        (gx,) = torch.autograd.grad(
-            OneDNNLinear.apply(x, lin.weight, lin.bias, None).square().sum(), x, create_graph=True
-        )
+    with pytest.raises(RuntimeError, match="no autograd formula"):  # no second derivative: an error, not a zero
+        (gx,) = torch.autograd.grad(fused_linear(lin, x).square().sum(), x, create_graph=True)
         gx.sum().backward()
+
+
+def test_compiled_training_keeps_the_onednn_products_in_the_graph():
+    """Under torch.compile the products stay the registered operators (no graph break, not the BLAS's mm) and
+    give eager's values and gradients."""
+    torch.manual_seed(0)
+    lin = nn.Linear(160, 192)
+    x = torch.randn(2, 10, 160, requires_grad=True)
+    res = torch.randn(2, 10, 192)
+
+    def step(fn):
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        out = fn(x)
+        out.square().sum().backward()
+        return [out.detach(), x.grad, lin.weight.grad, lin.bias.grad]
+
+    def block(t):
+        return fused_linear(lin, F.layer_norm(t, (160,)), residual=res)
+
+    eager = step(block)
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(block)(x)
+    assert report.graph_break_count == 0
+    ops = {str(n.target) for g in report.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("onednn_linear" in op for op in ops), ops
+    compiled = step(torch.compile(block, backend="aot_eager"))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "refiner_vit_mini"])

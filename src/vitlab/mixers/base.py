@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .onednn import onednn_linear
+
 
 @dataclass(frozen=True)
 class TokenLayout:
@@ -198,18 +200,18 @@ def capturing_graph() -> bool:
     return torch.compiler.is_compiling() or traced_or_exported()
 
 
-def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
-    return (
-        x.dtype in dtypes
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and x.numel() > 0
-        and not capturing_graph()  # first: the queries below are opaque to torch.compile (a graph break)
-        and not torch.is_autocast_enabled("cpu")  # autocast picks the product's precision itself
-        and torch.backends.mkldnn.is_available()
-        # a mode watching the ops (FLOP counter, fake tensors) knows aten's addmm, not oneDNN's primitive
-        and _get_current_dispatch_mode() is None
-    )
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...], compiled: bool = False) -> bool:
+    """Whether oneDNN may compute a linear layer of ``x``: the dtype, the CPU, autocast off (it picks the product's
+    precision itself), eager mode (``compiled``: or inside ``torch.compile``, not traced or exported) and no
+    dispatch mode watching the ops (the FLOP counter and fake tensors know aten's addmm, not oneDNN's primitive)."""
+    if not (x.dtype in dtypes and weight.dtype == x.dtype and x.device.type == "cpu" and x.numel() > 0 and _ONEDNN):
+        return False
+    if torch.compiler.is_compiling():  # before the queries that torch.compile cannot trace (a graph break)
+        return compiled and not torch.is_autocast_enabled("cpu")
+    return not traced_or_exported() and not torch.is_autocast_enabled("cpu") and _get_current_dispatch_mode() is None
 
 
 def _records(x: Tensor, weight: Tensor) -> bool:
@@ -218,62 +220,16 @@ def _records(x: Tensor, weight: Tensor) -> bool:
 
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`fused_linear` takes oneDNN's fused primitive (inference): fp32 or bf16 input and weights of
-    one dtype on the CPU, autocast off, nothing recorded by autograd, eager mode (not traced, exported or
-    compiled) and no dispatch mode active."""
+    one dtype on the CPU, autocast off, nothing recorded by autograd, eager mode (not compiled, traced or
+    exported) and no dispatch mode active."""
     return _onednn_cpu(x, weight, (torch.float32, torch.bfloat16)) and not _records(x, weight)
 
 
 def trains_linear_in_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` runs a training step's products through :class:`OneDNNLinear`: fp32 on the
-    CPU while autograd records, under the other conditions of :func:`fuses_linear`."""
-    return _onednn_cpu(x, weight, (torch.float32,)) and _records(x, weight)
-
-
-# a weight gradient dW = gᵀ x with an inner dimension (in or out features) below this runs faster in aten's
-# BLAS product than in oneDNN's (TNT's pixel blocks, width 24-96: oneDNN 0.4-0.9x; ViT widths: 1.6-2x)
-ONEDNN_WEIGHT_GRAD_MIN = 128
-
-
-class OneDNNLinear(torch.autograd.Function):
-    """``y = x Wᵀ + b (+ r)`` with the forward product and both gradient products in oneDNN's fp32 GEMM.
-
-    PyTorch runs fp32 ``addmm``/``mm`` on the CPU through its BLAS (MKL), whose AVX-512 kernels are dispatched
-    on Intel CPUs only; oneDNN's JIT GEMM uses the vector units of any CPU. On an AMD EPYC with AVX-512, 2 threads,
-    ViT shapes (M = 1576 tokens, K, N = 384-1536): MKL 207-221 GFLOP/s; oneDNN 485-509 for ``x Wᵀ`` and
-    ``g W``, 350-440 for ``gᵀ x`` (fp32 results, relative error 3-5e-7 against float64, MKL's 2.5e-7). The
-    products are the same equations (``∂L/∂x = g W``, ``∂L/∂W = gᵀ x``, ``∂L/∂b = Σ g``, ``∂L/∂r = g``), the
-    transposed operands passed as views (oneDNN reads strides; no copies)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        x2 = x.reshape(-1, x.shape[-1])
-        if residual is None:
-            y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "none")
-        else:
-            r2 = residual.reshape(-1, weight.shape[0])
-            y = torch.ops.mkldnn._linear_pointwise.binary(x2, r2, weight, bias, "add")
-        return y.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        n, k = weight.shape
-        g2 = g.reshape(-1, n)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.ops.mkldnn._linear_pointwise(g2, weight.t(), None, "none", [], "none").view(x.shape)
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, k)
-            if min(n, k) >= ONEDNN_WEIGHT_GRAD_MIN:
-                gw = torch.ops.mkldnn._linear_pointwise(g2.t(), x2.t(), None, "none", [], "none")
-            else:
-                gw = g2.t() @ x2
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return gx, gw, gb, (g if ctx.needs_input_grad[3] else None)
+    """Whether :func:`fused_linear` runs a training step's products as :func:`vitlab.mixers.onednn.onednn_linear`:
+    fp32 on the CPU while autograd records, eager or compiled (a registered operator inside the graph), under the
+    other conditions of :func:`fuses_linear`."""
+    return _onednn_cpu(x, weight, (torch.float32,), compiled=True) and _records(x, weight)
 
 
 def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
@@ -284,9 +240,9 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     each: in bf16 together more time than the product itself, in fp32 10-25 % of it (DeiT-S's fc1 at batch 8:
     13.8 ms plain, 10.4 ms fused). oneDNN's linear primitive applies the bias, GELU or the addition to the
     product's result as it leaves the kernel. Training in fp32 (:func:`trains_linear_in_onednn`): the products
-    of :class:`OneDNNLinear` (bias and residual inside the forward product; GELU after it, since its gradient
-    needs the product). In float64, under autocast, on other devices and while a graph is captured these are
-    the plain operations, unchanged."""
+    of :func:`vitlab.mixers.onednn.onednn_linear` (bias and residual inside the forward product; GELU after it,
+    since its gradient needs the product). In float64, under autocast, on other devices and while a graph is
+    traced or exported these are the plain operations, unchanged."""
     if residual is not None and gelu:
         raise ValueError("fused_linear: either gelu or residual, not both")
     if type(linear) is nn.Linear:  # a replaced layer (a subclass: LoRA, quantised) runs as it is
@@ -298,7 +254,7 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
             y = torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu" if gelu else "none", [], "none")
             return y if residual is None else residual + y
         if trains_linear_in_onednn(x, w):
-            y = OneDNNLinear.apply(x, w, b, residual if fits else None)
+            y = onednn_linear(x, w, b, residual if fits else None)
             if residual is not None and not fits:
                 y = residual + y
             return F.gelu(y) if gelu else y
