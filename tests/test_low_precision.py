@@ -1,6 +1,6 @@
 """Linear layers on the CPU through oneDNN (vitlab.mixers.base.fused_linear): in fp32 and bf16 inference with
 their bias, GELU and residual addition fused into the product, in fp32 training with the forward and both
-gradient products in oneDNN's GEMM (the operator vitlab::onednn_linear); each computes the same function and gradients as the plain
+gradient products in oneDNN's GEMM (OneDNNLinear); each computes the same function and gradients as the plain
 operations, and nothing changes in float64, under autocast or while a dispatch mode watches the ops.
 
 Tolerance: the plain bf16 path rounds the product to bf16 before adding the bias (and again after GELU or the
@@ -143,27 +143,34 @@ def test_fp32_training_takes_onednn_only_where_it_may():
     assert trains_linear_in_onednn(x, lin.weight)
     assert trains_linear_in_onednn(x.detach(), lin.weight)  # the first layer: gradients for the weights only
     out = fused_linear(lin, x.detach())
-    assert "onednn_linear" in type(out.grad_fn).__name__
+    assert type(out.grad_fn).__name__ == "OneDNNLinearBackward"
     out.sum().backward()
     assert lin.weight.grad is not None
     with torch.no_grad():
         assert not trains_linear_in_onednn(x, lin.weight)  # nothing recorded: the inference path
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not trains_linear_in_onednn(x, lin.weight) and fused_linear(lin, x).dtype == torch.bfloat16
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:  # counts aten's addmm: the plain operations run
-        assert not trains_linear_in_onednn(x, lin.weight)
-        fused_linear(lin, x).sum().backward()
-    assert counter.get_total_flops() == 3 * 2 * 4 * 32 * 48
-    with pytest.raises(RuntimeError, match="no autograd formula"):  # no second derivative: an error, not a zero
+    with FlopCounterMode(display=False) as counter:  # counts oneDNN's operators as it counts aten's products
+        out = fused_linear(lin, x)
+        assert type(out.grad_fn).__name__ == "OneDNNLinearBackward"
+        out.sum().backward()
+        with torch.inference_mode():
+            fused_linear(lin, x, gelu=True)
+    assert counter.get_total_flops() == 4 * 2 * 4 * 32 * 48
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:  # shape propagation, as torch.compile and export do it
+        fx = fake.from_tensor(x)
+        assert fused_linear(lin, fx, residual=fake.from_tensor(torch.randn(4, 48))).shape == (4, 48)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # no second derivative: an error, not a zero
         (gx,) = torch.autograd.grad(fused_linear(lin, x).square().sum(), x, create_graph=True)
         gx.sum().backward()
 
 
 def test_compiled_training_keeps_the_onednn_products_in_the_graph():
-    """Under torch.compile the products stay the registered operators (no graph break, not the BLAS's mm) and
-    give eager's values and gradients."""
+    """Under torch.compile the products stay oneDNN's primitive (no graph break, not the BLAS's mm) and give
+    eager's values and gradients."""
     torch.manual_seed(0)
     lin = nn.Linear(160, 192)
     x = torch.randn(2, 10, 160, requires_grad=True)
@@ -181,11 +188,18 @@ def test_compiled_training_keeps_the_onednn_products_in_the_graph():
 
     eager = step(block)
     torch._dynamo.reset()
-    report = torch._dynamo.explain(block)(x)
-    assert report.graph_break_count == 0
-    ops = {str(n.target) for g in report.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert any("onednn_linear" in op for op in ops), ops
-    compiled = step(torch.compile(block, backend="aot_eager"))
+    assert torch._dynamo.explain(block)(x).graph_break_count == 0
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: list[str] = []
+
+    def record(gm, example_inputs):  # the forward and the backward graph after AOT autograd
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = step(torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    assert sum("_linear_pointwise" in op for op in ops) == 3, ops  # the forward and both gradient products
+    assert not any(op.startswith(("aten.mm", "aten.addmm")) for op in ops), ops
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .onednn import onednn_linear
+from . import onednn
 
 
 @dataclass(frozen=True)
@@ -205,13 +205,18 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 
 def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...], compiled: bool = False) -> bool:
     """Whether oneDNN may compute a linear layer of ``x``: the dtype, the CPU, autocast off (it picks the product's
-    precision itself), eager mode (``compiled``: or inside ``torch.compile``, not traced or exported) and no
-    dispatch mode watching the ops (the FLOP counter and fake tensors know aten's addmm, not oneDNN's primitive)."""
+    precision itself), eager mode (``compiled``: or inside ``torch.compile``), not traced or exported, and no
+    dispatch mode watching the ops other than the FLOP counter (fake tensors know aten's ops, not all of oneDNN's)."""
     if not (x.dtype in dtypes and weight.dtype == x.dtype and x.device.type == "cpu" and x.numel() > 0 and _ONEDNN):
         return False
     if torch.compiler.is_compiling():  # before the queries that torch.compile cannot trace (a graph break)
         return compiled and not torch.is_autocast_enabled("cpu")
-    return not traced_or_exported() and not torch.is_autocast_enabled("cpu") and _get_current_dispatch_mode() is None
+    mode = _get_current_dispatch_mode()
+    return (
+        not traced_or_exported()
+        and not torch.is_autocast_enabled("cpu")
+        and (mode is None or type(mode).__name__ in ("FlopCounterMode", "_FlopCounterMode"))
+    )
 
 
 def _records(x: Tensor, weight: Tensor) -> bool:
@@ -221,13 +226,13 @@ def _records(x: Tensor, weight: Tensor) -> bool:
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`fused_linear` takes oneDNN's fused primitive (inference): fp32 or bf16 input and weights of
     one dtype on the CPU, autocast off, nothing recorded by autograd, eager mode (not compiled, traced or
-    exported) and no dispatch mode active."""
+    exported) and no dispatch mode but the FLOP counter."""
     return _onednn_cpu(x, weight, (torch.float32, torch.bfloat16)) and not _records(x, weight)
 
 
 def trains_linear_in_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` runs a training step's products as :func:`vitlab.mixers.onednn.onednn_linear`:
-    fp32 on the CPU while autograd records, eager or compiled (a registered operator inside the graph), under the
+    """Whether :func:`fused_linear` runs a training step's products in :class:`vitlab.mixers.onednn.OneDNNLinear`:
+    fp32 on the CPU while autograd records, eager or compiled (the primitive stays in the graph), under the
     other conditions of :func:`fuses_linear`."""
     return _onednn_cpu(x, weight, (torch.float32,), compiled=True) and _records(x, weight)
 
@@ -240,7 +245,7 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     each: in bf16 together more time than the product itself, in fp32 10-25 % of it (DeiT-S's fc1 at batch 8:
     13.8 ms plain, 10.4 ms fused). oneDNN's linear primitive applies the bias, GELU or the addition to the
     product's result as it leaves the kernel. Training in fp32 (:func:`trains_linear_in_onednn`): the products
-    of :func:`vitlab.mixers.onednn.onednn_linear` (bias and residual inside the forward product; GELU after it,
+    of :class:`vitlab.mixers.onednn.OneDNNLinear` (bias and residual inside the forward product; GELU after it,
     since its gradient needs the product). In float64, under autocast, on other devices and while a graph is
     traced or exported these are the plain operations, unchanged."""
     if residual is not None and gelu:
@@ -249,12 +254,11 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
         w, b = linear.weight, linear.bias
         fits = residual is not None and residual.shape == (*x.shape[:-1], linear.out_features)  # no broadcasting
         if fuses_linear(x, w):
-            if fits:
-                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
-            y = torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu" if gelu else "none", [], "none")
-            return y if residual is None else residual + y
+            y = onednn.linear(x, w, b, residual if fits else None, gelu)
+            return y if residual is None or fits else residual + y
         if trains_linear_in_onednn(x, w):
-            y = onednn_linear(x, w, b, residual if fits else None)
+            fits = fits and not torch.compiler.is_compiling()  # a compiled graph adds the residual itself
+            y = onednn.OneDNNLinear.apply(x, w, b, residual if fits else None)
             if residual is not None and not fits:
                 y = residual + y
             return F.gelu(y) if gelu else y
