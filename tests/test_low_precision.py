@@ -169,8 +169,9 @@ def test_fp32_training_takes_onednn_only_where_it_may():
 
 
 def test_compiled_training_keeps_the_onednn_products_in_the_graph():
-    """Under torch.compile the products stay oneDNN's primitive (no graph break, not the BLAS's mm) and give
-    eager's values and gradients."""
+    """Under torch.compile the products are vitlab's registered operators (no graph break, not the BLAS's mm;
+    inductor lowers oneDNN's primitive only for frozen weights) and give eager's values and gradients, through
+    inductor itself."""
     torch.manual_seed(0)
     lin = nn.Linear(160, 192)
     x = torch.randn(2, 10, 160, requires_grad=True)
@@ -197,11 +198,12 @@ def test_compiled_training_keeps_the_onednn_products_in_the_graph():
         ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
-    compiled = step(torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
-    assert sum("_linear_pointwise" in op for op in ops) == 3, ops  # the forward and both gradient products
+    step(torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    assert sum("vitlab.onednn_linear" in op for op in ops) == 3, ops  # the forward and both gradient products
     assert not any(op.startswith(("aten.mm", "aten.addmm")) for op in ops), ops
-    for a, b in zip(compiled, eager):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    for a, b in zip(step(torch.compile(block)), eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # inductor reorders the layer norm's sums
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "refiner_vit_mini"])

@@ -231,8 +231,8 @@ def fuses_linear(x: Tensor, weight: Tensor) -> bool:
 
 
 def trains_linear_in_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` runs a training step's products in :class:`vitlab.mixers.onednn.OneDNNLinear`:
-    fp32 on the CPU while autograd records, eager or compiled (the primitive stays in the graph), under the
+    """Whether :func:`fused_linear` runs a training step's products in :class:`vitlab.mixers.onednn.OneDNNLinear`
+    (compiled: :func:`vitlab.mixers.onednn.compiled_linear`): fp32 on the CPU while autograd records, under the
     other conditions of :func:`fuses_linear`."""
     return _onednn_cpu(x, weight, (torch.float32,), compiled=True) and _records(x, weight)
 
@@ -257,8 +257,8 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
             y = onednn.linear(x, w, b, residual if fits else None, gelu)
             return y if residual is None or fits else residual + y
         if trains_linear_in_onednn(x, w):
-            fits = fits and not torch.compiler.is_compiling()  # a compiled graph adds the residual itself
-            y = onednn.OneDNNLinear.apply(x, w, b, residual if fits else None)
+            product = onednn.compiled_linear if torch.compiler.is_compiling() else onednn.OneDNNLinear.apply
+            y = product(x, w, b, residual if fits else None)
             if residual is not None and not fits:
                 y = residual + y
             return F.gelu(y) if gelu else y

@@ -9,8 +9,8 @@ error 3-5e-7 against float64, MKL's 2.5e-7).
 :func:`linear` is ``x Wᵀ + b``, then ``+ r`` or the exact GELU, applied as the product leaves the kernel
 (``torch.ops.mkldnn._linear_pointwise``, the primitive PyTorch's own inductor uses for frozen CPU graphs).
 :class:`OneDNNLinear` differentiates it: ``∂L/∂x = g W``, ``∂L/∂W = gᵀ x`` (the transposes passed as strided
-views: oneDNN reads strides, no copies), ``∂L/∂b = Σ g``, ``∂L/∂r = g``. ``torch.compile`` traces the function
-and keeps the products as calls of that primitive in its graph. The FLOP counter counts the primitive as it
+views: oneDNN reads strides, no copies), ``∂L/∂b = Σ g``, ``∂L/∂r = g``; :func:`compiled_linear` is the same as
+registered operators, which ``torch.compile`` keeps in its graph. The FLOP counter counts the primitive as it
 counts aten's products (a formula registered below).
 """
 
@@ -37,31 +37,89 @@ def linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "gelu" if gelu else "none", [], "none")
 
 
+def _grad_input(g: Tensor, weight: Tensor) -> Tensor:
+    """``g W`` (M, K) for the output gradient ``g`` (M, N)."""
+    return linear(g, weight.t(), None)
+
+
+def _grad_weight(g: Tensor, x: Tensor) -> Tensor:
+    """``gᵀ x`` (N, K) for the output gradient ``g`` (M, N) and the input ``x`` (M, K)."""
+    if min(g.shape[1], x.shape[1]) >= ONEDNN_WEIGHT_GRAD_MIN:
+        return linear(g.t(), x.t(), None)
+    return g.t() @ x
+
+
+def _gradients(ctx, g: Tensor, grad_input=_grad_input, grad_weight=_grad_weight) -> tuple[Tensor | None, ...]:
+    """The gradients of ``x Wᵀ + b (+ r)`` for x, W, b, r (those asked for) from ``ctx``'s saved x and W."""
+    x, weight = ctx.saved_tensors
+    n, k = weight.shape
+    g2 = g.reshape(-1, n)
+    gx = grad_input(g2, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    gw = grad_weight(g2, x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
+    gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb, (g if ctx.has_residual and ctx.needs_input_grad[3] else None)
+
+
+def _save(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> None:
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+
+
 class OneDNNLinear(torch.autograd.Function):
     """``y = x Wᵀ + b (+ r)`` with the forward product and both gradient products in oneDNN's fp32 GEMM (a weight
-    gradient narrower than :data:`ONEDNN_WEIGHT_GRAD_MIN` in the BLAS)."""
+    gradient narrower than :data:`ONEDNN_WEIGHT_GRAD_MIN` in the BLAS). The eager form: see :func:`compiled_linear`
+    for torch.compile."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        _save(ctx, x, weight, bias, residual)
         return linear(x, weight, bias, residual)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        n, k = weight.shape
-        g2 = g.reshape(-1, n)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = linear(g2, weight.t(), None).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, k)
-            gw = linear(g2.t(), x2.t(), None) if min(n, k) >= ONEDNN_WEIGHT_GRAD_MIN else g2.t() @ x2
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return gx, gw, gb, (g if ctx.has_residual and ctx.needs_input_grad[3] else None)
+        return _gradients(ctx, g)
+
+
+# torch.compile: inductor lowers oneDNN's linear primitive only for frozen (constant) weights, so in a training
+# graph the three products are operators of their own, which it calls as they are. Registered operators are for
+# compiled graphs only: the first eager call of one imports torch's symbolic-shape machinery (~70 MB, ~0.9 s),
+# which a compiled program has loaded anyway.
+@torch.library.custom_op("vitlab::onednn_linear", mutates_args=())
+def compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+    """:class:`OneDNNLinear` as a registered operator (autograd formula, shape functions), for torch.compile."""
+    return linear(x, weight, bias, residual)
+
+
+@compiled_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("vitlab::onednn_linear_grad_input", mutates_args=())
+def _compiled_grad_input(g: Tensor, weight: Tensor) -> Tensor:
+    return _grad_input(g, weight)
+
+
+@_compiled_grad_input.register_fake
+def _(g: Tensor, weight: Tensor) -> Tensor:
+    return g.new_empty(g.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("vitlab::onednn_linear_grad_weight", mutates_args=())
+def _compiled_grad_weight(g: Tensor, x: Tensor) -> Tensor:
+    return _grad_weight(g, x)
+
+
+@_compiled_grad_weight.register_fake
+def _(g: Tensor, x: Tensor) -> Tensor:
+    return g.new_empty(g.shape[1], x.shape[1])
+
+
+compiled_linear.register_autograd(
+    lambda ctx, g: _gradients(ctx, g, _compiled_grad_input, _compiled_grad_weight),
+    setup_context=lambda ctx, inputs, output: _save(ctx, *inputs),
+)
 
 
 @register_flop_formula(torch.ops.mkldnn._linear_pointwise)
