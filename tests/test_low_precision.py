@@ -168,6 +168,36 @@ def test_fp32_training_takes_onednn_only_where_it_may():
         gx.sum().backward()
 
 
+def test_torch_func_transforms_take_the_plain_operations():
+    """Per-sample gradients (vmap of grad) through a layer: torch.func has rules for aten's ops, not for the
+    oneDNN function; the result equals the loop over samples."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    lin = nn.Linear(160, 192)
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+
+    def loss(p, x):
+        return functional_call(_FusedLinear(lin), {f"lin.{k}": v for k, v in p.items()}, (x,)).square().sum()
+
+    x = torch.randn(4, 1, 160)
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(4):
+        torch.testing.assert_close(per_sample["weight"][i], grad(loss)(params, x[i])["weight"])
+        lin.zero_grad(set_to_none=True)
+        fused_linear(lin, x[i]).square().sum().backward()  # eager autograd: the oneDNN products
+        torch.testing.assert_close(per_sample["weight"][i], lin.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class _FusedLinear(nn.Module):
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_linear(self.lin, x)
+
+
 def test_compiled_training_keeps_the_onednn_products_in_the_graph():
     """Under torch.compile the products are vitlab's registered operators (no graph break, not the BLAS's mm;
     inductor lowers oneDNN's primitive only for frozen weights) and give eager's values and gradients, through

@@ -205,8 +205,9 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 
 def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...], compiled: bool = False) -> bool:
     """Whether oneDNN may compute a linear layer of ``x``: the dtype, the CPU, autocast off (it picks the product's
-    precision itself), eager mode (``compiled``: or inside ``torch.compile``), not traced or exported, and no
-    dispatch mode watching the ops other than the FLOP counter (fake tensors know aten's ops, not all of oneDNN's)."""
+    precision itself), eager mode (``compiled``: or inside ``torch.compile``), not traced or exported, no torch.func
+    transform, and no dispatch mode watching the ops other than the FLOP counter (fake tensors know aten's ops, not
+    all of oneDNN's)."""
     if not (x.dtype in dtypes and weight.dtype == x.dtype and x.device.type == "cpu" and x.numel() > 0 and _ONEDNN):
         return False
     if torch.compiler.is_compiling():  # before the queries that torch.compile cannot trace (a graph break)
@@ -216,6 +217,7 @@ def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...], comp
         not traced_or_exported()
         and not torch.is_autocast_enabled("cpu")
         and (mode is None or type(mode).__name__ in ("FlopCounterMode", "_FlopCounterMode"))
+        and not torch._C._are_functorch_transforms_active()  # torch.func (grad, vmap): aten's ops have their rules
     )
 
 
