@@ -252,21 +252,20 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     traced or exported these are the plain operations, unchanged."""
     if residual is not None and gelu:
         raise ValueError("fused_linear: either gelu or residual, not both")
-    if type(linear) is nn.Linear:  # a replaced layer (a subclass: LoRA, quantised) runs as it is
-        w, b = linear.weight, linear.bias
-        fits = residual is not None and residual.shape == (*x.shape[:-1], linear.out_features)  # no broadcasting
-        if fuses_linear(x, w):
-            y = onednn.linear(x, w, b, residual if fits else None, gelu)
-            return y if residual is None or fits else residual + y
-        if trains_linear_in_onednn(x, w):
-            product = onednn.compiled_linear if torch.compiler.is_compiling() else onednn.OneDNNLinear.apply
-            y = product(x, w, b, residual if fits else None)
-            if residual is not None and not fits:
-                y = residual + y
-            return F.gelu(y) if gelu else y
-    y = linear(x)
+    # a replaced layer (a subclass: LoRA, quantised; nn.Identity) runs as it is
+    w, b = (linear.weight, linear.bias) if type(linear) is nn.Linear else (None, None)
+    # the residual goes into the product when it has the output's shape (the primitive does not broadcast)
+    fits = w is not None and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
+    inside = residual if fits else None
+    if w is not None and fuses_linear(x, w):
+        y, gelu = onednn.linear(x, w, b, inside, gelu), False  # GELU inside the product too
+    elif w is not None and trains_linear_in_onednn(x, w):
+        product = onednn.compiled_linear if torch.compiler.is_compiling() else onednn.OneDNNLinear.apply
+        y = product(x, w, b, inside)
+    else:
+        y, inside = linear(x), None
     y = F.gelu(y) if gelu else y
-    return y if residual is None else residual + y
+    return y if residual is None or inside is not None else residual + y
 
 
 def can_fold(module: nn.Module, t: Tensor) -> bool:
