@@ -96,26 +96,15 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("vitlab::onednn_linear_grad_input", mutates_args=())
-def _compiled_grad_input(g: Tensor, weight: Tensor) -> Tensor:
-    return _grad_input(g, weight)
+def _compiled(name: str, fn, out_shape):
+    """``fn`` as the registered operator ``vitlab::name`` with the output shape ``out_shape(a, b)`` for tracing."""
+    op = torch.library.custom_op(f"vitlab::{name}", fn, mutates_args=())
+    op.register_fake(lambda a, b: a.new_empty(out_shape(a, b)))
+    return op
 
 
-@_compiled_grad_input.register_fake
-def _(g: Tensor, weight: Tensor) -> Tensor:
-    return g.new_empty(g.shape[0], weight.shape[1])
-
-
-@torch.library.custom_op("vitlab::onednn_linear_grad_weight", mutates_args=())
-def _compiled_grad_weight(g: Tensor, x: Tensor) -> Tensor:
-    return _grad_weight(g, x)
-
-
-@_compiled_grad_weight.register_fake
-def _(g: Tensor, x: Tensor) -> Tensor:
-    return g.new_empty(g.shape[1], x.shape[1])
-
-
+_compiled_grad_input = _compiled("onednn_linear_grad_input", _grad_input, lambda g, w: (g.shape[0], w.shape[1]))
+_compiled_grad_weight = _compiled("onednn_linear_grad_weight", _grad_weight, lambda g, x: (g.shape[1], x.shape[1]))
 compiled_linear.register_autograd(
     lambda ctx, g: _gradients(ctx, g, _compiled_grad_input, _compiled_grad_weight),
     setup_context=lambda ctx, inputs, output: _save(ctx, *inputs),
