@@ -17,9 +17,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vitlab
+from test_compile import loss_and_grads
 from test_inference_mode import DIM, GRID, MIXER_CASES, N, check_eval_then_train
 from test_lm import TINY, randomise_biases
 from vitlab.device import set_tf32
@@ -138,16 +138,9 @@ def test_compiled_training_step_on_cuda_matches_eager(name):
     model = vitlab.create_model(name, num_classes=10).train().double().to(CUDA)
     x = torch.randn(4, *model.meta["input_size"], dtype=torch.float64, device=CUDA)
     y = torch.randint(0, 10, (4,), device=CUDA)
-
-    def loss_and_grads(fn) -> tuple[torch.Tensor, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(fn(x), y)
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-    eager_loss, eager_grads = loss_and_grads(model)
+    eager_loss, eager_grads = loss_and_grads(model, model, x, y)
     torch._dynamo.reset()
-    compiled_loss, compiled_grads = loss_and_grads(torch.compile(model))
+    compiled_loss, compiled_grads = loss_and_grads(model, torch.compile(model), x, y)
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=0)
     assert (compiled_grads - eager_grads).norm() <= 1e-4 * eager_grads.norm()
 
