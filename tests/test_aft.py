@@ -387,6 +387,50 @@ def test_local_and_simple_cores_stable(monkeypatch):
     assert counter.entries > 0
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e4], ids=["normal", "huge"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale, monkeypatch):
+    """Without autograd e^{w - rowmax} is formed a band of rows at a time (5 rows of 23 here, the last band
+    shorter; causal bands read only their columns t' <= t); huge inputs take the exact repair inside bands."""
+    torch.manual_seed(5)
+    counter = FallbackCounter(monkeypatch)
+    bands = []
+    original = aft_mod._bias_weights
+    monkeypatch.setattr(aft_mod, "_BIAS_BAND_ELEMS", 5 * 23)
+    monkeypatch.setattr(aft_mod, "_bias_weights", lambda w, *a: bands.append(a) or original(w, *a))
+    b, n, c = 3, 23, 6
+    q, v = torch.randn(b, n, c), torch.randn(b, n, c)
+    k, w = torch.randn(b, n, c) * scale, torch.randn(n, n) * scale
+    with torch.inference_mode():
+        y = aft_mod.aft_full(q, k, v, w, causal)
+    assert [a[:2] for a in bands] == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
+    assert (counter.entries > 0) == (scale > 1)
+
+
+def test_full_core_trains_the_bias_alone():
+    """Frozen projections (keys and values without gradient) and a trained bias take the autograd path with its
+    own layout of the key context (a stacked one, from the inference path, once gave wrong outputs here)."""
+    torch.manual_seed(6)
+    b, n, c = 2, 9, 4
+    q, k, v = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c)
+    w = torch.randn(n, n, requires_grad=True)
+    wd = w.detach().double().requires_grad_()
+    y, ref = aft_mod.aft_full(q, k, v, w), naive_full(q, k, v, wd)
+    assert_rel(y, ref, 1e-5)
+    y.sum().backward()
+    ref.sum().backward()
+    assert_rel(w.grad, wd.grad, 1e-5)
+    m = AFTFull(24, max_len=21, bias_dim=None)
+    m.qkv.requires_grad_(False)
+    x = torch.randn(2, 21, 24)
+    out, _ = m.mix(x, TokenLayout(), None, False)
+    with torch.no_grad():
+        q, k, v = m.qkv(x).chunk(3, -1)
+        expected = m.proj(naive_full(q, k, v, m.w).float())
+    assert_rel(out, expected, 1e-5)
+
+
 @pytest.mark.parametrize("bias_sign", [1.0, -1.0])
 def test_conv_core_stable(bias_sign, monkeypatch):
     """Huge keys and kernels; bias_sign -1 makes e^w - 1 ≈ -1, where Eq. 6's literal form cancels."""

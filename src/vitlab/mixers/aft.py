@@ -81,17 +81,19 @@ def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) 
     """``num / den`` (num (B, Tq, G, R), den (B, Tq, G) at Tq query positions) with underflowed entries recomputed
     exactly (:func:`_exact_entries`) from the keys ``k`` (B, T, G), values ``v`` (B, T, G, R) and the bias rows
     ``bias_rows(t, g)`` of query positions t."""
-    # the clamp only touches entries that are replaced below, and keeps their (zero) gradient finite
+    checks = _data_checks_allowed(den)
+    eager = checks and not torch.compiler.is_compiling()
+    # the one check the fast path pays; before the clamp, which only touches entries that are replaced below (and
+    # keeps their zero gradient finite)
+    idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True) if eager and den.detach().amin() < _UNDERFLOW else None
+    if eager and _no_autograd(num, den):  # in place: no buffer beside the sums
+        y = num.div_(den.clamp_min_(_UNDERFLOW).unsqueeze(-1))
+        return y if idx is None else y.index_put_(idx, _exact_entries(k, v, bias_rows, *idx))
     den_safe = den.clamp_min(_UNDERFLOW).unsqueeze(-1)
     y = num.div_(den_safe) if _no_autograd(num) else num / den_safe
-    if not _data_checks_allowed(den):
-        return y
-    if torch.compiler.is_compiling():
+    if checks and not eager:
         return _repair_compiled(y, den, k, v, bias_rows)
-    if den.detach().amin() < _UNDERFLOW:  # the one check the fast path pays
-        idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True)
-        y = y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
-    return y
+    return y if idx is None else y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
 
 
 def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
@@ -134,12 +136,12 @@ def _gate(q: Tensor, y: Tensor) -> Tensor:
     return torch.sigmoid(q).mul_(y) if _no_autograd(q, y) else torch.sigmoid(q) * y
 
 
-def _key_context(k: Tensor, v: Tensor) -> Tensor:
-    """``[e^{K - colmax} ⊙ V, e^{K - colmax}]``, the right-hand side of AFT-full's two sums: (B, T, 2C) under
-    autograd; without it (2·B, T, C), the B products ``e^K ⊙ V`` then the B ``e^K``, written straight into one
+def _key_context(k: Tensor, v: Tensor, stacked: bool) -> Tensor:
+    """``[e^{K - colmax} ⊙ V, e^{K - colmax}]``, the right-hand side of AFT-full's two sums: (B, T, 2C), or with
+    ``stacked`` (no autograd) (2·B, T, C), the B products ``e^K ⊙ V`` then the B ``e^K``, written straight into one
     buffer whose halves are contiguous: elementwise kernels on a strided half of each row (the (B, T, 2C)
     layout) ran about 4x slower here than on contiguous memory."""
-    if not _no_autograd(k, v):
+    if not stacked:
         ek = (k - k.detach().amax(1, keepdim=True)).exp()
         return torch.cat([ek * v, ek], -1)
     b, n, c = k.shape
@@ -149,9 +151,39 @@ def _key_context(k: Tensor, v: Tensor) -> Tensor:
     return ctx.view(2 * b, n, c)
 
 
-def _future_mask(n: int, device: torch.device) -> Tensor:
-    """(n, n) True where t' > t."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
+def _bias_weights(w: Tensor, start: int, stop: int, causal: bool) -> Tensor:
+    """``e^{w[t, t'] - max_t' w[t, t']}`` for the query rows t = start .. stop-1 of ``w`` (T, T); causal: pairs
+    t' > t are 0 and the columns stop at ``stop`` (the rest would be 0 too)."""
+    rows = w[start:stop, :stop] if causal else w[start:stop]
+    if causal:
+        future = torch.arange(stop, device=w.device) > torch.arange(start, stop, device=w.device)[:, None]
+        rows = rows.masked_fill(future, float("-inf"))
+    # the ratio does not depend on the shifts, so they carry no gradient
+    top = rows.detach().amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return (rows - top).exp_()  # exp in place on a fresh difference: autograd saves the result either way
+
+
+# AFT-full without autograd forms ``e^{w - rowmax}`` a band of about this many elements at a time: the whole
+# (T, T) matrix is the mixer's largest tensor at long sequences (64 MB at T = 4096, 16x its activations)
+_BIAS_BAND_ELEMS = 1 << 18
+
+
+def _weighted_context(w: Tensor, ctx: Tensor, causal: bool) -> Tensor:
+    """``e^{w - rowmax} @ ctx[i]`` for each of the 2B matrices of ``ctx`` (2B, T, C), without autograd: one batched
+    product at short sequences (or while a graph is captured), else bands of rows of the weights, each multiplied
+    into its rows of the result (causal: only the columns t' <= the band's last row)."""
+    n = w.shape[0]
+    step = max(1, _BIAS_BAND_ELEMS // n)
+    if step >= n or capturing_graph():
+        return torch.matmul(_bias_weights(w, 0, n, causal), ctx)
+    out = torch.empty_like(ctx)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        ew = _bias_weights(w, start, stop, causal)
+        for i in range(ctx.shape[0]):
+            torch.mm(ew, ctx[i, : ew.shape[1]], out=out[i, start:stop])
+    return out
 
 
 def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -> Tensor:
@@ -159,23 +191,21 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
 
     ``q, k, v`` (B, T, C) fp32; ``w`` (T, T), ``w[t, t']`` with t = output position, -inf = pair excluded.
     ``causal`` keeps t' <= t. Computed as ``e^{w - rowmax} @ [e^{K - colmax} V, e^{K - colmax}]``
-    (the maxima cancel in the ratio): O(T² C) time, O(T² + T C) memory.
+    (the maxima cancel in the ratio): O(T² C) time; O(T² + T C) memory under autograd, which keeps
+    ``e^{w - rowmax}``, else O(T C) (:func:`_weighted_context`).
     """
     b, n, c = k.shape
-    if causal:
-        w = w.masked_fill(_future_mask(n, w.device), float("-inf"))
-    # the ratio does not depend on the shifts, so they carry no gradient
-    wmax = w.detach().amax(-1, keepdim=True)
-    wmax = torch.where(torch.isfinite(wmax), wmax, 0.0)
-    ctx = _key_context(k, v)
-    ew = (w - wmax).exp_()  # exp in place on a fresh difference: autograd saves the result either way
-    if _no_autograd(q, k, v, w):  # a batch of 2B (T, T) @ (T, C) products on ctx as laid out (no copy)
-        sums = torch.matmul(ew, ctx).view(2, b, n, c)
+    stacked = _no_autograd(q, k, v, w)
+    ctx = _key_context(k, v, stacked)
+    if stacked:  # batches of (T, T) @ (T, C) products on ctx as laid out (no copy)
+        sums = _weighted_context(w, ctx, causal).view(2, b, n, c)
+        del ctx  # before the ratio and the gate allocate: the two sums are all that is left to read
         num, den = sums[0], sums[1]  # indexing, not split: ONNX export cannot fold a split of a traced size
     else:  # one (T, T) @ (T, B·2C) product for numerator and denominator (a faster backward)
         ctx = ctx.transpose(0, 1).reshape(n, b * 2 * c)
-        num, den = (ew @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
-    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: w[t])
+        num, den = (_bias_weights(w, 0, n, causal) @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
+    rows = (lambda t, g: w[t] + _causal_rows(n, t)) if causal else (lambda t, g: w[t])
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows)
     return _gate(q, y.squeeze(-1))
 
 

@@ -61,4 +61,5 @@ def aft_simple_qkv(qkv: Tensor) -> Tensor:
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _AFTSimpleQKV.apply(qkv)
     q, k, v = qkv.chunk(3, -1)
-    return torch.sigmoid(q).mul_(_context(k, v)[0])
+    s = _context(k, v)[0]  # its (B, T, C) buffer is freed before the sigmoid's is allocated
+    return torch.sigmoid(q).mul_(s)

@@ -98,14 +98,28 @@ class Attention(TokenMixer):
         return q, k, v
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        return self.attend(*self.qkv_heads(x), return_aux)
+        # q, k, v live only in this call's arguments: they are freed before the projection allocates its output
+        # (without autograd, 4 activation-sized buffers at the peak instead of 5)
+        out, aux = self.attend_heads(*self.qkv_heads(x), return_aux)
+        return self.project(out), aux
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, return_aux: bool, bias: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """``proj(merge_h(softmax(q kᵀ s + bias) v))``: SDPA unless the map is asked for (the explicit path
-        computes the same function and returns the map as ``aux["attn"]``). Variants that change only q, k, v
-        or add logits (:mod:`vitlab.mixers.attention_variants`) call this too."""
+        """``proj(merge_h(softmax(q kᵀ s + bias) v))`` (:meth:`attend_heads`, then :meth:`project`). Variants
+        that change only q, k, v or add logits (:mod:`vitlab.mixers.attention_variants`) call this."""
+        out, aux = self.attend_heads(q, k, v, return_aux, bias)
+        return self.project(out), aux
+
+    def project(self, out: Tensor) -> Tensor:
+        """The output projection of the heads' results ``out`` (B, H, N, d_h) -> (B, N, C)."""
+        return self.proj_drop(fused_linear(self.proj, merge_heads(out)))
+
+    def attend_heads(
+        self, q: Tensor, k: Tensor, v: Tensor, return_aux: bool, bias: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``softmax(q kᵀ s + bias) v`` per head (B, H, N, d_h): SDPA unless the map is asked for (the explicit
+        path computes the same function and returns the map as ``aux["attn"]``)."""
         aux: dict[str, Tensor] = {}
         if self.fused and not return_aux and not self._explicit_trains_faster(q):
             drop = self.attn_drop.p if self.training else 0.0
@@ -116,7 +130,7 @@ class Attention(TokenMixer):
             attn = attention_map(q, k, self.scale, self.causal, bias)
             aux["attn"] = attn
             out = self.attn_drop(attn) @ v
-        return self.proj_drop(fused_linear(self.proj, merge_heads(out))), aux
+        return out, aux
 
     def _explicit_trains_faster(self, q: Tensor) -> bool:
         """Whether the explicit map beats SDPA for this call: training on the CPU with short sequences, where

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import Attention, attention_softmax_flops
-from .base import TokenLayout, fused_linear, grid_residual, merge_heads, split_heads
+from .base import TokenLayout, grid_residual, split_heads
 from .external import double_norm_flops, double_normalize
 
 TEMPERATURES = ("learnable", "scheduled")
@@ -150,7 +150,7 @@ class DoubleNormAttention(Attention):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
         attn = double_normalize((q * self.scale) @ k.transpose(-2, -1), token_dim=-2, memory_dim=-1)
-        out = self.proj_drop(fused_linear(self.proj, merge_heads(self.attn_drop(attn) @ v)))
+        out = self.project(self.attn_drop(attn) @ v)
         return out, ({"attn": attn} if return_aux else {})
 
 

@@ -9,8 +9,9 @@ error 3-5e-7 against float64, MKL's 2.5e-7).
 :func:`linear` is ``x Wᵀ + b``, then ``+ r`` or the exact GELU, applied as the product leaves the kernel
 (``torch.ops.mkldnn._linear_pointwise``, the primitive PyTorch's own inductor uses for frozen CPU graphs).
 :class:`OneDNNLinear` differentiates it: ``∂L/∂x = g W``, ``∂L/∂W = gᵀ x`` (the transposes passed as strided
-views: oneDNN reads strides, no copies), ``∂L/∂b = Σ g``, ``∂L/∂r = g``; :func:`compiled_linear` is the same as
-registered operators, which ``torch.compile`` keeps in its graph. The FLOP counter counts the primitive as it
+views; the primitive copies its left operand gᵀ to contiguous memory and reads the right one's strides),
+``∂L/∂b = Σ g``, ``∂L/∂r = g``; :func:`compiled_linear` is the same as registered operators, which
+``torch.compile`` keeps in its graph. The FLOP counter counts the primitive as it
 counts aten's products (a formula registered below).
 """
 
@@ -54,8 +55,10 @@ def _gradients(ctx, g: Tensor, grad_input=_grad_input, grad_weight=_grad_weight)
     x, weight = ctx.saved_tensors
     n, k = weight.shape
     g2 = g.reshape(-1, n)
-    gx = grad_input(g2, weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    # the weight gradient first: the primitive takes gᵀ as a contiguous copy (M x N, freed on return), which then
+    # does not coexist with the input gradient (M x K); that order peaks no higher than aten's linear backward
     gw = grad_weight(g2, x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
+    gx = grad_input(g2, weight).view(x.shape) if ctx.needs_input_grad[0] else None
     gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return gx, gw, gb, (g if ctx.has_residual and ctx.needs_input_grad[3] else None)
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
-from .base import TokenLayout, batchnorm_flops, can_fold, fold_bn, fused_linear, merge_heads
+from .base import TokenLayout, batchnorm_flops, can_fold, fold_bn
 from .mixnorm import can_fuse, head_mix_batchnorm
 
 
@@ -69,7 +69,7 @@ class ReAttention(Attention):
         else:  # BN/conv may run in another precision under autocast; the map stays in V's dtype
             attn = self.var_norm(self.reatten_matrix(attn))
             attn = (attn * self.reatten_scale if self.reatten_scale != 1.0 else attn).to(v.dtype)
-        out = self.proj_drop(fused_linear(self.proj, merge_heads(attn @ v)))
+        out = self.project(attn @ v)
         return out, ({"attn": attn} if return_aux else {})
 
     def _remix_folded(self, attn: Tensor) -> Tensor:

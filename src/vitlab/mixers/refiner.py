@@ -420,5 +420,5 @@ class RefinerAttention(Attention):
             if self.refiner is not None:
                 attn = self.refine_map(attn)
             carry = attn
-        out = self.proj_drop(fused_linear(self.proj, merge_heads(attn @ v)))
+        out = self.project(attn @ v)
         return out, {"attn": attn, "carry": carry}
