@@ -408,6 +408,19 @@ def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale
     assert (counter.entries > 0) == (scale > 1)
 
 
+def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
+    """Inference at T = 1024: the tensors' peak is one band of e^{w - rowmax} (1 MB) and a few activations, not the
+    (T, T) matrix (4 MB) that autograd keeps (exact allocation record)."""
+    from vitlab.measure.process import tensor_peak_bytes
+
+    torch.manual_seed(7)
+    b, n, c = 1, 1024, 16
+    q, k, v, w = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(n, n)
+    with torch.inference_mode():
+        peak = tensor_peak_bytes(lambda: aft_mod.aft_full(q, k, v, w))
+    assert peak is not None and peak <= 4 * aft_mod._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
+
+
 def test_full_core_trains_the_bias_alone():
     """Frozen projections (keys and values without gradient) and a trained bias take the autograd path with its
     own layout of the key context (a stacked one, from the inference path, once gave wrong outputs here)."""

@@ -183,6 +183,7 @@ def _weighted_context(w: Tensor, ctx: Tensor, causal: bool) -> Tensor:
         ew = _bias_weights(w, start, stop, causal)
         for i in range(ctx.shape[0]):
             torch.mm(ew, ctx[i, : ew.shape[1]], out=out[i, start:stop])
+        del ew  # before the next band is formed: one band at a time
     return out
 
 

@@ -56,7 +56,7 @@ def _gradients(ctx, g: Tensor, grad_input=_grad_input, grad_weight=_grad_weight)
     n, k = weight.shape
     g2 = g.reshape(-1, n)
     # the weight gradient first: the primitive takes gᵀ as a contiguous copy (M x N, freed on return), which then
-    # does not coexist with the input gradient (M x K); that order peaks no higher than aten's linear backward
+    # does not coexist with the input gradient (M x K)
     gw = grad_weight(g2, x.reshape(-1, k)) if ctx.needs_input_grad[1] else None
     gx = grad_input(g2, weight).view(x.shape) if ctx.needs_input_grad[0] else None
     gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
