@@ -214,3 +214,30 @@ def test_bad_input_raises():
         Attention(16, num_heads=3)
     with pytest.raises(ValueError, match="dim must be positive"):
         Attention(0, num_heads=1)
+
+
+def test_q_k_v_are_freed_before_the_projection_allocates(monkeypatch):
+    """Without autograd the (B, N, 3C) projection is released as soon as the heads are attended: the output
+    projection's buffer then takes its place (4 activation-sized buffers at the peak, not 5)."""
+    import weakref
+
+    from vitlab.mixers import TokenLayout
+
+    m = Attention(32, 4).eval()
+    alive: list[weakref.ref] = []
+    heads, project = m.qkv_heads, m.project
+
+    def recorded_heads(x):
+        q, k, v = heads(x)
+        alive.extend(weakref.ref(t) for t in (q, k, v))
+        return q, k, v
+
+    def checked_project(out):
+        assert alive and all(r() is None for r in alive), "q, k or v still alive at the projection"
+        return project(out)
+
+    monkeypatch.setattr(m, "qkv_heads", recorded_heads)
+    monkeypatch.setattr(m, "project", checked_project)
+    with torch.inference_mode():
+        out = m(torch.randn(2, 10, 32), TokenLayout.sequence())
+    assert out.shape == (2, 10, 32)

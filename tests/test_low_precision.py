@@ -168,6 +168,27 @@ def test_fp32_training_takes_onednn_only_where_it_may():
         gx.sum().backward()
 
 
+def test_fp32_weight_gradient_copy_does_not_meet_the_input_gradient():
+    """The weight gradient's primitive copies gᵀ (M x N) to contiguous memory; computed before the input gradient
+    (M x K), that copy never coexists with it, and the backward pass peaks less than one such copy above aten's
+    (exact allocation record, not the RSS; oneDNN's own scratch space is a few hundred KiB)."""
+    from vitlab.measure.process import tensor_peak_bytes
+
+    torch.manual_seed(0)
+    m, k, n = 1024, 512, 256
+    lin, x, g = nn.Linear(k, n), torch.randn(m, k, requires_grad=True), torch.randn(m, n)
+    if not trains_linear_in_onednn(x, lin.weight):
+        pytest.skip("oneDNN is not available to this torch build")
+    onednn_out, aten_out = fused_linear(lin, x), lin(x)
+    assert type(onednn_out.grad_fn).__name__ == "OneDNNLinearBackward"
+    inputs = (x, lin.weight, lin.bias)
+    onednn = tensor_peak_bytes(lambda: torch.autograd.grad(onednn_out, inputs, g, retain_graph=True))
+    aten = tensor_peak_bytes(lambda: torch.autograd.grad(aten_out, inputs, g, retain_graph=True))
+    assert onednn is not None and aten is not None
+    assert aten >= 4 * (m * k + n * k)  # the record sees both gradients
+    assert onednn < aten + 4 * m * n, (onednn, aten)
+
+
 def test_torch_func_transforms_take_the_plain_operations():
     """Per-sample gradients (vmap of grad) through a layer: torch.func has rules for aten's ops, not for the
     oneDNN function; the result equals the loop over samples."""
