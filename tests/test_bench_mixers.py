@@ -45,8 +45,8 @@ def runner():
         yield r
 
 
-def _alloc(mb: float, **kw) -> CaseSpec:
-    return CaseSpec("vitlab.measure.process:allocation_case", {"mb": mb}, repeats=1, **kw)
+def _alloc(mb: float, tensor: bool = False, **kw) -> CaseSpec:
+    return CaseSpec("vitlab.measure.process:allocation_case", {"mb": mb, "tensor": tensor}, repeats=1, **kw)
 
 
 @pytest.mark.parametrize("isolation", ["forkserver", "subprocess"])
@@ -60,6 +60,28 @@ def test_peak_memory_sees_a_known_allocation(isolation, runner):
     assert m["peak_reset"] and m["allocator"].startswith("glibc")
     assert 190 * MB <= m["delta"] <= 240 * MB, m  # the allocation, not the interpreter or torch
     assert m["peak"] == m["baseline"] + m["delta"]
+
+
+def test_memory_pass_reports_the_tensor_peak_on_the_cpu(runner):
+    res = runner.run(_alloc(64, tensor=True, passes=("memory",)))
+    assert res["status"] == "ok", res
+    assert res["mem"]["tensors"] == 64 * MB  # exact: the profiler's record of the one tensor
+    assert runner.run(_alloc(64, passes=("memory",)))["mem"]["tensors"] == 0  # a bytearray is no tensor
+
+
+def test_tensor_peak_is_exact_and_sees_frees_of_blocks_made_before():
+    state = {"kept": torch.empty(4 * MB, dtype=torch.uint8)}
+
+    def work():
+        state["kept"] = None  # a block made before the call is freed ...
+        a, b = torch.empty(10 * MB, dtype=torch.uint8), torch.empty(5 * MB, dtype=torch.uint8)
+        del a
+        c = torch.empty(8 * MB, dtype=torch.uint8)
+        state["kept"] = torch.empty(4 * MB, dtype=torch.uint8)  # ... and made again
+        del b, c
+
+    # -4, +10, +5 (peak 11), -10, +8, +4 (peak 13) over the start of the call
+    assert measure.tensor_peak_bytes(work) == 13 * MB
 
 
 def test_both_passes_merge(runner):

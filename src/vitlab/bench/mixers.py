@@ -361,6 +361,7 @@ def describe(r: dict[str, Any]) -> str:
     return (
         f"{fmt_time(t['median'])} (IQR {fmt_time(t['iqr'])}, n={t['n']}) | "
         f"peak {fmt_mem(m['peak'])}, +{fmt_mem(m['delta'])} over baseline"
+        + (f" ({fmt_mem(m['tensors'])} of tensors)" if m.get("tensors") is not None else "")
     )
 
 

@@ -108,7 +108,8 @@ DEFINITIONS = {
     "gemm_flops_per_s": "this case's GEMM rate: median rate of single torch.mm calls over >= 2 s, 2048^3 on the "
     "CPU, 8192^3 on a GPU",
     "mem": "memory pass: peak RSS of one call and peak - baseline (RSS after setup), bytes; on a GPU the GPU "
-    "allocator's peak over the call and peak - allocated after setup (the host's RSS figures under mem.host)",
+    "allocator's peak over the call and peak - allocated after setup (the host's RSS figures under mem.host); on "
+    "the CPU mem.tensors: the call's peak of tensor memory over what tensors held before it (profiler record)",
 }
 
 
@@ -367,6 +368,8 @@ def describe(r: dict[str, Any]) -> str:
         return f"{r['status']} ({r.get('reason', '')})"
     util = f"{100 * r['util']:.0f} %" if r.get("util") is not None else "-"
     mem = f", +{fmt_mem(r['mem']['delta'])} peak{' (GPU)' * ('host' in r['mem'])}" if r.get("mem") else ""
+    if r.get("mem", {}).get("tensors") is not None:
+        mem += f" ({fmt_mem(r['mem']['tensors'])} of tensors)"
     return (
         f"{r['throughput']:.3g} img/s, {fmt_time(r['time_s']['median'])}/batch (IQR "
         f"{fmt_time(r['time_s']['iqr'])}, n={r['time_s']['n']}){mem}, util {util} of "
@@ -393,6 +396,7 @@ COLUMNS = (
     ("iqr_ms", "IQR ms", "{:.3g}"),
     ("peak_mb", "peak MiB", "{:.0f}"),
     ("delta_mb", "+MiB", "{:.0f}"),
+    ("tensors_mb", "tensors MiB", "{:.0f}"),
     ("achieved_gflops", "GFLOP/s", "{:.1f}"),
     ("gemm_gflops", "GEMM GF/s", "{:.1f}"),
     ("util_pct", "util %", "{:.1f}"),
@@ -427,6 +431,7 @@ def flat_row(r: dict[str, Any]) -> dict[str, Any]:
             iqr_ms=r["time_s"]["iqr"] * 1e3,
             peak_mb=mem["peak"] / MB if mem else None,
             delta_mb=mem["delta"] / MB if mem else None,
+            tensors_mb=mem["tensors"] / MB if mem.get("tensors") is not None else None,
             achieved_gflops=r["achieved_flops_per_s"] / 1e9,
             gemm_gflops=r["gemm_flops_per_s"] / 1e9 if r.get("gemm_flops_per_s") else None,
             util_pct=100 * r["util"] if r.get("util") is not None else None,
@@ -462,7 +467,9 @@ def table(results: list[dict[str, Any]]) -> str:
         "MACs: matmul/conv multiply-accumulates (papers' convention); FLOPs: 2 x MACs + the mixers' elementwise work; "
         "util: 2 x MACs (x3 when training) / median call time / the best GEMM rate (median of 2048^3 calls on the "
         "CPU, 8192^3 on a GPU) of the run; case util: / the case's own GEMM rate; peak: peak RSS of one call (on a "
-        "GPU the allocator's peak), +MiB: peak - baseline after setup"
+        "GPU the allocator's peak), +MiB: peak - baseline after setup; tensors MiB (CPU): the call's peak of tensor "
+        "memory alone, from the profiler's allocation record (the RSS adds the allocator's heap and code paged in on "
+        "first use)"
     )
     if any((row.get("util_pct") or 0) > 100 for row in rows):
         legend += (

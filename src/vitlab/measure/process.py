@@ -15,7 +15,9 @@
     (:func:`vitlab.runtime.return_freed_memory`: freed blocks go back to the OS, so RSS
     follows the live tensors), the RSS after
     setup is the *baseline*, the kernel's peak-RSS counter is reset (Linux), the
-    callable runs once, and ``peak - baseline`` is the memory that call needed;
+    callable runs once, and ``peak - baseline`` is the memory that call needed; on the
+    CPU also the peak of its tensors alone, exact from the profiler's allocation record
+    (:func:`tensor_peak_bytes`: what the RSS holds beyond it is the allocator's and first use's);
   - *time*: the allocator of the ``vitlab`` command (``CaseSpec.allocator``, default
     :func:`vitlab.runtime.keep_freed_memory`), warmup + timed repeats, median and IQR.
 
@@ -105,6 +107,56 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (the profiler's C++ start/stop lines bypass Python's streams)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def tensor_peak_bytes(fn: Callable[[], object]) -> int | None:
+    """The peak of the bytes held by torch's CPU tensors during a call of ``fn``, over what they held as it began.
+
+    Read from the profiler's record of every CPU allocation and free, so it is exact whatever the allocator does
+    with freed memory; the RSS also counts the heap the allocator keeps or fragments and library code paged in on
+    first use. ``fn`` runs twice and the second call is measured: a free is recorded with its size only for a block
+    allocated while the profiler ran. None where the record is unavailable (another torch build).
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    try:
+        from torch._C._profiler import _EventType
+
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+            with record_function("vitlab::measured_call"):
+                fn()
+        start, allocs, stack = None, [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                allocs.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
+            elif e.name == "vitlab::measured_call":
+                start = e.start_time_ns
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    if start is None:
+        return None
+    allocs = sorted(a for a in allocs if a[0] >= start)
+    if not allocs:
+        return 0
+    held_before = allocs[0][1] - allocs[0][2]
+    return max(0, max(total for _, total, _ in allocs) - held_before)
 
 
 # --------------------------------------------------------------------------- timing
@@ -268,7 +320,7 @@ class CaseRunner:
         * memory: ``mem`` (bytes) ``baseline`` = RSS after setup, ``peak`` = peak RSS of one call,
           ``delta = peak - baseline``, ``import`` = RSS before setup, ``peak_reset`` (whether the
           kernel's peak counter was reset after setup, so that ``peak`` is the call's own),
-          ``allocator``;
+          ``allocator``; on the CPU ``tensors``, the call's peak of tensor memory (:func:`tensor_peak_bytes`);
         * time: ``time_s`` (:meth:`Timing.summary`) and ``mem["timed"]``: baseline, peak and delta
           over the warmup and timed calls under ``spec.allocator`` (includes heap fragmentation and, with
           "keep", freed memory kept for reuse), and ``allocator``.
@@ -445,6 +497,9 @@ def _measure_in_this_process(spec: CaseSpec) -> dict[str, Any]:
     if name == "memory":
         allocator = "glibc, fixed mmap threshold 128 KiB" if tight else "default"
         out["mem"].update(**{"import": import_rss}, peak_reset=reset, allocator=allocator)
+        if device.type == "cpu":  # after the RSS figures, which the profiler's own memory would blur
+            _release(prepared)
+            out["mem"]["tensors"] = tensor_peak_bytes(prepared.fn)
     return out
 
 
@@ -475,12 +530,13 @@ def _worker(spec_path: str, out_path: str) -> int:
 # --------------------------------------------------------------------------- calibration case
 
 
-def allocation_case(mb: float = 200.0) -> Prepared:
-    """A case whose work allocates and touches ``mb`` MiB, then frees it (to check the measurement)."""
+def allocation_case(mb: float = 200.0, tensor: bool = False) -> Prepared:
+    """A case whose work allocates and touches ``mb`` MiB (a bytearray, or a tensor), then frees it (to check the
+    measurement)."""
     n = int(mb * MB)
 
     def work() -> None:
-        buf = bytearray(b"\x01") * n  # repetition writes every byte, so every page is resident
+        buf = torch.ones(n, dtype=torch.uint8) if tensor else bytearray(b"\x01") * n  # every page written
         del buf
 
     return Prepared(work, {"allocates_bytes": n})
