@@ -421,6 +421,23 @@ def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     assert peak is not None and peak <= 4 * aft_mod._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
 
 
+def test_simple_without_autograd_holds_at_most_three_activations():
+    """Inference projects K and V, reduces them to the context vector and frees them before Q: at most K, V and
+    e^K (3 activations) at once, where the fused [Q | K | V] projection alone is 3 (exact allocation record); the
+    values are those of the fused path."""
+    from vitlab.measure.process import tensor_peak_bytes
+
+    m = make("simple").eval()
+    x = torch.randn(2, 512, 24)
+    unit = 4 * x.numel()
+    with torch.inference_mode():
+        peak = tensor_peak_bytes(lambda: m(x, TokenLayout.sequence()))
+        thirds = m(x, TokenLayout.sequence())
+        fused, _ = m.mix(x, TokenLayout.sequence(), None, True)  # the keys asked for: the fused projection
+    assert peak is not None and peak <= 3 * unit + 4096, (peak, unit)
+    torch.testing.assert_close(thirds, fused, rtol=1e-5, atol=1e-6)
+
+
 def test_full_core_trains_the_bias_alone():
     """Frozen projections (keys and values without gradient) and a trained bias take the autograd path with its
     own layout of the key context (a stacked one, from the inference path, once gave wrong outputs here)."""

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 
-def _context(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def context(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``s = Σ_t softmax_t(K) V_t`` (B, 1, C) from key and value views (B, T, C), with the keys' maxima and the
     shifted softmax denominators it was computed with."""
     m = k.amax(1, keepdim=True)
@@ -34,7 +34,7 @@ class _AFTSimpleQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor) -> Tensor:
         q, k, v = qkv.chunk(3, -1)
-        s, m, den = _context(k, v)
+        s, m, den = context(k, v)
         ctx.save_for_backward(qkv, s, m, den)
         return torch.sigmoid(q).mul_(s)
 
@@ -61,5 +61,5 @@ def aft_simple_qkv(qkv: Tensor) -> Tensor:
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _AFTSimpleQKV.apply(qkv)
     q, k, v = qkv.chunk(3, -1)
-    s = _context(k, v)[0]  # its (B, T, C) buffer is freed before the sigmoid's is allocated
+    s = context(k, v)[0]  # its (B, T, C) buffer is freed before the sigmoid's is allocated
     return torch.sigmoid(q).mul_(s)

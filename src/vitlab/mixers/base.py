@@ -268,6 +268,14 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     return y if residual is None or inside is not None else residual + y
 
 
+def linear_rows(linear: nn.Linear, x: Tensor, start: int, stop: int) -> Tensor:
+    """Output features ``start .. stop-1`` of ``linear(x)``: the product with that block of the weight's rows, in
+    oneDNN where :func:`fused_linear` takes it. For a plain ``nn.Linear`` (a replaced layer has no rows to take)."""
+    w = linear.weight[start:stop]
+    b = None if linear.bias is None else linear.bias[start:stop]
+    return onednn.linear(x, w, b) if fuses_linear(x, w) else F.linear(x, w, b)
+
+
 def can_fold(module: nn.Module, t: Tensor) -> bool:
     """Whether an eval-only fast path may run: eval mode (BatchNorm uses its running statistics) and no
     autograd (the fast paths work in place)."""
