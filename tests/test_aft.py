@@ -6,6 +6,7 @@ The goldens (community implementations) are in test_aft_golden.py.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import pytest
@@ -513,16 +514,20 @@ PRECISIONS = [
 ]
 
 
+@pytest.mark.parametrize("mode", [nullcontext, torch.inference_mode], ids=["autograd", "inference"])
 @pytest.mark.parametrize(("device", "low"), PRECISIONS)
 @pytest.mark.parametrize(("kind", "kw"), STRESS, ids=[s[0] for s in STRESS])
-def test_modules_stable_in_fp32_and_under_autocast(kind, kw, device, low):
+def test_modules_stable_in_fp32_and_under_autocast(kind, kw, device, low, mode):
+    """Under inference mode the mixers take their inference paths (AFT-full/simple: the projections in thirds)."""
     m = huge_module(kind, kw)
     x = torch.randn(2, 21, 24)
     on = m.to(device)
     if low is None:  # K ~ 1e4 from an fp32 matmul: logits carry ~1e-3 abs error
-        assert_rel(on(x.to(device), GRID).cpu(), reference(m.cpu(), x, GRID), 1e-4)
+        with mode():
+            out = on(x.to(device), GRID).cpu()
+        assert_rel(out, reference(m.cpu(), x, GRID), 1e-4)
         return
-    with torch.autocast(device, dtype=low):
+    with torch.autocast(device, dtype=low), mode():
         out16 = on(x.to(device), GRID).cpu()
         qkv16 = [t.cpu() for t in split_qkv(on, x.to(device))]  # F.linear under autocast: the module's projections
     assert out16.dtype == x.dtype
