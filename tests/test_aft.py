@@ -518,7 +518,7 @@ PRECISIONS = [
 @pytest.mark.parametrize(("device", "low"), PRECISIONS)
 @pytest.mark.parametrize(("kind", "kw"), STRESS, ids=[s[0] for s in STRESS])
 def test_modules_stable_in_fp32_and_under_autocast(kind, kw, device, low, mode):
-    """Under inference mode the mixers take their inference paths (AFT-full/simple: the projections in thirds)."""
+    """Under inference mode the mixers take their inference paths (AFT-simple: [K | V] projected before Q)."""
     m = huge_module(kind, kw)
     x = torch.randn(2, 21, 24)
     on = m.to(device)

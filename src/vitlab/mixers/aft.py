@@ -750,7 +750,7 @@ class AFTSimple(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         plain = type(self.qkv) is nn.Linear
         if plain and not (self.causal or return_aux or capturing_graph()) and _no_autograd(x, *self.parameters()):
-            return self._mix_in_thirds(x), {}
+            return self._mix_keys_first(x), {}
         qkv = fused_linear(self.qkv, x)
         with _no_autocast(x):
             if self.causal or capturing_graph():  # a captured graph differentiates the plain operations itself
@@ -760,7 +760,7 @@ class AFTSimple(TokenMixer):
         out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
 
-    def _mix_in_thirds(self, x: Tensor) -> Tensor:
+    def _mix_keys_first(self, x: Tensor) -> Tensor:
         """Non-causal AFT-simple without autograd: ``[K | V]`` projected, reduced to the context ``s`` and freed,
         then Q projected and gated in place. Q never coexists with K, V and ``e^K``: at most 3 activations alive
         instead of 5 (the fused projection, ``e^K``, the gate), the same speed on the CPU."""
