@@ -165,8 +165,7 @@ def _bias_weights(w: Tensor, start: int, stop: int, causal: bool) -> Tensor:
     t' > t are 0 and the columns stop at ``stop`` (the rest would be 0 too)."""
     rows = w[start:stop, :stop] if causal else w[start:stop]
     if causal:
-        future = torch.arange(stop, device=w.device) > torch.arange(start, stop, device=w.device)[:, None]
-        rows = rows.masked_fill(future, float("-inf"))
+        rows = _mask_future(rows, torch.arange(start, stop, device=w.device))
     # the ratio does not depend on the shifts, so they carry no gradient
     top = rows.detach().amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
@@ -215,7 +214,7 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     else:  # one (T, T) @ (T, B·2C) product for numerator and denominator (a faster backward)
         ctx = ctx.transpose(0, 1).reshape(n, b * 2 * c)
         num, den = (_bias_weights(w, 0, n, causal) @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
-    rows = (lambda t, g: w[t] + _causal_rows(n, t)) if causal else (lambda t, g: w[t])
+    rows = (lambda t, g: _mask_future(w[t], t)) if causal else (lambda t, g: w[t])
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows)
     return _gate(q, y.squeeze(-1))
 
@@ -243,10 +242,9 @@ def aft_local_banded(
     return _gate(q, y.squeeze(-1))
 
 
-def _causal_rows(n: int, t: Tensor) -> Tensor:
-    """(m, n) bias rows of causal AFT-simple: 0 for t' <= t, -inf after."""
-    future = torch.arange(n, device=t.device)[None] > t[:, None]
-    return torch.zeros(future.shape, device=t.device).masked_fill(future, float("-inf"))
+def _mask_future(rows: Tensor, t: Tensor) -> Tensor:
+    """Bias rows (m, n) of the query positions ``t`` (m,) with the pairs t' > t excluded (-inf): causal AFT."""
+    return rows.masked_fill(torch.arange(rows.shape[-1], device=t.device) > t[:, None], float("-inf"))
 
 
 def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
@@ -259,7 +257,9 @@ def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
         return torch.sigmoid(q) * (k.softmax(1) * v).sum(1, keepdim=True)
     ek = (k - k.detach().amax(1, keepdim=True)).exp()
     num, den = (ek * v).cumsum(1), ek.cumsum(1)
-    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: _causal_rows(k.shape[1], t))
+    y = _ratio(
+        num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: _mask_future(k.new_zeros(len(t), k.shape[1]), t)
+    )
     return _gate(q, y.squeeze(-1))
 
 
@@ -723,9 +723,7 @@ class AFTLocal(AFTFull):
     def _bias_rows(self, n: int, t: Tensor, g: Tensor | None = None) -> Tensor:
         """Full rows ``w[t, :]`` (m, n), the future excluded when causal; only underflowed entries need them."""
         rows = self.position_bias(n)[t]
-        if not self.causal:
-            return rows
-        return rows.masked_fill(torch.arange(n, device=t.device)[None] > t[:, None], float("-inf"))
+        return _mask_future(rows, t) if self.causal else rows
 
 
 class AFTSimple(TokenMixer):
