@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vitlab.measure.process import tensor_peak_bytes
 from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
 from vitlab.mixers import aft as aft_mod
 from vitlab.mixers.aft_banded import MIN_BLOCK, band_positions, local_bias_band
@@ -412,8 +413,6 @@ def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale
 def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     """Inference at T = 1024: the tensors' peak is one band of e^{w - rowmax} (1 MB) and a few activations, not the
     (T, T) matrix (4 MB) that autograd keeps (exact allocation record)."""
-    from vitlab.measure.process import tensor_peak_bytes
-
     torch.manual_seed(7)
     b, n, c = 1, 1024, 16
     q, k, v, w = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(n, n)
@@ -423,20 +422,18 @@ def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
 
 
 def test_simple_without_autograd_holds_at_most_three_activations():
-    """Inference projects K and V, reduces them to the context vector and frees them before Q: at most K, V and
-    e^K (3 activations) at once, where the fused [Q | K | V] projection alone is 3 (exact allocation record); the
+    """Inference projects [K | V], reduces it to the context vector and frees it before Q: at most K, V and e^K
+    (3 activations) at once, where the fused [Q | K | V] projection alone is 3 (exact allocation record); the
     values are those of the fused path."""
-    from vitlab.measure.process import tensor_peak_bytes
-
     m = make("simple").eval()
     x = torch.randn(2, 512, 24)
     unit = 4 * x.numel()
     with torch.inference_mode():
         peak = tensor_peak_bytes(lambda: m(x, TokenLayout.sequence()))
-        thirds = m(x, TokenLayout.sequence())
+        keys_first = m(x, TokenLayout.sequence())
         fused, _ = m.mix(x, TokenLayout.sequence(), None, True)  # the keys asked for: the fused projection
     assert peak is not None and peak <= 3 * unit + 4096, (peak, unit)
-    torch.testing.assert_close(thirds, fused, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(keys_first, fused, rtol=1e-5, atol=1e-6)
 
 
 def test_full_core_trains_the_bias_alone():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import assert_close_to_golden, load_golden
-from vitlab.mixers import Attention, attention_map, build
+from vitlab.mixers import Attention, TokenLayout, attention_map, build
 from vitlab.mixers.attention import HeadMix
 
 
@@ -219,10 +221,6 @@ def test_bad_input_raises():
 def test_q_k_v_are_freed_before_the_projection_allocates(monkeypatch):
     """Without autograd the (B, N, 3C) projection is released as soon as the heads are attended: the output
     projection's buffer then takes its place (4 activation-sized buffers at the peak, not 5)."""
-    import weakref
-
-    from vitlab.mixers import TokenLayout
-
     m = Attention(32, 4).eval()
     alive: list[weakref.ref] = []
     heads, project = m.qkv_heads, m.project
