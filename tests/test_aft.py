@@ -421,6 +421,22 @@ def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     assert peak is not None and peak <= 4 * aft_mod._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_core_without_autograd_holds_three_activations_beside_the_weights(causal):
+    """A short sequence without autograd: e^{w - rowmax} formed once, the denominator's product from e^K, then
+    e^K ⊙ V in e^K's buffer and the numerator's product: the weights and at most three one-activation buffers
+    (exact allocation record; the stacked key context and its stacked product held four), and the paper's values."""
+    torch.manual_seed(8)
+    b, n, c = 4, 64, 32
+    q, k, v, w = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(n, n)
+    unit = 4 * b * n * c
+    with torch.inference_mode():
+        peak = tensor_peak_bytes(lambda: aft_mod.aft_full(q, k, v, w, causal))
+        y = aft_mod.aft_full(q, k, v, w, causal)
+    assert peak is not None and peak <= 4 * n * n + 3 * unit + 4096, (peak, unit)
+    assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
+
+
 def test_simple_without_autograd_holds_at_most_three_activations():
     """Inference projects [K | V], reduces it to the context vector and frees it before Q: at most K, V and e^K
     (3 activations) at once, where the fused [Q | K | V] projection alone is 3 (exact allocation record); the
