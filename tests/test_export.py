@@ -24,6 +24,7 @@ from vitlab.export import (
     supports_dynamic_size,
     to_torchscript,
 )
+from vitlab.mixers.base import traced_or_exported
 from vitlab.models import get_config
 
 FAMILIES = [
@@ -158,3 +159,44 @@ def test_cli_export_torchscript(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 2 and "unknown model" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+# ------------------------------------------------------------------------------------ capture detection
+class _CaptureRecorder(torch.nn.Module):
+    """Records what :func:`traced_or_exported` says in each forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(traced_or_exported())
+        return x * 2
+
+
+@pytest.mark.parametrize("how", ["trace", "onnx-torchscript"])
+def test_capture_is_seen_by_the_tracer_and_the_onnx_exporter(how, tmp_path):
+    """The forward passes a TorchScript trace or the TorchScript-based ONNX exporter records see the capture (the
+    trace's check then runs the module eagerly again). The dynamo-based exporter is a torch.compile capture."""
+    m, x = _CaptureRecorder(), torch.randn(2, 3)
+    m(x)
+    if how == "trace":
+        torch.jit.trace(m, x)
+    else:
+        need_onnx()
+        torch.onnx.export(m, (x,), str(tmp_path / "m.onnx"), dynamo=False)
+    assert m.seen[:2] == [False, True], m.seen
+
+
+def test_a_forward_pass_imports_no_onnx_exporter():
+    """Asking whether an ONNX export records must not import the exporters (27 modules, ~2.5 MB in the first
+    forward pass): a fresh process runs an AFT model and finds no torch.onnx module loaded."""
+    code = (
+        "import sys, torch, vitlab\n"
+        "m = vitlab.create_model('aft_full_mini', num_classes=4).eval()\n"
+        "with torch.inference_mode():\n"
+        "    m(torch.randn(1, 3, *m.default_cfg['input_size'][1:]))\n"
+        "print(sorted(k for k in sys.modules if k.startswith('torch.onnx')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
