@@ -433,7 +433,7 @@ def test_full_core_without_autograd_holds_three_activations_beside_the_weights(c
     with torch.inference_mode():
         peak = tensor_peak_bytes(lambda: aft_mod.aft_full(q, k, v, w, causal))
         y = aft_mod.aft_full(q, k, v, w, causal)
-    assert peak is not None and peak <= 4 * n * n + 3 * unit + 4096, (peak, unit)
+    assert peak is not None and peak <= 4 * n * n + 3 * unit + 16384, (peak, unit)  # + small reductions
     assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
 
 
