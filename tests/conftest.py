@@ -72,3 +72,21 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     seed = getattr(config.option, "randomly_seed", None)
     order = f"random order, --randomly-seed={seed}" if config.pluginmanager.hasplugin("randomly") else "file order"
     terminalreporter.write_line(f"vitlab tests: {order}; {THREADS} torch thread(s) (VITLAB_TEST_THREADS)")
+
+
+@pytest.fixture
+def onednn_linear(monkeypatch):
+    """oneDNN's linear path taken wherever its primitive works on this CPU, whatever the probe's timing chose
+    (a test of that path, not of the choice). Call the fixture's value with a dtype (and ``training=True``) to
+    skip where the primitive does not run in it: the plain path, which those CPUs take, has tests of its own."""
+    from dataclasses import replace
+
+    from vitlab.ops import probe
+
+    def require(dtype: torch.dtype = torch.float32, training: bool = False) -> None:
+        decision = probe.onednn_linear(dtype, training)
+        if not decision.works:
+            pytest.skip(f"oneDNN's {dtype} linear does not run on this CPU: {decision.reason}")
+        monkeypatch.setitem(probe._DECISIONS, (dtype, training), replace(decision, taken=True))
+
+    return require

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from vitlab.measure.process import tensor_peak_bytes
 from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
 from vitlab.mixers import aft as aft_mod
-from vitlab.mixers.aft_banded import MIN_BLOCK, band_positions, local_bias_band
+from vitlab.ops import aft as aft_ops
+from vitlab.ops.aft_banded import MIN_BLOCK, band_positions, local_bias_band
 
 # ---------------------------------------------------------------- naive references (float64, literal sums)
 
@@ -218,7 +219,7 @@ def test_conv_matches_literal_eq6():
     b, n, h, c = 2, 20, 3, 12
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h)
     w = torch.randn(h, 5, 5)
-    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
+    y = aft_ops.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_paper(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
 
@@ -231,7 +232,7 @@ def test_conv_without_global_context_is_local_only(scale):
     b, n, h, c = 2, 20, 2, 8
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, h) * scale
     w = torch.randn(h, 3, 3) * scale
-    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, grid, 0, global_context=False)
+    y = aft_ops.aft_conv(torch.cat([q, k, v], -1), w, grid, 0, global_context=False)
     assert torch.isfinite(y).all()
     assert_rel(y, naive_conv_pairs(q, k, v, w, grid, 0, outside=-math.inf), 1e-5)
     m = make("conv", num_heads=2, kernel_size=3, outside="-inf")
@@ -329,13 +330,13 @@ def test_causal_outputs_ignore_the_future(kind, kw):
 class FallbackCounter:
     def __init__(self, monkeypatch):
         self.entries = 0
-        original = aft_mod._exact_entries
+        original = aft_ops._exact_entries
 
         def counting(k, v, rows, b, t, g):
             self.entries += b.numel()
             return original(k, v, rows, b, t, g)
 
-        monkeypatch.setattr(aft_mod, "_exact_entries", counting)
+        monkeypatch.setattr(aft_ops, "_exact_entries", counting)
 
 
 def big(*shape, scale=1e4):
@@ -350,13 +351,13 @@ def test_full_core_stable_for_huge_keys_and_biases(causal, monkeypatch):
     q, v = torch.randn(b, n, c), torch.randn(b, n, c)
     k = big(b, n, c).requires_grad_()
     w = big(n, n).requires_grad_()
-    y = aft_mod.aft_full(q, k, v, w, causal)
+    y = aft_ops.aft_full(q, k, v, w, causal)
     kd, wd = k.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = naive_full(q, kd, v, wd, causal)
     assert_rel(y, ref, 1e-5)
     assert counter.entries > 0  # the max-shifted products underflowed: per-factor shifts are not enough
     with torch.inference_mode():  # the in-place path replaces the same entries
-        assert_rel(aft_mod.aft_full(q, k.detach(), v, w.detach(), causal), ref, 1e-5)
+        assert_rel(aft_ops.aft_full(q, k.detach(), v, w.detach(), causal), ref, 1e-5)
     # gradients through the fallback entries are exact too
     g = torch.randn(b, n, c)
     (y * g).sum().backward()
@@ -382,10 +383,10 @@ def test_local_and_simple_cores_stable(monkeypatch):
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), big(b, n, c)
     far = (torch.arange(n)[:, None] - torch.arange(n)[None]).abs() >= 3
     w = big(n, n).masked_fill(far, -math.inf)  # AFT-local with -inf outside, huge biases inside
-    assert_rel(aft_mod.aft_full(q, k, v, w, True), naive_full(q, k, v, w, True), 1e-5)
+    assert_rel(aft_ops.aft_full(q, k, v, w, True), naive_full(q, k, v, w, True), 1e-5)
     zeros = torch.zeros(n, n)
-    assert_rel(aft_mod.aft_simple(q, k, v, True), naive_full(q, k, v, zeros, True), 1e-5)
-    assert_rel(aft_mod.aft_simple(q, k, v, False), naive_full(q, k, v, zeros, False), 1e-5)
+    assert_rel(aft_ops.aft_simple(q, k, v, True), naive_full(q, k, v, zeros, True), 1e-5)
+    assert_rel(aft_ops.aft_simple(q, k, v, False), naive_full(q, k, v, zeros, False), 1e-5)
     assert counter.entries > 0
 
 
@@ -397,14 +398,14 @@ def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale
     torch.manual_seed(5)
     counter = FallbackCounter(monkeypatch)
     bands = []
-    original = aft_mod._bias_weights
-    monkeypatch.setattr(aft_mod, "_BIAS_BAND_ELEMS", 5 * 23)
-    monkeypatch.setattr(aft_mod, "_bias_weights", lambda w, *a: bands.append(a) or original(w, *a))
+    original = aft_ops._bias_weights
+    monkeypatch.setattr(aft_ops, "_BIAS_BAND_ELEMS", 5 * 23)
+    monkeypatch.setattr(aft_ops, "_bias_weights", lambda w, *a: bands.append(a) or original(w, *a))
     b, n, c = 3, 23, 6
     q, v = torch.randn(b, n, c), torch.randn(b, n, c)
     k, w = torch.randn(b, n, c) * scale, torch.randn(n, n) * scale
     with torch.inference_mode():
-        y = aft_mod.aft_full(q, k, v, w, causal)
+        y = aft_ops.aft_full(q, k, v, w, causal)
     assert [a[:2] for a in bands] == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
     assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
     assert (counter.entries > 0) == (scale > 1)
@@ -417,8 +418,8 @@ def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     b, n, c = 1, 1024, 16
     q, k, v, w = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(n, n)
     with torch.inference_mode():
-        peak = tensor_peak_bytes(lambda: aft_mod.aft_full(q, k, v, w))
-    assert peak is not None and peak <= 4 * aft_mod._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
+        peak = tensor_peak_bytes(lambda: aft_ops.aft_full(q, k, v, w))
+    assert peak is not None and peak <= 4 * aft_ops._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -431,8 +432,8 @@ def test_full_core_without_autograd_holds_three_activations_beside_the_weights(c
     q, k, v, w = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(n, n)
     unit = 4 * b * n * c
     with torch.inference_mode():
-        peak = tensor_peak_bytes(lambda: aft_mod.aft_full(q, k, v, w, causal))
-        y = aft_mod.aft_full(q, k, v, w, causal)
+        peak = tensor_peak_bytes(lambda: aft_ops.aft_full(q, k, v, w, causal))
+        y = aft_ops.aft_full(q, k, v, w, causal)
     assert peak is not None and peak <= 4 * n * n + 3 * unit + 16384, (peak, unit)  # + small reductions
     assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
 
@@ -460,7 +461,7 @@ def test_full_core_trains_the_bias_alone():
     q, k, v = torch.randn(b, n, c), torch.randn(b, n, c), torch.randn(b, n, c)
     w = torch.randn(n, n, requires_grad=True)
     wd = w.detach().double().requires_grad_()
-    y, ref = aft_mod.aft_full(q, k, v, w), naive_full(q, k, v, wd)
+    y, ref = aft_ops.aft_full(q, k, v, w), naive_full(q, k, v, wd)
     assert_rel(y, ref, 1e-5)
     y.sum().backward()
     ref.sum().backward()
@@ -483,10 +484,10 @@ def test_conv_core_stable(bias_sign, monkeypatch):
     b, n, h, c = 2, 21, 2, 8
     q, v, k = torch.randn(b, n, c), torch.randn(b, n, c), big(b, n, h, scale=30)
     w = bias_sign * big(h, 3, 3).abs()
-    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
+    y = aft_ops.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
     k = big(b, n, h)
-    y = aft_mod.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
+    y = aft_ops.aft_conv(torch.cat([q, k, v], -1), w, layout.grid, layout.num_prefix)
     assert_rel(y, naive_conv_pairs(q, k, v, w, layout.grid, layout.num_prefix), 1e-5)
 
 
@@ -577,7 +578,7 @@ def randomise_bias(m, std):
 def dense_forward(m, x):
     """AFTLocal's O(N²) path written out: AFT-full's core on the module's dense masked bias."""
     q, k, v = m.qkv(x).chunk(3, -1)
-    return m.proj(aft_mod.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=m.causal))
+    return m.proj(aft_ops.aft_full(q, k, v, m.position_bias(x.shape[1]), causal=m.causal))
 
 
 @pytest.mark.parametrize(
@@ -599,7 +600,7 @@ def test_banded_core_is_the_paper_equation(n, window, outside, factorised):
     randomise_bias(m, 1.0)
     band = local_bias_band(n, max(window, MIN_BLOCK), m.u, m.v, m.w)
     # bias rows lambda t, g: None: no fallback
-    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None, causal=True)
+    y = aft_ops.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None, causal=True)
     ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
     assert torch.allclose(y, ref, rtol=1e-10, atol=1e-12)
 
@@ -659,7 +660,7 @@ def test_build_causal_aft_local_takes_the_band_path(monkeypatch):
 def test_forward_takes_the_path_uses_band_reports(causal, window, monkeypatch):
     """AFTLocal decides its path in one place (``uses_band``): the forward runs that core and ``extra_flops`` counts
     it, for token counts below, at and above the window and below and at max_len (others are resampled)."""
-    from vitlab.mixers.aft_banded import band_block, banded_flops
+    from vitlab.ops.aft_banded import band_block, banded_flops
 
     m = AFTLocal(8, 36, window=window, causal=causal, resample=True)
     spy = CoreSpy(monkeypatch, ("aft_full", "aft_simple", "aft_local_banded"))
@@ -704,7 +705,7 @@ def test_banded_path_stable_for_huge_keys_and_biases(monkeypatch):
     m = AFTLocal(c, n, window=window, bias_dim=None, causal=True)
     randomise_bias(m, 1e3)
     band = local_bias_band(n, MIN_BLOCK, w=m.w)
-    y = aft_mod.aft_local_banded(q, k, v, band, window, True, partial(m._bias_rows, n), causal=True)
+    y = aft_ops.aft_local_banded(q, k, v, band, window, True, partial(m._bias_rows, n), causal=True)
     ref = naive_full(q, k, v, naive_bias(m, n), causal=True)
     assert counter.entries > 0  # the exact float64 fallback ran
     assert torch.isfinite(y).all()
@@ -734,7 +735,7 @@ def test_noncausal_banded_core_is_the_paper_equation(n, window, outside, factori
     m = AFTLocal(c, n, window=window, outside=outside, bias_dim=4 if factorised else None).double()
     randomise_bias(m, 1.0)
     band = local_bias_band(n, max(window, MIN_BLOCK), m.u, m.v, m.w, causal=False)
-    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None)  # no fallback
+    y = aft_ops.aft_local_banded(q, k, v, band, window, outside == "zero", lambda t, g: None)  # no fallback
     # Eq. 2 term by term over all t' (every exponent shifted by the largest of its sum)
     w = naive_bias(m, n)
     ref = torch.empty_like(y)
@@ -800,7 +801,7 @@ def test_noncausal_banded_path_stable_for_huge_keys_and_biases(outside, monkeypa
     m = AFTLocal(c, n, window=window, outside=outside, bias_dim=None)
     randomise_bias(m, 1e4)
     band = local_bias_band(n, MIN_BLOCK, w=m.w, causal=False)
-    y = aft_mod.aft_local_banded(q, k, v, band, window, outside == "zero", partial(m._bias_rows, n))
+    y = aft_ops.aft_local_banded(q, k, v, band, window, outside == "zero", partial(m._bias_rows, n))
     kd = k.detach().double().requires_grad_()
     ref = naive_full(q, kd, v, naive_bias(m, n))
     assert counter.entries > 0  # the exact float64 fallback ran

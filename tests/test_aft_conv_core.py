@@ -1,4 +1,4 @@
-"""AFT-conv's eager core (vitlab.mixers.aft_conv_sums) against the composite form and the naive Eq. 6.
+"""AFT-conv's eager core (vitlab.ops.aft_conv) against the composite form and the naive Eq. 6.
 
 The eager core is a linear operator on head planes with a hand-written backward pass; the composite form
 (what graph capture records) is the reference: forward and every gradient (q, k, v through the fused
@@ -15,8 +15,8 @@ import torch
 
 from test_aft import FallbackCounter, naive_conv_pairs, randomise_conv
 from vitlab.mixers import AFTConv, TokenLayout
-from vitlab.mixers import aft as aft_mod
-from vitlab.mixers.aft_conv_sums import AFTConvCore, kernel_and_scale, window_sums
+from vitlab.ops import aft as aft_mod
+from vitlab.ops.aft_conv import AFTConvCore, kernel_and_scale, window_sums
 
 # (grid, num_prefix, heads, head width r, kernel s, global context, query)
 CONFIGS = [
@@ -44,7 +44,7 @@ def inputs(grid, num_prefix, heads, r, s, query, dtype=torch.float64, seed=0):
 
 def composite(monkeypatch):
     """Make aft_conv take its composite form (as under graph capture)."""
-    monkeypatch.setattr(aft_mod, "capturing_graph", lambda: True)
+    monkeypatch.setattr(aft_mod, "eager_fast_path", lambda: False)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)

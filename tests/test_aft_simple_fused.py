@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vitlab.mixers import AFTSimple
-from vitlab.mixers.aft import aft_simple
-from vitlab.mixers.aft_simple_fused import _AFTSimpleQKV, aft_simple_qkv
+from vitlab.ops.aft import aft_simple
+from vitlab.ops.aft_simple import _AFTSimpleQKV, aft_simple_qkv
 
 
 def naive_simple(qkv: torch.Tensor) -> torch.Tensor:

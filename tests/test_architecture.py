@@ -38,8 +38,9 @@ SERVICES = (
     "vitlab.distributed",
     "vitlab.tracking",
 )
-# the core, lowest first: a module may import its own rank or lower; data sits beside the models
-CORE = {"vitlab.mixers": 0, "vitlab.data": 0, "vitlab.layers": 1, "vitlab.models": 2}
+# the core, lowest first: a module may import lower ranks and its own unit; the kernel layer (ops) and the data
+# path share the lowest rank and never import each other
+CORE = {"vitlab.ops": 0, "vitlab.data": 0, "vitlab.mixers": 1, "vitlab.layers": 2, "vitlab.models": 3}
 FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.options", "vitlab.extras", "vitlab.device")
 
 

@@ -24,8 +24,8 @@ from vitlab.export import (
     supports_dynamic_size,
     to_torchscript,
 )
-from vitlab.mixers.base import traced_or_exported
 from vitlab.models import get_config
+from vitlab.ops.switch import traced_or_exported
 
 FAMILIES = [
     "deit_mini",

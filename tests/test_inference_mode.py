@@ -22,7 +22,7 @@ import torch
 
 import vitlab
 from vitlab.mixers import TokenLayout, build
-from vitlab.mixers.aft_banded import _band_masks
+from vitlab.ops.aft_banded import _band_masks
 
 DIM, GRID = 32, (6, 6)
 N = GRID[0] * GRID[1]
@@ -80,7 +80,7 @@ BAND_MASKS: list[tuple[torch.Tensor, ...]] = []  # what the cached _band_masks r
 
 @pytest.fixture(autouse=True)
 def record_band_masks(monkeypatch):
-    import vitlab.mixers.aft_banded as banded
+    import vitlab.ops.aft_banded as banded
 
     def recording(*args):
         BAND_MASKS.append(_band_masks(*args))

@@ -1,4 +1,4 @@
-"""Linear layers on the CPU through oneDNN (vitlab.mixers.base.fused_linear): in fp32 and bf16 inference with
+"""Linear layers on the CPU through oneDNN where its primitive runs (vitlab.ops.linear.fused_linear): in fp32 and bf16 inference with
 their bias, GELU and residual addition fused into the product, in fp32 training with the forward and both
 gradient products in oneDNN's GEMM (OneDNNLinear); each computes the same function and gradients as the plain
 operations, and nothing changes in float64, under autocast or while a dispatch mode watches the ops.
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import vitlab
-from vitlab.mixers.base import fused_linear, fuses_linear, trains_linear_in_onednn
-from vitlab.mixers.onednn import ONEDNN_WEIGHT_GRAD_MIN
+from vitlab.ops.linear import fused_linear, fuses_linear, trains_linear_in_onednn
+from vitlab.ops.onednn import ONEDNN_WEIGHT_GRAD_MIN
 
 BF16_UNIT = 2.0**-8
 
@@ -29,7 +29,8 @@ def close(actual: torch.Tensor, expected: torch.Tensor, units: float = 4.0) -> N
 
 
 @pytest.mark.parametrize("kind", ["plain", "gelu", "residual"])
-def test_fused_linear_is_the_plain_function_in_bf16(kind):
+def test_fused_linear_is_the_plain_function_in_bf16(kind, onednn_linear):
+    onednn_linear(torch.bfloat16)
     torch.manual_seed(0)
     lin = nn.Linear(64, 96).to(torch.bfloat16)
     x, res = torch.randn(2, 7, 64, dtype=torch.bfloat16), torch.randn(2, 7, 96, dtype=torch.bfloat16)
@@ -50,7 +51,8 @@ FP32_UNIT = 2.0**-23
 
 @pytest.mark.parametrize("kind", ["plain", "gelu", "residual", "broadcast residual"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fused_linear_is_the_plain_function_in_fp32(kind, bias):
+def test_fused_linear_is_the_plain_function_in_fp32(kind, bias, onednn_linear):
+    onednn_linear(torch.float32)
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias)
     x = torch.randn(3, 40, 96)[:, ::2]  # a strided view: the primitive reads it as given
@@ -95,7 +97,8 @@ def _abs_product(a: torch.Tensor, b: torch.Tensor) -> float:
 # the weight gradient in aten's BLAS product (width < 128), in oneDNN from (xᵀ g)ᵀ (a widening layer, 144 -> 160)
 # and from gᵀ x (a narrowing one, 200 -> 160)
 @pytest.mark.parametrize("width", [96, 144, 200])
-def test_fp32_training_products_give_the_plain_values_and_gradients(kind, bias, width):
+def test_fp32_training_products_give_the_plain_values_and_gradients(kind, bias, width, onednn_linear):
+    onednn_linear(torch.float32, training=True)
     torch.manual_seed(0)
     lin = nn.Linear(width, 160, bias=bias)
     x = torch.randn(3, 40, width)[:, ::2].requires_grad_()  # a strided view
@@ -138,7 +141,9 @@ def test_fp32_training_products_give_the_plain_values_and_gradients(kind, bias, 
         assert (a.double() - b).abs().max().item() <= 64 * FP32_UNIT * scale, name
 
 
-def test_fp32_training_takes_onednn_only_where_it_may():
+def test_fp32_training_takes_onednn_only_where_it_may(onednn_linear):
+    onednn_linear(torch.float32, training=True)
+    onednn_linear(torch.float32)
     torch.manual_seed(0)
     lin = nn.Linear(32, 48)
     x = torch.randn(4, 32, requires_grad=True)
@@ -171,18 +176,18 @@ def test_fp32_training_takes_onednn_only_where_it_may():
 
 
 @pytest.mark.parametrize("k, n", [(512, 256), (128, 512)])
-def test_fp32_weight_gradient_copy_does_not_meet_the_input_gradient(k, n):
+def test_fp32_weight_gradient_copy_does_not_meet_the_input_gradient(k, n, onednn_linear):
     """The weight gradient's primitive copies its left operand to contiguous memory: gᵀ (M x N) for a narrowing
     layer, xᵀ (M x K) and then the (K x N) result for a widening one. Computed before the input gradient (M x K),
     that copy never coexists with it: the backward pass peaks less than the smaller copy above aten's (exact
     allocation record, not the RSS; oneDNN's own scratch space is a few hundred KiB)."""
     from vitlab.measure.process import tensor_peak_bytes
 
+    onednn_linear(torch.float32, training=True)
     torch.manual_seed(0)
     m = 1024
     lin, x, g = nn.Linear(k, n), torch.randn(m, k, requires_grad=True), torch.randn(m, n)
-    if not trains_linear_in_onednn(x, lin.weight):
-        pytest.skip("oneDNN is not available to this torch build")
+    assert trains_linear_in_onednn(x, lin.weight)
     onednn_out, aten_out = fused_linear(lin, x), lin(x)
     assert type(onednn_out.grad_fn).__name__ == "OneDNNLinearBackward"
     inputs = (x, lin.weight, lin.bias)
@@ -194,11 +199,12 @@ def test_fp32_weight_gradient_copy_does_not_meet_the_input_gradient(k, n):
     assert copy <= 4 * m * n and onednn < aten + copy, (onednn, aten)
 
 
-def test_torch_func_transforms_take_the_plain_operations():
+def test_torch_func_transforms_take_the_plain_operations(onednn_linear):
     """Per-sample gradients (vmap of grad) through a layer: torch.func has rules for aten's ops, not for the
     oneDNN function; the result equals the loop over samples."""
     from torch.func import functional_call, grad, vmap
 
+    onednn_linear(torch.float32, training=True)
     torch.manual_seed(0)
     lin = nn.Linear(160, 192)
     params = {k: v.detach() for k, v in lin.named_parameters()}
@@ -224,10 +230,11 @@ class _FusedLinear(nn.Module):
         return fused_linear(self.lin, x)
 
 
-def test_compiled_training_keeps_the_onednn_products_in_the_graph():
+def test_compiled_training_keeps_the_onednn_products_in_the_graph(onednn_linear):
     """Under torch.compile the products are vitlab's registered operators (no graph break, not the BLAS's mm;
     inductor lowers oneDNN's primitive only for frozen weights) and give eager's values and gradients, through
     inductor itself."""
+    onednn_linear(torch.float32, training=True)
     torch.manual_seed(0)
     lin = nn.Linear(160, 192)
     x = torch.randn(2, 10, 160, requires_grad=True)
@@ -263,11 +270,10 @@ def test_compiled_training_keeps_the_onednn_products_in_the_graph():
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "refiner_vit_mini"])
-def test_an_fp32_model_trains_as_accurately_in_onednn_as_plain(name, monkeypatch):
+def test_an_fp32_model_trains_as_accurately_in_onednn_as_plain(name, onednn_linear):
     """A training step's gradients against the same model in float64: the oneDNN products are no less accurate
     than the plain fp32 ones."""
-    import vitlab.mixers.base as base
-
+    onednn_linear(torch.float32, training=True)
     torch.manual_seed(0)
     model = vitlab.create_model(name, num_classes=10).train()
     x = torch.randn(2, *model.meta["input_size"])
@@ -280,24 +286,22 @@ def test_an_fp32_model_trains_as_accurately_in_onednn_as_plain(name, monkeypatch
     exact = grads(model.double(), x.double())
     model.float()
     onednn = grads(model, x)
-    monkeypatch.setattr(base, "trains_linear_in_onednn", lambda *a: False)
-    plain = grads(model, x)
+    with vitlab.ops.fast_paths(False):
+        plain = grads(model, x)
     err_onednn, err_plain = ((g - exact).norm().item() for g in (onednn, plain))
     assert err_onednn <= 4 * err_plain + 16 * FP32_UNIT * exact.norm().item(), (err_onednn, err_plain)
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "cpvt_mini"])
-def test_a_bf16_model_computes_the_same_function_fused_or_not(name, monkeypatch):
-    import vitlab.mixers.base as base
-
+def test_a_bf16_model_computes_the_same_function_fused_or_not(name, onednn_linear):
+    onednn_linear(torch.bfloat16)
     torch.manual_seed(0)
     model = vitlab.create_model(name, num_classes=10).eval().to(torch.bfloat16)
     x = torch.randn(2, *model.meta["input_size"], dtype=torch.bfloat16)
     with torch.inference_mode():
         fused = model(x)
-        monkeypatch.setattr(base, "fuses_linear", lambda *a: False)
-        monkeypatch.setattr(vitlab.layers.mlp, "fuses_linear", lambda *a: False)
-        plain = model(x)
+        with vitlab.ops.fast_paths(False):
+            plain = model(x)
     close(fused, plain, units=16.0)  # 12 blocks of bf16 rounding on both paths
     fp32 = vitlab.create_model(name, num_classes=10).eval()
     fp32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
@@ -306,11 +310,10 @@ def test_a_bf16_model_computes_the_same_function_fused_or_not(name, monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["deit_mini", "cpvt_mini"])
-def test_an_fp32_model_is_as_accurate_fused_as_plain(name, monkeypatch):
+def test_an_fp32_model_is_as_accurate_fused_as_plain(name, onednn_linear):
     """Against the same model in float64 (plain operations), the fused fp32 inference is no less accurate than
     the plain fp32 one (both round differently, by a few fp32 units)."""
-    import vitlab.mixers.base as base
-
+    onednn_linear(torch.float32)
     torch.manual_seed(0)
     model = vitlab.create_model(name, num_classes=10).eval()
     x = torch.randn(2, *model.meta["input_size"])
@@ -318,9 +321,8 @@ def test_an_fp32_model_is_as_accurate_fused_as_plain(name, monkeypatch):
         exact = model.double()(x.double())
         model.float()
         fused = model(x)
-        monkeypatch.setattr(base, "fuses_linear", lambda *a: False)
-        monkeypatch.setattr(vitlab.layers.mlp, "fuses_linear", lambda *a: False)
-        plain = model(x)
+        with vitlab.ops.fast_paths(False):
+            plain = model(x)
     err_fused, err_plain = ((t.double() - exact).abs().max().item() for t in (fused, plain))
     assert err_fused <= 4 * err_plain + 16 * FP32_UNIT * exact.abs().max().item(), (err_fused, err_plain)
 

@@ -1,4 +1,4 @@
-"""The fused head mix + training BatchNorm (``vitlab.mixers.mixnorm``) against the plain modules.
+"""The fused head mix + training BatchNorm (``vitlab.ops.head_mix_norm``) against the plain modules.
 
 The fused function computes ``c · BN(W A + b)`` with the batch's statistics and a closed-form backward pass; it
 must give the modules' output, running statistics and gradients (every input, weight, bias, BN affine), in float64
@@ -16,7 +16,7 @@ from vitlab.mixers import ReAttention, RefinerAttention
 from vitlab.mixers import reattention as reattention_module
 from vitlab.mixers import refiner as refiner_module
 from vitlab.mixers.attention import HeadMix
-from vitlab.mixers.mixnorm import as_maps, can_fuse, head_mix_batchnorm, mix_heads, token_rows
+from vitlab.ops.head_mix_norm import as_maps, can_fuse, head_mix_batchnorm, mix_heads, token_rows
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..mixers.base import fused_linear, fuses_linear
+from ..ops.linear import fused_linear, fuses_linear, gelu_
 
 
 class Mlp(nn.Module):
@@ -36,7 +36,7 @@ class Mlp(nn.Module):
         if type(self.act) is nn.GELU and not (torch.is_grad_enabled() and h.requires_grad):
             # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation
             # and page-faulting of it fewer; the same values)
-            h = torch.ops.aten.gelu_(h, approximate=self.act.approximate)
+            h = gelu_(h, approximate=self.act.approximate)
         else:
             h = self.act(h)
         h = self.drop1(h)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mixers.base import can_fold, fold_bn
+from ..ops.fold import can_fold, fold_bn
 
 
 def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:

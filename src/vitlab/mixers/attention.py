@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import SOFTMAX, TokenLayout, TokenMixer, capturing_graph, check_divisible, fused_linear, merge_heads
+from ..ops.linear import fused_linear
+from ..ops.switch import eager_fast_path
+from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, merge_heads
 
 
 def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias: Tensor | None = None) -> Tensor:
@@ -144,7 +146,7 @@ class Attention(TokenMixer):
             and torch.is_grad_enabled()
             and q.requires_grad
             and (self.attn_drop.p == 0 or not self.training)
-            and not capturing_graph()
+            and eager_fast_path()
         )
 
     def extra_flops(

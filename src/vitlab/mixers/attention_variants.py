@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.double_norm import double_normalize
 from .attention import Attention, attention_softmax_flops
 from .base import TokenLayout, grid_residual, split_heads
-from .external import double_norm_flops, double_normalize
+from .external import double_norm_flops
 
 TEMPERATURES = ("learnable", "scheduled")
 

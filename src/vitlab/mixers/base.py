@@ -21,17 +21,12 @@ over a model), and causal mixers decode one token at a time through
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-from . import onednn
 
 
 @dataclass(frozen=True)
@@ -184,120 +179,6 @@ def tokens_to_grid(x: Tensor, layout: TokenLayout) -> tuple[Tensor, Tensor]:
 def grid_to_tokens(prefix: Tensor, grid: Tensor) -> Tensor:
     """Inverse of :func:`tokens_to_grid`."""
     return torch.cat([prefix, grid.flatten(2).transpose(1, 2)], dim=1)
-
-
-# --------------------------------------------------------------------------- inference fast paths
-
-
-def traced_or_exported() -> bool:
-    """Whether a TorchScript trace or an ONNX export is recording: they keep one path of any data-dependent branch.
-
-    ``torch.onnx.is_in_onnx_export()`` imports ``torch.onnx`` and both exporters' flag modules on its first call
-    (27 modules, ~2.5 MB, in a model's first forward pass); an export in progress has imported them already."""
-    return torch.jit.is_tracing() or ("torch.onnx._internal" in sys.modules and torch.onnx.is_in_onnx_export())
-
-
-def capturing_graph() -> bool:
-    """Whether a graph is being captured (``torch.compile``, TorchScript trace, ONNX export): eager-only fast paths
-    (custom autograd functions, oneDNN primitives called directly) give way to the plain operations, which the
-    capturing tool differentiates, fuses or exports itself."""
-    return torch.compiler.is_compiling() or traced_or_exported()
-
-
-_ONEDNN = torch.backends.mkldnn.is_available()
-
-
-def _onednn_cpu(x: Tensor, weight: Tensor, dtypes: tuple[torch.dtype, ...], compiled: bool = False) -> bool:
-    """Whether oneDNN may compute a linear layer of ``x``: the dtype, the CPU, autocast off (it picks the product's
-    precision itself), eager mode (``compiled``: or inside ``torch.compile``), not traced or exported, no torch.func
-    transform, and no dispatch mode watching the ops other than the FLOP counter (fake tensors know aten's ops, not
-    all of oneDNN's)."""
-    if not (x.dtype in dtypes and weight.dtype == x.dtype and x.device.type == "cpu" and x.numel() > 0 and _ONEDNN):
-        return False
-    if torch.compiler.is_compiling():  # before the queries that torch.compile cannot trace (a graph break)
-        return compiled and not torch.is_autocast_enabled("cpu")
-    mode = _get_current_dispatch_mode()
-    return (
-        not traced_or_exported()
-        and not torch.is_autocast_enabled("cpu")
-        and (mode is None or type(mode).__name__ in ("FlopCounterMode", "_FlopCounterMode"))
-        and not torch._C._are_functorch_transforms_active()  # torch.func (grad, vmap): aten's ops have their rules
-    )
-
-
-def _records(x: Tensor, weight: Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-
-
-def fuses_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` takes oneDNN's fused primitive (inference): fp32 or bf16 input and weights of
-    one dtype on the CPU, autocast off, nothing recorded by autograd, eager mode (not compiled, traced or
-    exported) and no dispatch mode but the FLOP counter."""
-    return _onednn_cpu(x, weight, (torch.float32, torch.bfloat16)) and not _records(x, weight)
-
-
-def trains_linear_in_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` runs a training step's products in :class:`vitlab.mixers.onednn.OneDNNLinear`
-    (compiled: :func:`vitlab.mixers.onednn.compiled_linear`): fp32 on the CPU while autograd records, under the
-    other conditions of :func:`fuses_linear`."""
-    return _onednn_cpu(x, weight, (torch.float32,), compiled=True) and _records(x, weight)
-
-
-def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
-    """``linear(x)``, then the exact GELU (``gelu``) or ``+ residual``, with the products in oneDNN on the CPU.
-
-    Inference (:func:`fuses_linear`): ``F.linear`` copies the bias into its output (a broadcast copy, slow for its
-    size) and accumulates the product onto it, and GELU and the residual add are one more pass over the output
-    each: in bf16 together more time than the product itself, in fp32 10-25 % of it (DeiT-S's fc1 at batch 8:
-    13.8 ms plain, 10.4 ms fused). oneDNN's linear primitive applies the bias, GELU or the addition to the
-    product's result as it leaves the kernel. Training in fp32 (:func:`trains_linear_in_onednn`): the products
-    of :class:`vitlab.mixers.onednn.OneDNNLinear` (bias and residual inside the forward product; GELU after it,
-    since its gradient needs the product). In float64, under autocast, on other devices and while a graph is
-    traced or exported these are the plain operations, unchanged."""
-    if residual is not None and gelu:
-        raise ValueError("fused_linear: either gelu or residual, not both")
-    # a replaced layer (a subclass: LoRA, quantised; nn.Identity) runs as it is
-    w, b = (linear.weight, linear.bias) if type(linear) is nn.Linear else (None, None)
-    # the residual goes into the product when it has the output's shape (the primitive does not broadcast)
-    fits = w is not None and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
-    inside = residual if fits else None
-    if w is not None and fuses_linear(x, w):
-        y, gelu = onednn.linear(x, w, b, inside, gelu), False  # GELU inside the product too
-    elif w is not None and trains_linear_in_onednn(x, w):
-        product = onednn.compiled_linear if torch.compiler.is_compiling() else onednn.OneDNNLinear.apply
-        y = product(x, w, b, inside)
-    else:
-        y, inside = linear(x), None
-    y = F.gelu(y) if gelu else y
-    return y if residual is None or inside is not None else residual + y
-
-
-def linear_rows(linear: nn.Linear, x: Tensor, start: int, stop: int) -> Tensor:
-    """Output features ``start .. stop-1`` of ``linear(x)``: the product with that block of the weight's rows, in
-    oneDNN where :func:`fused_linear` takes it. For a plain ``nn.Linear`` (a replaced layer has no rows to take)."""
-    w = linear.weight[start:stop]
-    b = None if linear.bias is None else linear.bias[start:stop]
-    return onednn.linear(x, w, b) if fuses_linear(x, w) else F.linear(x, w, b)
-
-
-def can_fold(module: nn.Module, t: Tensor) -> bool:
-    """Whether an eval-only fast path may run: eval mode (BatchNorm uses its running statistics) and no
-    autograd (the fast paths work in place)."""
-    if module.training or (torch.is_grad_enabled() and (t.requires_grad or _any_grad(module))):
-        return False
-    return all(m.running_var is not None for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
-
-
-def _any_grad(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
-
-
-def fold_bn(weight: Tensor, bias: Tensor | None, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
-    """``BN(conv(x)) = conv'(x)``: the running-statistics BatchNorm folded into the conv's weight and bias."""
-    g = bn.weight / torch.sqrt(bn.running_var + bn.eps) if bn.affine else torch.rsqrt(bn.running_var + bn.eps)
-    shift = (bn.bias if bn.affine else 0) - bn.running_mean * g
-    w = weight * g.view(-1, *[1] * (weight.dim() - 1))
-    return w, shift if bias is None else bias * g + shift
 
 
 def grid_residual(x: Tensor, layout: TokenLayout, fn: Callable[[Tensor], Tensor]) -> Tensor:

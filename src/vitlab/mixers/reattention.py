@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..ops.fold import can_fold, fold_bn
+from ..ops.head_mix_norm import can_fuse, head_mix_batchnorm
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
-from .base import TokenLayout, batchnorm_flops, can_fold, fold_bn
-from .mixnorm import can_fuse, head_mix_batchnorm
+from .base import TokenLayout, batchnorm_flops
 
 
 class ReAttention(Attention):

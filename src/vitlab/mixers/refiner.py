@@ -29,19 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from ..ops.fold import can_fold, fold_bn
+from ..ops.head_mix_norm import can_fuse, head_mix_batchnorm
+from ..ops.linear import fused_linear
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
-from .base import (
-    RELU6,
-    TokenLayout,
-    batchnorm_flops,
-    can_fold,
-    check_divisible,
-    fold_bn,
-    fused_linear,
-    merge_heads,
-    split_heads,
-)
-from .mixnorm import can_fuse, head_mix_batchnorm
+from .base import RELU6, TokenLayout, batchnorm_flops, check_divisible, merge_heads, split_heads
 
 #: official Refiner_ViT key prefixes -> vitlab's (``Refined_Attention`` -> ``RefinerAttention``)
 OFFICIAL_KEY_PREFIXES: dict[str, str] = {

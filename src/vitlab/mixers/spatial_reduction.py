@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.linear import fused_linear
 from .attention import attention_map, attention_softmax_flops
-from .base import TokenLayout, TokenMixer, check_divisible, fused_linear, merge_heads, split_heads, tokens_to_grid
+from .base import TokenLayout, TokenMixer, check_divisible, merge_heads, split_heads, tokens_to_grid
 
 
 class SpatialReductionAttention(TokenMixer):

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from ..layers import Mlp, sinusoid_1d
 from ..mixers.attention import attention_map, attention_softmax_flops
 from ..mixers.base import ElementwiseFlops, TokenLayout
-from ..mixers.external import double_norm_flops, double_normalize
+from ..mixers.external import double_norm_flops
+from ..ops.double_norm import double_normalize
 from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 # (kernel, stride, padding) of each soft split; T2T-ViT's strides 4·2·2 give a 14x14 grid at 224 px

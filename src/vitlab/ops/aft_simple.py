@@ -56,7 +56,7 @@ class _AFTSimpleQKV(torch.autograd.Function):
 
 def aft_simple_qkv(qkv: Tensor) -> Tensor:
     """Non-causal AFT-simple, ``sigmoid(Q_t) ⊙ Σ_t' softmax_t'(K)_t' V_t'``, from the fused projection ``qkv``
-    (B, T, 3C) = ``[Q | K | V]``; (B, T, C). The same values as :func:`vitlab.mixers.aft.aft_simple` on its three
+    (B, T, 3C) = ``[Q | K | V]``; (B, T, C). The same values as :func:`vitlab.ops.aft.aft_simple` on its three
     views, with the lean backward pass of this module's docstring."""
     if torch.is_grad_enabled() and qkv.requires_grad:
         return _AFTSimpleQKV.apply(qkv)

@@ -17,7 +17,7 @@ Training runs the core as :class:`AFTConvCore`: ``L`` is its own adjoint up to f
 and the prefix sums are symmetric), so the gradient of the key context is one more :func:`window_sums`; the
 kernel's gradient is a correlation of x with that gradient (:func:`kernel_grad`); the ratio and gate have a
 closed-form backward that needs only the gate, the output and the denominators.
-:func:`vitlab.mixers.aft.aft_conv` decides when this path runs (eager mode) and repairs underflowed
+:func:`vitlab.ops.aft.aft_conv` decides when this path runs (eager mode) and repairs underflowed
 denominators.
 """
 
@@ -150,7 +150,7 @@ def _gated_ratio(nd: Tensor, nd_pre: Tensor | None, sq: Tensor | None, num_prefi
 def conv_core(
     qkv: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int, global_context: bool, query: bool, floor: float
 ) -> tuple[Tensor, Tensor]:
-    """The AFT-conv core without autograd (arguments as :func:`vitlab.mixers.aft.aft_conv`): the output (B, N, C)
+    """The AFT-conv core without autograd (arguments as :func:`vitlab.ops.aft.aft_conv`): the output (B, N, C)
     and the smallest denominator (0-dim); denominators below ``floor`` are clamped to it (the caller recomputes
     such a call)."""
     return _forward(qkv, w, grid, num_prefix, global_context, query, floor, keep=False)[:2]

@@ -1,6 +1,6 @@
 """The band sums of AFT-local in O(T·s·d): only the pairs inside the window are formed.
 
-Dense AFT-local (:func:`vitlab.mixers.aft.aft_full` with a masked ``T x T`` bias) costs O(T² d) time and
+Dense AFT-local (:func:`vitlab.ops.aft.aft_full` with a masked ``T x T`` bias) costs O(T² d) time and
 O(T²) memory; paper Table 1 gives AFT-local O(T s d). With ``w[t, t'] = 0`` outside the window (global
 connectivity), the sums split into a banded part and sums of whole blocks outside the window::
 
@@ -13,7 +13,7 @@ queries of block i (``b >= s`` positions) only meet keys of blocks i-1 and i (ca
 when outside pairs count) times ``[e^{K-m} V, e^{K-m}]``. The blocks further away lie wholly outside the
 window: a cumulative sum of block sums shifted by two blocks (and, non-causal, the same from the end).
 
-:func:`vitlab.mixers.aft.aft_local_banded` divides these sums (with the exact float64 fallback of every
+:func:`vitlab.ops.aft.aft_local_banded` divides these sums (with the exact float64 fallback of every
 AFT core) and applies the gate; :class:`~vitlab.mixers.AFTLocal` takes that path for sequences longer
 than its window whose bias is a block of its table.
 """
@@ -137,7 +137,7 @@ def banded_sums(
 
 
 def banded_flops(batch: int, tokens: int, channels: int, block: int, causal: bool = True) -> int:
-    """Elementwise FLOPs of AFT-local on its band (:func:`vitlab.mixers.aft.aft_local_banded`; the band products
+    """Elementwise FLOPs of AFT-local on its band (:func:`vitlab.ops.aft.aft_local_banded`; the band products
     are MACs): ``e^{w - max}`` 3 per band entry (``nb`` blocks of ``b x 2b``, non-causal ``b x 3b``),
     ``e^{K - max}`` 3 and ``e^K ⊙ V`` 1 per element, the prefix of the pairs outside the window (block sums,
     cumulative sum, scale, add) 6 per output element of numerator and denominator together, then divide 1,

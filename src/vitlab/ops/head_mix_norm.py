@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .switch import fast_paths_enabled
+
 
 def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
     """Whether ``bn`` normalises with the batch's statistics (training, or no running statistics)."""
@@ -37,12 +39,13 @@ def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
 
 
 def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
-    """Whether :func:`head_mix_batchnorm` applies: autograd records, the BatchNorm uses batch statistics, and the
+    """Whether :func:`head_mix_batchnorm` applies: the fast paths on, autograd records, the BatchNorm uses batch statistics, and the
     maps are fp32/fp64 outside autocast (under autocast the plain modules pick their own precisions). Also under
     ``torch.compile``, which traces the function's forward and closed-form backward into its graph (no graph
     break; the compiled step saves what this function saves)."""
     return (
-        torch.is_grad_enabled()
+        fast_paths_enabled()
+        and torch.is_grad_enabled()
         and uses_batch_stats(bn)
         and attn.dtype in (torch.float32, torch.float64)
         and attn.device.type in ("cpu", "cuda")  # before the autocast query, which rejects e.g. "meta"

@@ -1,0 +1,421 @@
+"""The AFT cores (paper Eq. 2 and 6), exact for keys and biases of any magnitude, and their decoding states.
+
+AFT replaces dot-product attention by a per-channel weighted average whose weights combine the keys with learned
+pair-wise position biases::
+
+    Y_t = sigmoid(Q_t) * sum_t' exp(K_t' + w[t, t']) V_t' / sum_t' exp(K_t' + w[t, t'])
+
+The cores (:func:`aft_full`, :func:`aft_local_banded`, :func:`aft_simple`, :func:`aft_conv`) take fp32 ``q, k, v``
+and never form a ``(B, T, T, d)`` tensor: AFT-full/local are two matrix products with ``exp(w)``, AFT-simple is
+O(T·d), AFT-conv is a depth-wise convolution plus sums outside the window (no cancellation, unlike the literal
+``e^w - 1`` form). They subtract maxima before every exponential; an entry whose shifted denominator still
+underflows (possible when the maxima of K and of w sit at different t', or with causal cumulative sums) is
+recomputed exactly by a per-entry log-sum-exp in float64 (:func:`_exact_entries`). In normal use no entry takes
+that path. Under ``torch.compile`` the check and the repair are branch-free (:func:`_repair_compiled`), so a
+compiled block stays one graph.
+
+Fast paths (:mod:`vitlab.ops.switch`): without autograd the sums are formed in place (and in bands of bias rows at
+long sequences on the CPU); AFT-simple's and AFT-conv's eager cores have closed-form backward passes
+(:mod:`vitlab.ops.aft_simple`, :mod:`vitlab.ops.aft_conv`). With the switch off the composite forms run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .aft_banded import banded_sums
+from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
+from .aft_simple import aft_simple_qkv, context
+from .switch import capturing_graph, eager_fast_path, no_autograd, traced_or_exported
+
+# Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
+# of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
+_UNDERFLOW = 1e-20
+# bound on the elements of one fallback chunk (float64 logits and values), to cap its memory
+_FALLBACK_ELEMS = 1 << 22
+# a compiled model repairs a fixed number of entries in every call (:func:`_repair_compiled`): about this many
+# float64 elements of logits and values (a small fraction of a block's work), and at least this many entries
+_COMPILED_REPAIR_ELEMS, _COMPILED_MIN_SLOTS = 1 << 16, 16
+
+BiasRows = Callable[[Tensor, Tensor], Tensor]
+
+
+def _exact_entries(k: Tensor, v: Tensor, bias_rows: BiasRows, b: Tensor, t: Tensor, g: Tensor) -> Tensor:
+    """Weighted averages of the listed ``(b, t, g)`` entries by a log-sum-exp over t', in float64.
+
+    ``k`` (B, T, G) are the key logits of G key channels, ``v`` (B, T, G, R) the R value channels each
+    key channel weighs, ``bias_rows(t, g)`` the bias rows ``w[t, :]`` (m, T) of those entries (-inf =
+    excluded). Returns (m, R). float64 makes ``K + w`` exact for fp32 inputs of any magnitude.
+    """
+    dt = torch.float32 if k.device.type == "mps" else torch.float64
+    kt, vt = k.transpose(1, 2), v.permute(0, 2, 1, 3)  # (B, G, T), (B, G, T, R)
+    step = max(1, _FALLBACK_ELEMS // (k.shape[1] * v.shape[-1]))
+    out = []
+    for i in range(0, b.numel(), step):  # chunks of entries, never tokens
+        bi, ti, gi = b[i : i + step], t[i : i + step], g[i : i + step]
+        p = (kt[bi, gi].to(dt) + bias_rows(ti, gi).to(dt)).softmax(-1)
+        out.append(torch.einsum("mt,mtr->mr", p, vt[bi, gi].to(dt)))
+    return torch.cat(out).to(k.dtype)
+
+
+def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
+    """``num / den`` (num (B, Tq, G, R), den (B, Tq, G) at Tq query positions) with underflowed entries recomputed
+    exactly (:func:`_exact_entries`) from the keys ``k`` (B, T, G), values ``v`` (B, T, G, R) and the bias rows
+    ``bias_rows(t, g)`` of query positions t."""
+    checks = _data_checks_allowed(den)
+    eager = checks and not torch.compiler.is_compiling()
+    # the one check the fast path pays; before the clamp, which only touches entries that are replaced below (and
+    # keeps their zero gradient finite)
+    idx = (den.detach() < _UNDERFLOW).nonzero(as_tuple=True) if eager and den.detach().amin() < _UNDERFLOW else None
+    if eager and no_autograd(num, den):  # in place: no buffer beside the sums
+        y = num.div_(den.clamp_min_(_UNDERFLOW).unsqueeze(-1))
+        return y if idx is None else y.index_put_(idx, _exact_entries(k, v, bias_rows, *idx))
+    den_safe = den.clamp_min(_UNDERFLOW).unsqueeze(-1)
+    y = num.div_(den_safe) if no_autograd(num) else num / den_safe
+    if checks and not eager:
+        return _repair_compiled(y, den, k, v, bias_rows)
+    return y if idx is None else y.index_put(idx, _exact_entries(k, v, bias_rows, *idx))
+
+
+def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
+    """:func:`_ratio`'s repair of underflowed entries in a form ``torch.compile`` captures whole: no branch on
+    the data (which would split the graph in every block), fixed shapes. A fixed number of slots
+    (``torch.nonzero_static``, unused slots padded with -1) takes the underflowed entries; every slot is
+    recomputed exactly, the used ones replace their entry (as in eager mode, the replaced value passes no
+    gradient) and the unused ones a spare row that is dropped. More underflowed entries than slots stop the
+    call with an error rather than leave one unrepaired."""
+    under = (den.detach() < _UNDERFLOW).reshape(-1)
+    n, (tq, g) = under.numel(), den.shape[1:]
+    slots = min(n, max(_COMPILED_MIN_SLOTS, _COMPILED_REPAIR_ELEMS // (k.shape[1] * v.shape[-1])))
+    torch._assert_async(
+        under.sum() <= slots,
+        f"AFT: more than {slots} outputs underflowed (keys or biases of extreme magnitude), more than a compiled "
+        "model repairs; run it without torch.compile, which repairs any number exactly",
+    )
+    flat = torch.nonzero_static(under, size=slots, fill_value=-1)[:, 0]  # (slots,) entry numbers, -1 unused
+    entry = flat.clamp_min(0)
+    exact = _exact_entries(k, v, bias_rows, entry // (tq * g), entry // g % tq, entry % g)
+    rows = torch.cat([y.reshape(n, -1), y.new_zeros(1, y.shape[-1])])  # + a spare row for the unused slots
+    rows = rows.index_put((torch.where(flat >= 0, flat, n),), exact)
+    return rows[:n].view(y.shape)
+
+
+def _data_checks_allowed(t: Tensor) -> bool:
+    """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
+    traced or exported (TorchScript trace, ONNX), which records the fast path only."""
+    return t.device.type != "meta" and not traced_or_exported()
+
+
+def _gate(q: Tensor, y: Tensor) -> Tensor:
+    """``sigmoid(Q) ⊙ Y``, the output gate of every AFT core (in place on the sigmoid without autograd)."""
+    return torch.sigmoid(q).mul_(y) if no_autograd(q, y) else torch.sigmoid(q) * y
+
+
+def _key_context(k: Tensor, v: Tensor) -> Tensor:
+    """``[e^{K - colmax} ⊙ V, e^{K - colmax}]`` (B, T, 2C), the right-hand side of AFT-full's two sums under
+    autograd."""
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()
+    return torch.cat([ek * v, ek], -1)
+
+
+def _bias_weights(w: Tensor, start: int, stop: int, causal: bool) -> Tensor:
+    """``e^{w[t, t'] - max_t' w[t, t']}`` for the query rows t = start .. stop-1 of ``w`` (T, T); causal: pairs
+    t' > t are 0 and the columns stop at ``stop`` (the rest would be 0 too)."""
+    rows = w[start:stop, :stop] if causal else w[start:stop]
+    if causal:
+        rows = mask_future(rows, torch.arange(start, stop, device=w.device))
+    # the ratio does not depend on the shifts, so they carry no gradient
+    top = rows.detach().amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return (rows - top).exp_()  # exp in place on a fresh difference: autograd saves the result either way
+
+
+# AFT-full without autograd forms ``e^{w - rowmax}`` a band of about this many elements at a time: the whole
+# (T, T) matrix is the mixer's largest tensor at long sequences (64 MB at T = 4096, 16x its activations)
+_BIAS_BAND_ELEMS = 1 << 18
+
+
+def _weighted_sums(w: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """AFT-full's numerator ``e^{w - rowmax} @ (e^{K - colmax} ⊙ V)`` and denominator ``e^{w - rowmax} @
+    e^{K - colmax}`` (B, T, C) each, without autograd.
+
+    Short sequences, captured graphs and GPUs: ``e^{w - rowmax}`` formed once, the denominator's product first,
+    then ``e^K`` becomes ``e^K ⊙ V`` in its own buffer: one-activation buffers, at most three alive (a stacked
+    (2B, T, C) key context and its (2B, T, C) product held four, in blocks of two sizes that fragment the heap
+    more across calls: T = 197, B = 8, side by side, RSS increment 33.6 -> 29.0 MB, median of 5 fresh
+    processes). Long sequences on the CPU: the weights are formed a band of rows at a time (:func:`_in_bands`),
+    each band multiplied into both halves of the stacked key context, so that it is formed once."""
+    n = w.shape[0]
+    step = max(1, _BIAS_BAND_ELEMS // n)
+    if step >= n or capturing_graph() or k.device.type != "cpu":
+        ew = _bias_weights(w, 0, n, causal)
+        ek = torch.sub(k, k.amax(1, keepdim=True)).exp_()  # contiguous: exp on a strided view ran ~4x slower
+        den = torch.matmul(ew, ek)
+        return torch.matmul(ew, ek.mul_(v)), den
+    b, _, c = k.shape
+    ctx = k.new_empty(2, b, n, c)  # [e^K ⊙ V ; e^K], each half contiguous
+    ek = torch.sub(k, k.amax(1, keepdim=True), out=ctx[1]).exp_()
+    torch.mul(ek, v, out=ctx[0])
+    del ek
+    sums = _in_bands(w, ctx.view(2 * b, n, c), causal, step).view(2, b, n, c)
+    return sums[0], sums[1]  # indexing, not split: ONNX export cannot fold a split of a traced size
+
+
+def _in_bands(w: Tensor, ctx: Tensor, causal: bool, step: int) -> Tensor:
+    """``e^{w - rowmax} @ ctx[i]`` for each matrix of ``ctx`` (M, T, C), the weights formed ``step`` rows at a
+    time, one band alive, each multiplied into its rows of the result (causal: only the columns t' <= the
+    band's last row). On the CPU only: on a GPU a product per band and matrix would be a kernel launch each."""
+    n = w.shape[0]
+    out = torch.empty_like(ctx)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        ew = _bias_weights(w, start, stop, causal)
+        for i in range(ctx.shape[0]):
+            torch.mm(ew, ctx[i, : ew.shape[1]], out=out[i, start:stop])
+        del ew  # before the next band is formed: one band at a time
+    return out
+
+
+def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -> Tensor:
+    """AFT-full / AFT-local core, paper Eq. (2): ``sigmoid(Q_t) * Σ_t' e^{K_t'+w[t,t']} V_t' / Σ_t' e^{K_t'+w[t,t']}``.
+
+    ``q, k, v`` (B, T, C) fp32; ``w`` (T, T), ``w[t, t']`` with t = output position, -inf = pair excluded.
+    ``causal`` keeps t' <= t. Computed as ``e^{w - rowmax} @ [e^{K - colmax} V, e^{K - colmax}]``
+    (the maxima cancel in the ratio): O(T² C) time; O(T² + T C) memory under autograd, which keeps
+    ``e^{w - rowmax}``, else O(T C) (:func:`_weighted_sums`).
+    """
+    b, n, c = k.shape
+    if no_autograd(q, k, v, w):
+        num, den = _weighted_sums(w, k, v, causal)
+    else:  # one (T, T) @ (T, B·2C) product for numerator and denominator (a faster backward)
+        ctx = _key_context(k, v).transpose(0, 1).reshape(n, b * 2 * c)
+        num, den = (_bias_weights(w, 0, n, causal) @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
+    rows = (lambda t, g: mask_future(w[t], t)) if causal else (lambda t, g: w[t])
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows)
+    return _gate(q, y.squeeze(-1))
+
+
+def aft_local_banded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_band: Tensor,
+    window: int,
+    outside_zero: bool,
+    bias_rows: BiasRows,
+    causal: bool = False,
+) -> Tensor:
+    """AFT-local core in O(T·b·C): paper Eq. (2) with ``w[t, t'] = 0`` (``outside_zero``, else -inf) for
+    ``|t - t'| >= window`` (``causal``: and t' <= t only).
+
+    ``q, k, v`` (B, T, C) fp32; ``w_band`` (nb, b, 2b causal, else 3b) the raw bias on the band of
+    :func:`~vitlab.ops.aft_banded.band_positions` with ``b >= window``; ``bias_rows(t, g)`` the full rows
+    of the effective bias (future -inf when causal) for the exact fallback of underflowed entries
+    (:func:`_ratio`). The sums are :func:`~vitlab.ops.aft_banded.banded_sums`.
+    """
+    num, den = banded_sums(k, v, w_band, window, outside_zero, causal)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), bias_rows)
+    return _gate(q, y.squeeze(-1))
+
+
+def mask_future(rows: Tensor, t: Tensor) -> Tensor:
+    """Bias rows (m, n) of the query positions ``t`` (m,) with the pairs t' > t excluded (-inf): causal AFT."""
+    return rows.masked_fill(torch.arange(rows.shape[-1], device=t.device) > t[:, None], float("-inf"))
+
+
+def aft_simple(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+    """AFT-simple core: ``sigmoid(Q_t) * Σ_t' softmax_t'(K)_t' V_t'`` (paper §3.2, w = 0), O(T·C).
+
+    Non-causal: one softmax-weighted sum over tokens, broadcast over t. Causal: cumulative sums over
+    t' <= t of ``e^{K - max} V`` and ``e^{K - max}``.
+    """
+    if not causal:
+        return torch.sigmoid(q) * (k.softmax(1) * v).sum(1, keepdim=True)
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()
+    num, den = (ek * v).cumsum(1), ek.cumsum(1)
+    y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), lambda t, g: mask_future(k.new_zeros(len(t), k.shape[1]), t))
+    return _gate(q, y.squeeze(-1))
+
+
+def aft_simple_fused(qkv: Tensor, causal: bool = False) -> Tensor:
+    """:func:`aft_simple` from the fused projection ``qkv`` (B, T, 3C) = ``[Q | K | V]``: non-causal and eager with
+    the fast paths on, :func:`~vitlab.ops.aft_simple.aft_simple_qkv` (the gradient of ``qkv`` in one buffer);
+    otherwise the composite form on its three views, which a captured graph differentiates itself."""
+    if causal or not eager_fast_path():
+        return aft_simple(*qkv.chunk(3, -1), causal)
+    return aft_simple_qkv(qkv)
+
+
+def aft_simple_context(k: Tensor, v: Tensor) -> Tensor:
+    """AFT-simple's context vector ``s = Σ_t softmax_t(K) V_t`` (B, 1, C) from keys and values (B, T, C)."""
+    return context(k, v)[0]
+
+
+def _outside_window_sum(x: Tensor, s: int) -> Tensor:
+    """For every pixel of ``x`` (B, C, H, W), the sum of ``x`` over the grid outside the ``s x s`` window centred on it.
+
+    With the 0/1 band matrices ``A_H[r, r'] = |r - r'| <= s//2`` (and ``A_W``), the outside sum is
+    ``(1 - A_H) X 1 + A_H X (1 - A_W)`` (rows outside the window's rows, plus the window's rows outside its
+    columns): small matrix products with non-negative coefficients, never ``total - window``, which cancels.
+    """
+    h, w = x.shape[-2:]
+    near_h, near_w = (window_band(n, s // 2, x) for n in (h, w))
+    return (1 - near_h) @ x.sum(-1, keepdim=True) + near_h @ (x @ (1 - near_w))
+
+
+def _conv_bias_rows(
+    w: Tensor, grid: tuple[int, int], num_prefix: int, n: int, outside: float, t: Tensor, g: Tensor
+) -> Tensor:
+    """(m, N) rows ``w_eff[t, :]`` of AFT-conv's implied pair-wise bias for query t, head g.
+
+    ``w_eff[t, t'] = w[g, dy + s//2, dx + s//2]`` when both are patches and t' = t + (dy, dx) lies in the
+    window; ``outside`` otherwise (prefix tokens and pairs outside the window): 0, or -inf for the ablation.
+    """
+    s, p = w.shape[-1], w.shape[-1] // 2
+    gw = grid[1]
+    key = torch.arange(n, device=t.device) - num_prefix  # (N,)
+    qry = t - num_prefix  # (m,)
+    dy = key.div(gw, rounding_mode="floor")[None] - qry.div(gw, rounding_mode="floor")[:, None] + p
+    dx = (key % gw)[None] - (qry % gw)[:, None] + p
+    inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s) & (key >= 0)[None] & (qry >= 0)[:, None]
+    vals = w[g[:, None], dy.clamp(0, s - 1), dx.clamp(0, s - 1)]
+    return torch.where(inside, vals, outside)
+
+
+def aft_conv(
+    qkv: Tensor,
+    w: Tensor,
+    grid: tuple[int, int],
+    num_prefix: int = 0,
+    global_context: bool = True,
+    query: bool = True,
+) -> Tensor:
+    """AFT-conv core, paper Eq. (6), per head i with one key channel K^i and kernel w^i::
+
+        Y^i_t = sigmoid(Q^i_t) * [conv(e^{K^i} V^i, e^{w^i} - 1) + Σ_t' e^{K^i_t'} V^i_t']
+                               / [conv(e^{K^i}, e^{w^i} - 1) + Σ_t' e^{K^i_t'}]
+
+    ``qkv`` (B, N, C + h + C) is the fused projection ``[Q | K | V]`` (``[K | V]`` with ``query=False``): Q, V
+    head-major, one key channel per head; ``w`` (h, s, s) the (re-parameterised) bias, s odd. conv is
+    PyTorch's cross-correlation with zero padding s//2 over the patch grid: query (r, c) meets key
+    (r + dy, c + dx) with bias ``w[i, dy + s//2, dx + s//2]``. The ``num_prefix`` leading tokens (class
+    token) take part in the global sums only: no local term for a pair involving a prefix token.
+
+    Computed without cancellation as ``e^{-m} · (Σ_{outside window} e^K V) + conv(e^K V, e^{w - m})``
+    with ``m = max(max w^i, 0)`` (same value as Eq. 6, whose ``e^w - 1`` form cancels for w << 0).
+
+    ``global_context=False`` is the paper's ablation with ``w = -inf`` outside the window: only the local
+    term remains (there is then no pair for a prefix token, so ``num_prefix`` must be 0). ``query=False`` is
+    the paper's Table 12 ablation without the query term: the gate ``sigmoid(Q)`` is left out.
+
+    In eager mode the sums are the operator of :mod:`~vitlab.ops.aft_conv` on the token-major key
+    context, under autograd :class:`~vitlab.ops.aft_conv.AFTConvCore` (closed-form backward, the
+    gradient of ``qkv`` in one buffer). Should a denominator underflow there, the call is recomputed by
+    :func:`_aft_conv_composite`, which repairs those entries exactly (:func:`_ratio`); graphs being captured
+    (compile, trace, ONNX) and the meta device take that composite form directly.
+    """
+    if not global_context and num_prefix:
+        raise ValueError("aft_conv: global_context=False has no pairs for prefix tokens; use num_prefix=0")
+    if not eager_fast_path() or qkv.device.type == "meta":
+        return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query)
+    args = (qkv, w, grid, num_prefix, global_context, query, _UNDERFLOW)
+    out, den_min = conv_core(*args) if no_autograd(qkv, w) else AFTConvCore.apply(*args)
+    if den_min < _UNDERFLOW:  # keys or biases of extreme magnitude: the composite form repairs
+        return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query)
+    return out
+
+
+def _aft_conv_composite(
+    qkv: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int, global_context: bool, query: bool
+) -> Tensor:
+    """:func:`aft_conv` as composite operations on token-major ``(B, N, C + h)`` key contexts: what autograd
+    differentiates and graph capture records, with the exact repair of underflowed entries (:func:`_ratio`)."""
+    h, s = w.shape[0], w.shape[-1]
+    q, k, v = split_qkv(qkv, h, query)
+    b, n, c = v.shape
+    r = c // h
+    ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)
+    x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
+    kernel, scale = kernel_and_scale(w, global_context)  # (h, s, s) <= 1; e^{-m} (h,) or None
+    per_chan = torch.cat([torch.arange(h, device=w.device).repeat_interleave(r), torch.arange(h, device=w.device)])
+    x_pre, x_grid = x[:, :num_prefix], x[:, num_prefix:].transpose(1, 2).reshape(b, c + h, *grid)
+    nd = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)  # (B, C + h, H, W)
+    if scale is not None:
+        outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
+        nd = nd + scale[per_chan][:, None, None] * outside
+        prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
+        nd = torch.cat([prefix, nd.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
+    else:  # no prefix tokens without the global context
+        nd = nd.flatten(2).transpose(1, 2)
+    rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
+    y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
+    return y.reshape(b, n, c) if q is None else _gate(q, y.reshape(b, n, c))
+
+
+# AFT-full/local decoding rescales its cache only when a key exceeds the running reference by this much (nats):
+# the cached terms stay <= e^20 (sums of T of them are far from fp32 overflow) and the O(t·d) rescale is rare
+RESCALE_MARGIN = 20.0
+
+
+class RunningSums:
+    """Decoding state of causal AFT-simple (and AFT-local without a bias): running per-channel sums
+    ``Σ e^{K_t'-m} V_t'`` and ``Σ e^{K_t'-m}`` with their running maximum m, O(d) state and work per step.
+    When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``."""
+
+    def __init__(self) -> None:
+        self.m = self.num = self.den = None
+
+    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
+        """Take in position t's key and value (B, C); its output before the projection."""
+        if self.m is None:
+            self.m, self.num, self.den = k, v, torch.ones_like(k)
+        else:
+            m = torch.maximum(self.m, k)
+            old, new = (self.m - m).exp(), (k - m).exp()
+            self.m, self.num, self.den = m, self.num * old + new * v, self.den * old + new
+        return torch.sigmoid(q) * self.num / self.den  # den >= 1: the maximal key contributes e^0
+
+
+class PrefixCache:
+    """Decoding state of causal AFT-full/local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (B, T, 2C) and the raw
+    K, V (for the exact fallback of :func:`_ratio`). m is a per-channel reference, raised (and the cache
+    rescaled) when a key exceeds it by more than :data:`RESCALE_MARGIN`. Position t's output is one weighted
+    sum over the cache with the bias row ``e^{w[t, :t+1] - max}`` (paper Eq. 2) of ``bias_row(t)``."""
+
+    def __init__(
+        self, bias_row: Callable[[int], Tensor], batch: int, max_len: int, channels: int, like: Tensor
+    ) -> None:
+        self.bias_row = bias_row
+        self.ctx = like.new_zeros(batch, max_len, 2 * channels, dtype=torch.float32)
+        self.k = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
+        self.v = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
+        self.m: Tensor | None = None
+
+    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
+        """Take in position t's key and value (B, C); its output before the projection."""
+        c = k.shape[-1]
+        if self.m is None:
+            self.m = k
+        elif bool((k > self.m + RESCALE_MARGIN).any()):  # rescale the cached terms to the new maximum
+            m = torch.maximum(self.m, k)
+            scale = (self.m - m).exp()[:, None]
+            self.ctx[:, :t, :c] *= scale
+            self.ctx[:, :t, c:] *= scale
+            self.m = m
+        ek = (k - self.m).exp()  # <= e^RESCALE_MARGIN
+        self.ctx[:, t, :c] = ek * v
+        self.ctx[:, t, c:] = ek
+        self.k[:, t], self.v[:, t] = k, v
+        row = self.bias_row(t)
+        weights = (row - row.max()).exp()  # (t + 1,), the row maximum is finite (w[t, t] is never excluded)
+        b = self.ctx.shape[0]
+        num, den = torch.bmm(weights.expand(b, 1, t + 1), self.ctx[:, : t + 1])[:, 0].chunk(2, -1)
+        # one query position; an underflowed entry is recomputed from the raw prefix with this row
+        prefix_k, prefix_v = self.k[:, : t + 1], self.v[:, : t + 1, :, None]
+        y = _ratio(num[:, None, :, None], den[:, None], prefix_k, prefix_v, lambda ti, g: row.expand(len(ti), -1))
+        return torch.sigmoid(q) * y[:, 0, :, 0]

@@ -1,0 +1,34 @@
+"""BatchNorm folded into the operation before it, for eval-only fast paths.
+
+In eval mode a BatchNorm is an affine map with its running statistics, so ``BN(conv(x))`` is one convolution with a
+rescaled weight and a shifted bias: one pass over the activations instead of two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .switch import fast_paths_enabled
+
+
+def can_fold(module: nn.Module, t: Tensor) -> bool:
+    """Whether an eval-only fast path may run: the fast paths on, eval mode (BatchNorm uses its running statistics)
+    and no autograd (the fast paths work in place)."""
+    if not fast_paths_enabled():
+        return False
+    if module.training or (torch.is_grad_enabled() and (t.requires_grad or _any_grad(module))):
+        return False
+    return all(m.running_var is not None for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+
+
+def _any_grad(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def fold_bn(weight: Tensor, bias: Tensor | None, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:
+    """``BN(conv(x)) = conv'(x)``: the running-statistics BatchNorm folded into the conv's weight and bias."""
+    g = bn.weight / torch.sqrt(bn.running_var + bn.eps) if bn.affine else torch.rsqrt(bn.running_var + bn.eps)
+    shift = (bn.bias if bn.affine else 0) - bn.running_mean * g
+    w = weight * g.view(-1, *[1] * (weight.dim() - 1))
+    return w, shift if bias is None else bias * g + shift

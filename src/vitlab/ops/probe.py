@@ -1,0 +1,172 @@
+"""Which hardware-dependent fast paths this process takes: decided once per (device, dtype, mode) by running them.
+
+oneDNN's linear primitive (:mod:`vitlab.ops.onednn`) is the one such path. Whether it runs depends on the CPU's
+instruction set (its bf16 kernels need AVX-512 BF16 or AVX-NE-CONVERT; without them PyTorch refuses or oneDNN finds
+no implementation), and whether it pays does too: on an AMD CPU with AVX-512 its fp32 GEMM is about twice MKL's
+(whose AVX-512 kernels are dispatched on Intel CPUs only), on an AVX2-only CPU it is slower than MKL. So nothing is
+assumed about the CPU: the first call that could take the path asks :func:`onednn_linear`, which
+
+1. runs the primitive's forms (plain, GELU epilogue, residual epilogue; training: both gradient products) on a tiny
+   input and compares them with aten's; any error or disagreement means the path is not taken, and
+2. times it against aten's products on one ViT-sized MLP (512 tokens, 384 -> 1536 -> 384 with GELU and the
+   residual; training: forward and backward; the current thread count), alternating, best of :data:`REPEATS`; the path is taken only when it is faster by :data:`MARGIN`.
+
+The answer is cached for the process (:func:`reset` forgets it) and reported by :func:`decisions`. Under
+``torch.compile`` the answer is a constant of the graph (the probe runs while tracing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import onednn
+
+#: oneDNN is taken when its time is at most this fraction of aten's (a clear win, so that the choice is stable)
+MARGIN = 0.97
+#: timed repetitions of each side (alternating, after one warm-up call each); the best counts
+REPEATS = 3
+# the timed layer: DeiT-S's MLP on 512 tokens
+_TOKENS, _WIDTH, _HIDDEN = 512, 384, 1536
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The probe's answer for one (dtype, mode): whether the path ``works`` (runs and agrees with aten), its
+    time and aten's in milliseconds (None when it does not work), and whether it is ``taken``."""
+
+    works: bool
+    taken: bool
+    fast_ms: float | None = None
+    plain_ms: float | None = None
+    reason: str = ""
+
+
+def _available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    tol = 2e-2 if want.dtype == torch.bfloat16 else 1e-4
+    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def _check(dtype: torch.dtype, training: bool) -> None:
+    """Run every form of the primitive that the path uses on a tiny input; raise if one fails or disagrees."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b, r = (torch.randn(s, generator=gen).to(dtype) for s in ((5, 24), (40, 24), (40,), (5, 40)))
+    cases = [
+        (onednn.linear(x, w, b), F.linear(x, w, b)),
+        (onednn.linear(x, w, b, gelu=True), F.gelu(F.linear(x, w, b))),
+        (onednn.linear(x, w, b, residual=r), r + F.linear(x, w, b)),
+    ]
+    if training:
+        g = torch.randn(5, 40, generator=gen).to(dtype)
+        cases += [(onednn.grad_input(g, w), g @ w), (onednn.grad_weight(g, x), g.t() @ x)]
+    for got, want in cases:
+        if not _agrees(got, want):
+            raise RuntimeError("the primitive's result differs from aten's")
+
+
+def _ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _time(fast, plain) -> tuple[float, float]:
+    """Best-of-REPEATS milliseconds of ``fast`` and ``plain``, called alternately after one warm-up each."""
+    fast(), plain()
+    times = [(_ms(fast), _ms(plain)) for _ in range(REPEATS)]
+    return min(t[0] for t in times), min(t[1] for t in times)
+
+
+def _timed_pair(dtype: torch.dtype, training: bool):
+    """The timed calls: DeiT-S's MLP on :data:`_TOKENS` tokens with its residual, as the blocks run it, through
+    oneDNN (GELU and the residual as epilogues; training: :class:`~vitlab.ops.onednn.OneDNNLinear`, forward and
+    backward) and through aten."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_TOKENS, _WIDTH, generator=gen).to(dtype)
+    w1, w2 = torch.randn(_HIDDEN, _WIDTH, generator=gen), torch.randn(_WIDTH, _HIDDEN, generator=gen)
+    w1, w2 = (w.to(dtype).div_(_WIDTH**0.5).requires_grad_(training) for w in (w1, w2))
+    b1, b2 = (torch.zeros(n, dtype=dtype, requires_grad=training) for n in (_HIDDEN, _WIDTH))
+    if not training:
+
+        def fast():
+            return onednn.linear(onednn.linear(x, w1, b1, gelu=True), w2, b2, residual=x)
+
+        def plain():
+            return x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
+
+        return fast, plain
+    x.requires_grad_()
+
+    def fast_step():
+        h = F.gelu(onednn.OneDNNLinear.apply(x, w1, b1, None))
+        onednn.OneDNNLinear.apply(h, w2, b2, x).sum().backward()
+
+    def plain_step():
+        (x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)).sum().backward()
+
+    return fast_step, plain_step
+
+
+# the decisions made so far, by (dtype, training)
+_DECISIONS: dict[tuple[torch.dtype, bool], Decision] = {}
+
+
+def onednn_linear_taken(dtype: torch.dtype, training: bool) -> bool:
+    """Whether linear layers of ``dtype`` on the CPU run in oneDNN (inference with epilogues, or a training step's
+    three products): :func:`onednn_linear`'s answer, a constant inside a compiled graph."""
+    return onednn_linear(dtype, training).taken
+
+
+# what torch.compiler.assume_constant_result does (dynamo calls the function while tracing and records its result
+# as a constant: the probe runs in Python, never traced), without the import of torch._dynamo that the decorator
+# makes at once: that import would load the compiler into every process that imports vitlab
+onednn_linear_taken._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
+    """The probe of this module's docstring for linear layers of ``dtype`` on the CPU, inference or training
+    (probed on the first call, then remembered)."""
+    key = (dtype, training)
+    if key not in _DECISIONS:
+        _DECISIONS[key] = _probe(dtype, training)
+    return _DECISIONS[key]
+
+
+def _probe(dtype: torch.dtype, training: bool) -> Decision:
+    if not _available():
+        return Decision(False, False, reason="PyTorch was built without oneDNN")
+    if training and dtype != torch.float32:
+        return Decision(False, False, reason="training in oneDNN is for fp32 (autocast picks its own precisions)")
+    try:
+        with torch.no_grad():
+            _check(dtype, training)
+        with torch.enable_grad() if training else torch.no_grad():
+            fast_ms, plain_ms = _time(*_timed_pair(dtype, training))
+    except Exception as err:  # any failure of the primitive on this CPU: the plain path
+        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    taken = fast_ms <= MARGIN * plain_ms
+    verdict = "faster" if taken else f"not faster by {1 / MARGIN:.2f}x"
+    return Decision(True, taken, round(fast_ms, 3), round(plain_ms, 3), f"oneDNN {verdict} than aten")
+
+
+def decisions() -> dict[str, dict]:
+    """Every decision of this module, as plain data (probing now what has not been probed yet)."""
+    return {
+        f"onednn_linear[{str(dtype).removeprefix('torch.')},{'train' if training else 'infer'}]": asdict(
+            onednn_linear(dtype, training)
+        )
+        for dtype in (torch.float32, torch.bfloat16)
+        for training in (False, True)
+    }
+
+
+def reset() -> None:
+    """Forget the decisions (the next call probes again): for tests that simulate another CPU."""
+    _DECISIONS.clear()

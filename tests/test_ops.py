@@ -1,0 +1,202 @@
+"""The kernel layer (vitlab.ops): one switch, capabilities decided once by running the primitive, the plain path
+on any CPU the primitive does not run on, and every model correct in bf16 with the fast paths on and off."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import vitlab
+from vitlab import ops
+from vitlab.ops import onednn, probe
+from vitlab.ops.linear import fused_linear, fuses_linear, trains_linear_in_onednn
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "vitlab"
+BF16_UNIT = 2.0**-8
+
+
+def test_the_switch_turns_every_fast_path_off_and_back():
+    assert ops.fast_paths_enabled()
+    with ops.fast_paths(False):
+        assert not ops.fast_paths_enabled()
+        lin, x = nn.Linear(8, 8), torch.randn(2, 8)
+        with torch.inference_mode():
+            assert not fuses_linear(x, lin.weight)
+        assert not trains_linear_in_onednn(x.requires_grad_(), lin.weight)
+        with ops.fast_paths(True):
+            assert ops.fast_paths_enabled()
+        assert not ops.fast_paths_enabled()
+    assert ops.fast_paths_enabled()
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("1", True), ("", True)])
+def test_the_environment_sets_the_switch(value, on):
+    code = "import vitlab.ops as o; print(o.fast_paths_enabled())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"VITLAB_FAST_PATHS": value}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == str(on)
+
+
+def test_a_bad_switch_value_is_one_clear_line():
+    code = "import vitlab.ops"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"VITLAB_FAST_PATHS": "maybe"}, capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "VITLAB_FAST_PATHS='maybe' is not a switch: set it to 1" in out.stderr
+
+
+def test_decisions_are_made_once_and_reported():
+    report = ops.decisions()
+    assert set(report) == {f"onednn_linear[{d},{m}]" for d in ("float32", "bfloat16") for m in ("infer", "train")}
+    for decision in report.values():
+        assert decision["taken"] <= decision["works"] and decision["reason"]
+    assert not report["onednn_linear[bfloat16,train]"]["taken"]  # autocast's precisions, not oneDNN's
+    calls = []
+    real = probe._probe
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe, "_probe", lambda *a: calls.append(a) or real(*a))
+        probe.onednn_linear(torch.float32, False)
+        probe.onednn_linear(torch.float32, False)
+    assert calls == []  # decided already: no second probe
+
+
+@pytest.fixture
+def unsupported_cpu(monkeypatch):
+    """A CPU whose instruction set oneDNN's linear primitive does not support (the error PyTorch raises there)."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for the inner product forward propagation")
+
+    monkeypatch.setattr(onednn, "linear", refuse)
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    return refuse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_failing_probe_leaves_the_plain_path_which_agrees(unsupported_cpu, dtype):
+    for training in (False, True):
+        decision = probe.onednn_linear(dtype, training)
+        assert not decision.works and not decision.taken
+    assert "primitive descriptor" in probe.onednn_linear(dtype, False).reason
+    torch.manual_seed(0)
+    for name in ("deit_mini", "aft_full_mini", "refiner_mini"):
+        model = vitlab.create_model(name, num_classes=10).to(dtype).eval()
+        x = torch.randn(2, *model.meta["input_size"], dtype=dtype)
+        with torch.inference_mode():
+            y = model(x)  # the primitive would raise: it is never called
+            with ops.fast_paths(False):
+                plain = model(x)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.float(), plain.float(), rtol=0.05, atol=0.05)
+        model.train()
+        model(x).float().square().sum().backward()  # training too
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _mini_models() -> list[str]:
+    return vitlab.list_models("*_mini")
+
+
+def _agree(actual: torch.Tensor, expected: torch.Tensor, units: float) -> None:
+    scale = expected.abs().max().item()
+    err = (actual.double() - expected.double()).abs().max().item()
+    assert err <= units * BF16_UNIT * scale, f"max abs error {err:.3g} > {units} bf16 units of {scale:.3g}"
+
+
+def _bf16_run(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 and bf16-weight inference outputs, fp32 and bf16-autocast training-mode outputs, and the flat gradient
+    of a bf16-autocast training step.
+
+    The training-mode outputs are compared with BatchNorm on its running statistics: the batch statistics of two
+    images' attention maps (DeepViT's, the refiner's) are tiny variances that amplify any rounding, bf16's
+    included. The gradient's step uses the batch statistics (and the fused head mix + BatchNorm)."""
+    with torch.inference_mode():
+        fp32 = model.float().eval()(x)
+        bf16 = model.to(torch.bfloat16)(x.bfloat16())
+    model.float().train()
+    for m in model.modules():  # the same function in every pass: no dropout, no random depth
+        if isinstance(m, nn.Dropout) or type(m).__name__ == "DropPath":
+            m.eval()
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    outputs = []
+    for precision in (torch.float32, torch.bfloat16):
+        torch.manual_seed(1)  # the same random masks (attention drop-map) in both
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
+            for m in norms:
+                m.eval()
+            outputs.append(model(x))
+            for m in norms:
+                m.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().square().sum().backward()
+    grads = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+    return fp32, bf16, *outputs, grads
+
+
+@pytest.mark.parametrize("name", _mini_models())
+def test_every_mini_model_runs_in_bf16_and_agrees_with_fp32(name):
+    """bf16 weights in inference and bf16 autocast in training, with the fast paths on and off: each output within
+    bf16 tolerance of the fp32 model's, and the two paths' gradients the same up to bf16 rounding. (Gradients of
+    the maps' BatchNorm models, DeepViT's and the refiner's, follow bf16's rounding of tiny batch statistics, so
+    bf16 gradients are compared between the paths, not with fp32's.)"""
+    torch.manual_seed(0)
+    model = vitlab.create_model(name, num_classes=10)
+    x = torch.randn(2, *model.meta["input_size"])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = {}
+    for fast in (True, False):
+        model.load_state_dict(state)  # the same running statistics before each
+        with ops.fast_paths(fast):
+            runs[fast] = _bf16_run(model, x)
+    for fp32, bf16, fp32_train, autocast, grads in runs.values():
+        assert bf16.dtype == autocast.dtype == torch.bfloat16 and torch.isfinite(grads).all()
+        _agree(bf16, fp32, units=32.0)  # a dozen blocks of bf16 rounding
+        _agree(autocast, fp32_train, units=32.0)
+    (*_, fast_grads), (*_, plain_grads) = runs[True], runs[False]
+    cosine = torch.nn.functional.cosine_similarity(fast_grads, plain_grads, dim=0).item()
+    assert cosine > 0.99, cosine
+
+
+def test_no_kernel_or_private_torch_op_lives_above_the_kernel_layer():
+    """The papers' modules, layers and models call named ops; autograd Functions, oneDNN and private torch APIs
+    live in vitlab/ops alone."""
+    pattern = re.compile(r"autograd\.Function|torch\.ops\.|torch\._C\b|torch\._[a-z]|\bfrom torch\.[\w.]*\._\w+")
+    found = [
+        f"{path.relative_to(SRC)}:{i}: {line.strip()}"
+        for package in ("mixers", "layers", "models")
+        for path in sorted((SRC / package).rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_grep_would_see_a_kernel(tmp_path):
+    pattern = re.compile(r"autograd\.Function|torch\.ops\.|torch\._C\b|torch\._[a-z]|\bfrom torch\.[\w.]*\._\w+")
+    for line in (
+        "class F(torch.autograd.Function):",
+        "torch.ops.mkldnn._linear_pointwise(x)",
+        "torch._C._are_functorch_transforms_active()",
+        "from torch.utils._python_dispatch import _get_current_dispatch_mode",
+    ):
+        assert pattern.search(line), line
+    assert not pattern.search("torch.nn.functional.linear(x, w)")
+
+
+def test_fused_linear_on_the_plain_path_is_exactly_the_module(unsupported_cpu):
+    torch.manual_seed(0)
+    lin, x, res = nn.Linear(16, 24), torch.randn(3, 16), torch.randn(3, 24)
+    with torch.inference_mode():
+        assert torch.equal(fused_linear(lin, x, residual=res), res + lin(x))
+        assert torch.equal(fused_linear(lin, x, gelu=True), torch.nn.functional.gelu(lin(x)))
