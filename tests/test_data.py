@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from vitlab.data import (
     BatchLoader,
-    LazyImageFolder,
     MixParams,
     MixupCutmix,
     Normalize,
@@ -24,11 +23,13 @@ from vitlab.data import (
     RandomResizedCrop,
     Resize,
     cifar10,
-    image_folder,
+    create_loader,
+    create_transform,
     load_dataset,
     make_transform,
     mnist_embedded,
     mnist_idx,
+    open_source,
     resize,
     smooth_one_hot,
     soft_target_cross_entropy,
@@ -140,9 +141,9 @@ def test_dataset_paths_that_are_files_or_missing(tmp_path):
         ValueError, match=r"is a file; expected the folder holding data_batch_1\.\.5 .*cifar-10-batches-py"
     ):
         cifar10(tmp_path / "data_batch_1")
-    # a missing folder is named as missing, before any question about the image size
+    # a missing folder is named as missing
     with pytest.raises(FileNotFoundError, match=r"image folder .*nonexistent does not exist"):
-        load_dataset(f"folder:{tmp_path / 'nonexistent'}")
+        open_source(f"folder:{tmp_path / 'nonexistent'}")
 
 
 def test_damaged_batches_and_idx_headers_are_one_line(tmp_path):
@@ -269,56 +270,61 @@ def _write_tree(root, colors, sizes=((40, 30), (30, 50), (32, 32))):
             Image.new("RGB", size, color).save(root / name / f"{i}.png")
 
 
-def test_image_folder(tmp_path):
+def test_image_folder_reads_through_the_streaming_source(tmp_path):
+    """folder: has one reader (the streaming source): class = sorted subfolder name, files in sorted order."""
     colors = {"dog": (200, 10, 30), "cat": (0, 128, 255)}
     _write_tree(tmp_path / "tree", colors)
-    ds = image_folder(tmp_path / "tree", img_size=16)
-    assert ds.images.shape == (6, 3, 16, 16) and ds.class_names == ["cat", "dog"]
-    assert ds.labels.tolist() == [0, 0, 0, 1, 1, 1]
-    for img, label in zip(ds.images, ds.labels):
-        expected = torch.tensor(colors[ds.class_names[label]], dtype=torch.uint8).view(3, 1, 1)
-        assert (img.int() - expected.int()).abs().max() <= 1
-    gray = image_folder(tmp_path / "tree", img_size=8, channels=1)
-    assert gray.images.shape == (6, 1, 8, 8) and gray.mean == (0.5,)
-    lazy = LazyImageFolder(tmp_path / "tree", img_size=16)
-    assert len(lazy) == 6 and torch.equal(lazy[4][0], ds.images[4]) and lazy[4][1] == 1
-    assert (lazy.img_size, lazy.in_chans, lazy.num_classes) == ((16, 16), 3, 2)
-    x, y = next(iter(BatchLoader(lazy, 4, shuffle=False)))
-    assert torch.allclose(x, ds.images[:4].float() / 255) and y.tolist() == [0, 0, 0, 1]
+    src = open_source(f"folder:{tmp_path / 'tree'}", "all")
+    assert src.classes == ["cat", "dog"] and src.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert [src.path(i).name for i in range(3)] == ["0.png", "1.png", "2.png"]
+    whole = create_transform(16, mean=(0.0,) * 3, std=(1.0,) * 3, crop_pct=1.0)
+    x, y = next(iter(create_loader(src, whole, 6, is_training=False)))
+    assert x.shape == (6, 3, 16, 16) and y.tolist() == [0, 0, 0, 1, 1, 1]
+    for img, label in zip(x, y):
+        expected = torch.tensor(colors[src.classes[label]]).view(3, 1, 1) / 255
+        assert (img - expected).abs().max() <= 1 / 255 + 1e-6
+    grey = create_transform((1, 8, 8), mean=(0.0,), std=(1.0,), crop_pct=1.0)
+    assert next(iter(create_loader(src, grey, 6, is_training=False)))[0].shape == (6, 1, 8, 8)
+    assert open_source(str(tmp_path / "tree"), "all").classes == src.classes  # a bare folder is folder:
 
 
 def test_image_folder_splits_and_errors(tmp_path):
     colors = {c: (i * 20, 100, 50) for i, c in enumerate("abcd")}
     _write_tree(tmp_path / "flat", colors, sizes=[(12, 12)] * 5)
-    tr = load_dataset(f"folder:{tmp_path / 'flat'}", "train", img_size=8, holdout=0.2)
-    te = load_dataset(str(tmp_path / "flat"), "test", img_size=8, holdout=0.2)
+    tr = open_source(f"folder:{tmp_path / 'flat'}", "train", holdout=0.2)
+    te = open_source(str(tmp_path / "flat"), "test", holdout=0.2)
     assert (len(tr), len(te)) == (16, 4) and te.class_counts() == [1, 1, 1, 1]
-    assert not set(tr.extra["indices"].tolist()) & set(te.extra["indices"].tolist())
+    assert not {str(tr.path(i)) for i in range(len(tr))} & {str(te.path(i)) for i in range(len(te))}
     _write_tree(tmp_path / "split" / "train", colors, sizes=[(12, 12)] * 2)
     _write_tree(tmp_path / "split" / "val", colors, sizes=[(12, 12)])
-    assert len(load_dataset(f"folder:{tmp_path / 'split'}", "test", img_size=8)) == 4
-    assert len(load_dataset(f"folder:{tmp_path / 'split'}", "train", img_size=8, lazy=True)) == 8
+    assert len(open_source(f"folder:{tmp_path / 'split'}", "test")) == 4
+    assert len(open_source(f"folder:{tmp_path / 'split'}", "train")) == 8
 
-    with pytest.raises(ValueError, match="need img_size"):
-        load_dataset(f"folder:{tmp_path / 'flat'}")
     with pytest.raises(ValueError, match=r"holdout must be a count of images in 0\.\.19 or a fraction in \[0, 1\)"):
-        load_dataset(f"folder:{tmp_path / 'flat'}", "train", img_size=8, holdout=-5)
+        open_source(f"folder:{tmp_path / 'flat'}", "train", holdout=-5)
     with pytest.raises(ValueError, match=r"holdout must be .* got 1\.5"):
-        load_dataset(f"folder:{tmp_path / 'flat'}", "train", img_size=8, holdout=1.5)
+        open_source(f"folder:{tmp_path / 'flat'}", "train", holdout=1.5)
+    with pytest.raises(ValueError, match=r"folder data streams .* open it with vitlab\.data\.open_source"):
+        load_dataset(f"folder:{tmp_path / 'flat'}")
     _write_tree(tmp_path / "one", {"cats": (1, 2, 3)}, sizes=[(12, 12)] * 3)
-    with pytest.raises(ValueError, match=r"single class subfolder \(cats\): a classifier needs at least two classes"):
-        load_dataset(f"folder:{tmp_path / 'one'}", "all", img_size=8)
-    assert len(LazyImageFolder(tmp_path / "one", 8)) == 3  # looking at one class's images (analyze) is fine
+    assert len(open_source(f"folder:{tmp_path / 'one'}", "all")) == 3  # looking at one class's images is fine
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        image_folder(tmp_path / "missing", 8)
+        open_source(f"folder:{tmp_path / 'missing'}", "all")
     (tmp_path / "empty" / "a").mkdir(parents=True)
     with pytest.raises(ValueError, match="no images in class subfolders"):
-        image_folder(tmp_path / "empty", 8)
-    (tmp_path / "flat" / "a" / "broken.png").write_bytes(b"not a png")
-    with pytest.raises(ValueError, match=r"broken\.png cannot be decoded"):
-        image_folder(tmp_path / "flat", 8)
+        open_source(f"folder:{tmp_path / 'empty'}", "all")
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("imagenet:/x")
+
+
+def test_the_in_memory_folder_reader_is_retired():
+    """One reader for folder:: the in-memory ImageFolder copies (image_folder, LazyImageFolder, load_image)
+    are gone from the package, and nothing imports them."""
+    import vitlab.data
+    import vitlab.data.datasets as datasets
+
+    for name in ("image_folder", "LazyImageFolder", "load_image", "_scan_folder", "_folder_split"):
+        assert not hasattr(vitlab.data, name) and not hasattr(datasets, name), name
 
 
 # ---------------------------------------------------------------- loader

@@ -490,7 +490,7 @@ def test_bad_specs_are_one_line(tmp_path):
     assert check_spec(f"wds:{tmp_path}") == f"wds:{tmp_path}"  # the option check of vitlab train/eval
     with pytest.raises(FileNotFoundError, match="vitlab data shards"):
         check_spec(f"wds:{tmp_path / 'nope'}")
-    with pytest.raises(ValueError, match="stream through vitlab train"):
+    with pytest.raises(ValueError, match="wds data streams"):
         load_dataset(f"wds:{tmp_path}")
 
 

@@ -13,8 +13,7 @@ import torch
 
 from .. import options as opt
 from ..checkpoint import load_model
-from ..data.config import SPEC_HELP
-from ..data.datasets import data_spec
+from ..data.spec import SPEC_HELP, data_spec
 from ..device import add_device_argument, resolve_device
 from ..io import check_writable_folder
 from .analyses import ANALYSES, analyze, parse_what

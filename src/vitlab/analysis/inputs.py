@@ -1,4 +1,9 @@
-"""The images an analysis looks at: image files or a dataset's first images, at a model's input size."""
+"""The images an analysis looks at: image files or a dataset's first images, at a model's input size.
+
+Both come through ``vitlab.data``'s one road (``open_source`` -> ``create_transform`` -> ``create_loader``; a
+file through the same transform): whole images resized to the input size, a folder's files decoded as
+training decodes them.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..data import load_dataset, make_transform, resize
-from ..data.config import spec_kind
-from ..data.datasets import load_image
+from ..data import DataSpec, Normalize, create_loader, create_transform, open_source
 
 
 def load_images(
     model: nn.Module,
     *,
-    data: str | None = None,
+    data: str | DataSpec | None = None,
     files: Sequence[str | Path] | None = None,
     split: str = "test",
     num_images: int = 4,
@@ -31,35 +34,41 @@ def load_images(
         raise ValueError(f"--num-images must be at least 1, got {num_images}")
     if files:
         files = list(files)[:num_images]
-        raw = _read_files(files, max(h, w), chans)
+        images = _read_files(files, (h, w), chans)
         mean, std, what = model.meta["mean"], model.meta["std"], f"{len(files)} image files"
     else:
-        raw, mean, std, what = _read_dataset(data or "mnist", split, num_images, max(h, w), chans)
-    images = resize(raw.float() / 255, (h, w))
+        images, mean, std, what = _read_dataset(DataSpec.parse(data or "mnist"), split, num_images, (h, w))
     images, mean, std = _match_channels(images, mean, std, chans)
     images = images.clamp(0, 1).contiguous()
-    return images, make_transform(False, (h, w), mean, std)(images), what
+    return images, Normalize(mean, std)(images), what
 
 
-def _read_files(files: Sequence[str | Path], size: int, chans: int) -> Tensor:
+def _whole(size: tuple[int, int], chans: int, interpolation: str):
+    """The whole image resized to ``size`` (shorter side, centred), in [0, 1]: no normalisation."""
+    return create_transform(size, mean=(0.0,) * chans, std=(1.0,) * chans, crop_pct=1.0, in_chans=chans,
+                            interpolation=interpolation)  # fmt: skip
+
+
+def _read_files(files: Sequence[str | Path], size: tuple[int, int], chans: int) -> Tensor:
     for f in files:
         if not Path(f).expanduser().is_file():
             raise FileNotFoundError(f"image {f} not found")
-    return torch.stack([load_image(Path(f).expanduser(), size, chans) for f in files])
+    chans = chans if chans in (1, 3) else 3  # decoded as grey or RGB, then matched to the model's channels
+    tf = _whole(size, chans, "bicubic")
+    return torch.stack([tf(Path(f).expanduser()) for f in files])
 
 
-def _read_dataset(spec: str, split: str, n: int, size: int, chans: int) -> tuple[Tensor, Sequence, Sequence, str]:
-    if spec_kind(spec) == "folder":  # decode only the images used, not the whole tree
-        try:
-            ds = load_dataset(spec, split, img_size=size, channels=chans, lazy=True)
-        except ValueError:  # no train/test subfolders: every image of the folder
-            ds = load_dataset(spec, "all", img_size=size, channels=chans, lazy=True)
-    else:
-        ds = load_dataset(spec, split)
-    if len(ds) == 0:
-        raise ValueError(f"dataset {spec!r} ({split}) has no images")
-    raw, _ = ds.get_batch(torch.arange(min(n, len(ds))))
-    return raw, ds.mean, ds.std, f"{spec} ({split}), {len(raw)} images"
+def _read_dataset(spec: DataSpec, split: str, n: int, size: tuple[int, int]) -> tuple[Tensor, Sequence, Sequence, str]:
+    """The first ``n`` images of ``split`` (a flat image folder: of all its images) and the data's statistics."""
+    if spec.kind == "folder" and not (Path(spec.path).expanduser() / "train").is_dir():
+        split = "all"  # no held-out part to pick from: the folder's first images
+    source = open_source(spec, split)
+    if len(source) == 0:
+        raise ValueError(f"dataset {str(spec)!r} ({split}) has no images")
+    chans = int(getattr(source, "in_chans", 3))  # streaming data is decoded as RGB
+    tf = _whole(size, chans, "bicubic" if spec.streaming else "bilinear")
+    images, _ = next(iter(create_loader(source, tf, min(n, len(source)), is_training=False)))
+    return images, source.mean, source.std, f"{spec} ({split}), {len(images)} images"
 
 
 def _match_channels(x: Tensor, mean: Sequence[float], std: Sequence[float], chans: int):

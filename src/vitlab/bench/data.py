@@ -250,10 +250,12 @@ def loader_memory(src_root: Path, work: Path) -> list[dict[str, int]]:
 
 def _dataset(args, work: Path) -> Path:
     if args.data:
-        kind, _, path = args.data.partition(":")
-        if kind != "folder" or not path:
+        from ..data import DataSpec
+
+        spec = DataSpec.parse(args.data)
+        if spec.kind != "folder":
             raise ValueError(f"--data must be folder:ROOT (an ImageNet-layout folder), got {args.data!r}")
-        return Path(path).expanduser()
+        return Path(spec.path).expanduser()
     from ..data.synth import synthesize
 
     per_class = max(1, args.images // 10)

@@ -9,6 +9,7 @@ import time
 
 from .. import options as opt
 from ..io import check_writable_folder
+from .spec import SPEC_HELP, data_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("out", help="folder for OUT/<split>-NNNNNN.tar and OUT/shards.json (read back as wds:OUT)")
     w.add_argument("--shard-size", type=opt.positive_int, default=1000, help="samples per shard (default 1000)")
     i = sub.add_parser("info", help="what a data spec holds: images, classes, per-class counts")
-    i.add_argument("spec", help="folder:ROOT, wds:DIR or wds:PATTERN, mnist, cifar10:DIR, ...")
+    i.add_argument("spec", type=data_spec, help=f"a dataset spec: {SPEC_HELP}")
     i.add_argument("--split", default="train", choices=["train", "val"])
 
 

@@ -7,10 +7,10 @@ vitlab model, a timm model, a feature extractor), so the data layer stays indepe
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from .datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD, _guess_kind
+from .datasets import CIFAR10_MEAN, CIFAR10_STD, IMAGENET_MEAN, IMAGENET_STD, MNIST_MEAN, MNIST_STD
+from .spec import SPEC_HELP, DataSpec  # noqa: F401  (SPEC_HELP: its older home)
 
 DEFAULT_CROP_PCT = 0.875
 
@@ -59,22 +59,18 @@ def resolve_data_config(
     return out
 
 
-#: the dataset specs ``vitlab train`` (and every tool that reads data) takes
-SPEC_HELP = "mnist (embedded), cifar10:<folder>, mnist-idx:<folder>, folder:<path>, or a bare folder path"
+def spec_kind(spec: str | DataSpec) -> str:
+    """The kind of a dataset spec (a bare folder by its contents): :attr:`DataSpec.kind`."""
+    return DataSpec.parse(spec).kind
 
 
-def spec_kind(spec: str) -> str:
-    """The kind of a dataset spec as :func:`~vitlab.data.load_dataset` reads it (a bare folder by its contents)."""
-    kind, sep, _ = spec.partition(":")
-    if not sep and Path(spec).expanduser().is_dir():
-        kind = _guess_kind(Path(spec).expanduser())
-    return kind.lower()
-
-
-def spec_stats(spec: str, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def spec_stats(spec: str | DataSpec, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The normalisation ``vitlab train`` uses for a dataset spec (without reading the data): the dataset's
-    statistics for MNIST and CIFAR-10, ImageNet's (grey: 0.5) for image folders."""
-    kind = spec_kind(spec)
+    statistics for MNIST and CIFAR-10, ImageNet's (grey: 0.5) for image folders and shards."""
+    try:
+        kind = DataSpec.parse(spec).kind
+    except ValueError:  # a checkpoint's bare folder that is gone: normalised as the image folder it was
+        kind = "folder"
     if kind in ("mnist", "mnist-idx"):
         return MNIST_MEAN, MNIST_STD
     if kind == "cifar10":
@@ -82,10 +78,10 @@ def spec_stats(spec: str, channels: int) -> tuple[tuple[float, ...], tuple[float
     return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
 
 
-def training_data_cfg(spec: str, channels: int, holdout: int | float | None = None) -> dict[str, Any]:
+def training_data_cfg(spec: str | DataSpec, channels: int, holdout: int | float | None = None) -> dict[str, Any]:
     """The data configuration of a model trained by ``vitlab train`` on ``spec`` (``holdout``: the images it
     held out for evaluation): its normalisation, and whole images resized to the input size (crop 1.0,
     bilinear), as training and evaluation there see them."""
     mean, std = spec_stats(spec, channels)
     held = {} if holdout is None else {"holdout": holdout}
-    return {"data": spec, **held, "mean": mean, "std": std, "crop_pct": 1.0, "interpolation": "bilinear"}
+    return {"data": str(spec), **held, "mean": mean, "std": std, "crop_pct": 1.0, "interpolation": "bilinear"}

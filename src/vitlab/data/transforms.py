@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .augment import RandAugment, blend, gray, uniform
+from .augment import blend, gray, uniform
 from .geometry import CropSpec, cut_crop, eval_geometry, resized_crop_boxes, sample_boxes
 
 Size = int | tuple[int, int]
@@ -281,42 +281,3 @@ class Compose:
 
     def __repr__(self) -> str:
         return "Compose(\n" + "".join(f"  {s!r},\n" for s in self.steps) + ")"
-
-
-def make_transform(
-    train: bool,
-    img_size: Size,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    crop_padding: int | None = 4,
-    rrc_scale: Sequence[float] | None = None,
-    rrc_ratio: Sequence[float] = (3 / 4, 4 / 3),
-    hflip: float = 0.5,
-    auto_augment: str | Transform | None = None,
-    erase_prob: float = 0.0,
-    interpolation: str = "bilinear",
-) -> Compose:
-    """The usual pipelines as one batch transform.
-
-    train: [RandomResizedCrop(img_size, rrc_scale) | Resize + RandomCrop(img_size, crop_padding)],
-    RandomHorizontalFlip(hflip), RandAugment (``auto_augment`` spec like ``"rand-m9-n2-mstd0.5"``),
-    Normalize, RandomErasing(erase_prob). eval: Resize(img_size), Normalize.
-    Set ``hflip=0`` for data where mirroring changes meaning (digits, text).
-    """
-    steps: list[Transform] = []
-    if train and rrc_scale is not None:
-        steps.append(RandomResizedCrop(img_size, rrc_scale, rrc_ratio, interpolation))
-    else:
-        steps.append(Resize(img_size, interpolation))
-    if train:
-        if rrc_scale is None and crop_padding is not None:
-            steps.append(RandomCrop(img_size, crop_padding))
-        if hflip > 0:
-            steps.append(RandomHorizontalFlip(hflip))
-        if auto_augment:
-            steps.append(RandAugment.from_spec(auto_augment) if isinstance(auto_augment, str) else auto_augment)
-    steps.append(Normalize(mean, std))
-    if train and erase_prob > 0:
-        steps.append(RandomErasing(erase_prob))
-    return Compose(steps)

@@ -7,13 +7,14 @@ import argparse
 import dataclasses
 from typing import Any
 
+from ..data.spec import SPEC_HELP, DataSpec
 from ..device import add_device_argument
 from ..options import key_value
 from .engine import AMP_CHOICES, OPTION_CHECKS, TrainConfig
 
 HELP = {
     "model": "registered model name (see `vitlab models`)",
-    "data": "dataset spec: mnist (embedded, default), cifar10:<folder>, mnist-idx:<folder>, folder:<path>",
+    "data": f"dataset spec: {SPEC_HELP}",
     "out": "output folder: last.pt (each epoch), log.csv/log.json, summary.json (default runs/train/<model>)",
     "epochs": "training epochs",
     "batch_size": "global batch size (split over torchrun processes)",
@@ -151,8 +152,6 @@ SET_BY_TRAIN = {
     "drop_path_rate": "--drop-path",
     "dist_token": "--dist-token",
 }
-# (channels, side) of the datasets whose images have one size; a folder's images are resized to --img-size
-DATA_SIZES = {"mnist": (1, 28), "mnist-idx": (1, 28), "cifar10": (3, 32)}
 MAX_DEPTH = 1024  # a bound for blocks (the papers' deepest model has 32), so a typo cannot exhaust the memory
 
 
@@ -163,12 +162,10 @@ def check_model_args(args: argparse.Namespace) -> None:
     device (no memory) at the input size of the data."""
     import torch
 
-    from ..data.datasets import parse_spec
     from ..models import create_model
     from ..models.registry import MODELS
     from ..options import check_keyword_values
 
-    kind, _ = parse_spec(args.data)
     overrides = parse_model_args(args.model_args)
     if not overrides:
         return
@@ -182,7 +179,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     check_keyword_values(factory, overrides, "--model-arg")
     if isinstance(overrides.get("depth"), int) and overrides["depth"] > MAX_DEPTH:
         raise ValueError(f"--model-arg depth={overrides['depth']}: depth must be at most {MAX_DEPTH}")
-    chans, side = DATA_SIZES.get(kind, (3, None))
+    chans, side = DataSpec.parse(args.data).native_shape  # a folder's images are resized to --img-size
     sizes = {"img_size": args.img_size or side, "in_chans": chans}
     try:
         with torch.device("meta"):

@@ -41,7 +41,7 @@ import torch
 
 from .. import options as opt
 from ..checkpoint import load_checkpoint, load_model
-from ..data.datasets import data_spec
+from ..data.spec import data_spec
 from ..device import add_device_argument, resolve_device
 from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
@@ -698,7 +698,7 @@ def table_row(plan: Plan, v: Variant, results: list[dict[str, Any]], infer_img_s
 
 def run_meta(args: argparse.Namespace, plan: Plan, wall: float) -> dict[str, Any]:
     return {
-        "data": args.data,
+        "data": str(args.data),
         "img_size": plan.img_size,
         "epochs": plan.recipe["epochs"],
         "batch_size": plan.recipe["batch_size"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 from .. import options as opt
 from ..data import BatchLoader
 from ..data.augment import RandAugment
-from ..data.datasets import data_spec
+from ..data.spec import DataSpec, data_spec
 from ..device import AMP_CHOICES
 from ..distributed import World
 from ..models import get_config
@@ -87,6 +88,11 @@ class TrainConfig:
     progress: bool = True
     recipe: str | None = None  # the recipe file the options came from (--config)
 
+    @cached_property
+    def spec(self) -> DataSpec:
+        """``data`` parsed (once per config; ``data`` itself stays the text checkpoints and run records keep)."""
+        return DataSpec.parse(self.data)
+
     @property
     def global_batch(self) -> int:
         """Images per optimizer step over all processes: ``batch_size`` (split over them) x ``accum_steps``."""
@@ -98,6 +104,9 @@ class TrainConfig:
         return self.base_lr * self.global_batch / 512 if self.base_lr is not None else self.lr
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, DataSpec):  # the command line's parsed --data: keep it, record its text
+            self.__dict__["spec"] = self.data
+            self.data = str(self.data)
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
         for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing

@@ -1,6 +1,6 @@
 """The training loop: one function, setup then loop (nanoGPT style), and evaluation.
 
-``train(TrainConfig(...))`` trains a registered model on a dataset spec (``vitlab.data.load_dataset``) with
+``train(TrainConfig(...))`` trains a registered model on a dataset spec (``vitlab.data.open_source``) with
 AdamW (no decay on norms, biases, tokens, position tables; fused on a GPU), a per-step warmup + cosine
 schedule, gradient clipping, stochastic depth, optional Mixup/CutMix + label smoothing, an EMA of the
 weights, autocast (bf16 on CPU or GPU, fp16 with a gradient scaler on GPU) and DeiT hard distillation from a

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import options as opt
-from ..data.datasets import data_spec
+from ..data.spec import DataSpec, data_spec
 from ..device import add_device_argument, resolve_device
 
 
@@ -103,61 +103,63 @@ def load_for_eval(
     return model, {"data": cfg.get("data"), "holdout": cfg.get("holdout"), "trained": False}
 
 
-def _loaders(model: Any, trained: dict[str, Any], spec: str, sizes: list[int], batch_size: int, workers: int, dev):
-    """One evaluation loader per input size.
+def _loaders(model: Any, trained: dict[str, Any], spec: DataSpec, sizes: list[int], batch_size: int, workers: int,
+             dev) -> list:  # fmt: skip
+    """One evaluation loader per input size, through ``vitlab.data``'s one road (``open_source`` ->
+    ``create_transform`` -> ``create_loader``; a ``folder:`` spec streams)."""
+    from ..data import create_loader, open_source
 
-    A `vitlab train` checkpoint of in-memory data is evaluated as its training evaluated (the held-out images
-    resized whole, the normalisation of its training data); one trained on streaming data, and other weights, are evaluated as their official code does, with
-    the model's data configuration (``resolve_data_config``: resize the shorter side to size / crop_pct,
-    centre crop, the model's mean/std) through ``vitlab.data``'s loaders (a ``folder:`` spec streams)."""
-    from ..data import (
-        BatchLoader,
-        create_loader,
-        create_transform,
-        load_dataset,
-        make_transform,
-        open_source,
-        resolve_data_config,
-    )
-    from .data import is_streaming
-
-    data_cfg = resolve_data_config(model)
-    if trained["trained"] and not is_streaming(spec):
-        ds = load_dataset(spec, "test", img_size=model.img_size[0], holdout=trained["holdout"])
-        _check_data(spec, ds.num_classes, ds.in_chans, model)
-        recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
-        mean, std = (data_cfg["mean"], data_cfg["std"]) if recorded else (ds.mean, ds.std)
-        tf = lambda size: make_transform(False, size, mean, std)  # noqa: E731
-        return [BatchLoader(ds, batch_size, shuffle=False, transform=tf(s), device=dev) for s in sizes]
-    names = model.pretrained_cfg.get("label_names") if spec.startswith("folder:") else None
+    names = model.pretrained_cfg.get("label_names") if spec.kind == "folder" else None
     source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"], classes=names)
     _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
-    loaders = []
-    for size in sizes:
-        tf = create_transform(**{**data_cfg, "input_size": (model.in_chans, size, size)}, is_training=False)
-        loaders.append(create_loader(source, tf, batch_size, is_training=False, workers=workers, device=dev))
-    return loaders
+    return [
+        create_loader(source, _eval_transform(model, trained, source, s), batch_size, is_training=False,
+                      workers=workers, device=dev)
+        for s in sizes
+    ]  # fmt: skip
 
 
-def _eval_split(spec: str, trained: dict[str, Any]) -> str:
+def _eval_transform(model: Any, trained: dict[str, Any], source: Any, size: int):
+    """A `vitlab train` checkpoint of in-memory data is evaluated as its training evaluated (the held-out images
+    resized whole, the normalisation of its training data); one trained on streaming data, and other weights,
+    as their official code does, with the model's data configuration (``resolve_data_config``: resize the
+    shorter side to size / crop_pct, centre crop, the model's mean/std)."""
+    from ..data import ImageDataset, create_transform, resolve_data_config
+    from .data import whole_image
+
+    data_cfg = resolve_data_config(model)
+    if trained["trained"] and isinstance(source, ImageDataset):
+        recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
+        return whole_image(size, *((data_cfg["mean"], data_cfg["std"]) if recorded else (source.mean, source.std)))
+    return create_transform(**{**data_cfg, "input_size": (model.in_chans, size, size)}, is_training=False)
+
+
+def _eval_split(spec: DataSpec, trained: dict[str, Any]) -> str:
     """The held-out split of the run's own data, or a whole folder given with ``--data`` (ImageNet's val/)."""
-    kind, _, path = spec.partition(":")
-    if kind == "folder" and spec != trained.get("data") and not (Path(path).expanduser() / "train").is_dir():
-        return "all"
+    if spec.kind == "folder" and not _same_data(spec, trained.get("data")):
+        return "val" if (Path(spec.path).expanduser() / "train").is_dir() else "all"
     return "val"
 
 
-def _check_data(spec: str, num_classes: int, in_chans: int, model: Any) -> None:
+def _same_data(spec: DataSpec, recorded: str | None) -> bool:
+    """Whether ``spec`` names the data the weights were trained on (their recorded spec, which may be gone)."""
+    try:
+        return recorded is not None and DataSpec.parse(recorded) == spec
+    except ValueError:
+        return False
+
+
+def _check_data(spec: DataSpec, num_classes: int, in_chans: int, model: Any) -> None:
     if num_classes != model.num_classes:
-        raise ValueError(f"{spec!r} has {num_classes} classes, the model predicts {model.num_classes}")
+        raise ValueError(f"{str(spec)!r} has {num_classes} classes, the model predicts {model.num_classes}")
     if in_chans != model.in_chans:
-        raise ValueError(f"{spec!r} has {in_chans}-channel images, the model takes {model.in_chans}")
+        raise ValueError(f"{str(spec)!r} has {in_chans}-channel images, the model takes {model.in_chans}")
 
 
 def evaluate_checkpoint(
     path: str | Path,
     img_sizes: list[int] | None = None,
-    data: str | None = None,
+    data: str | DataSpec | None = None,
     model_name: str | None = None,
     ema: bool = False,
     batch_size: int = 256,
@@ -186,9 +188,9 @@ def evaluate_checkpoint(
         for m in model.modules():
             if isinstance(getattr(m, "resample", None), bool):
                 m.resample = True
-    spec = data or trained["data"]
-    if spec is None:
+    if (data or trained["data"]) is None:
         raise ValueError(f"--data is needed: the weights of {name} do not say what data they were trained on")
+    spec = DataSpec.parse(data or trained["data"])
     dev = resolve_device(device)
     model.to(dev).eval()
     dtype = amp_dtype(amp, dev)

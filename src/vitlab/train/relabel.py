@@ -86,14 +86,17 @@ def load_dense_teacher(path: str, img_size: int | None, device: torch.device) ->
 
 
 def image_files(folder: Path) -> list[Path]:
-    from ..data.sources import scan_folder
+    """Every image of ``folder`` as training reads it, from the data factory's folder source: the train/ and
+    val/ (or test/) splits of an ImageNet layout, else the whole folder of class subfolders."""
+    from ..data import DataSpec, open_source
 
-    splits = [folder / s for s in ("train", "val", "test") if (folder / s).is_dir()] or [folder]
-    files = []
-    for split in splits:
-        _, listing = scan_folder(split)
-        files += [split / listing.path(i) for i in range(len(listing))]
-    return files
+    spec = DataSpec("folder", str(folder))
+    if not (folder / "train").is_dir():
+        splits = ["all"]
+    else:
+        splits = ["train"] + (["val"] if any((folder / s).is_dir() for s in ("val", "test")) else [])
+    sources = [open_source(spec, split) for split in splits]
+    return [src.path(i) for src in sources for i in range(len(src))]
 
 
 def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int | None = None,

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from ..checkpoint import load_model
-from ..data import BatchLoader, load_dataset, make_transform
+from ..data import create_loader, open_source
 from ..io import write_figure_atomic, write_json_atomic
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
 from .compare import RECIPE, Column, Plan, Variant, add_run_arguments, compare_note, pyplot, run_variants
+from .data import whole_image
 from .engine import TrainConfig
 from .recipes import find_recipe
 from .recipes import read_recipe as recipe_file
@@ -234,11 +235,9 @@ def similarity_curves(
 def heldout_images(plan: Plan) -> torch.Tensor:
     """The first :data:`SIMILARITY_IMAGES` held-out images, transformed as for evaluation."""
     cfg = next(iter(plan.configs.values()))
-    ds = load_dataset(cfg.data, "test", img_size=cfg.img_size, holdout=cfg.holdout)  # in memory: a few images
-    loader = BatchLoader(
-        ds, SIMILARITY_IMAGES, shuffle=False, transform=make_transform(False, plan.img_size, ds.mean, ds.std)
-    )
-    return next(iter(loader))[0]
+    source = open_source(cfg.spec, "val", holdout=cfg.holdout)  # the held-out part, as training held it out
+    tf = whole_image(plan.img_size, source.mean, source.std)
+    return next(iter(create_loader(source, tf, SIMILARITY_IMAGES, is_training=False)))[0]
 
 
 def block_similarity(checkpoint: Path, images: torch.Tensor) -> torch.Tensor:
