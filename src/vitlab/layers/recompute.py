@@ -1,0 +1,65 @@
+"""Activation recomputation of one block ("gradient checkpointing" in PyTorch and timm): keep only its
+inputs, recompute its inside during backward. (Saving a run to disk is :mod:`vitlab.checkpoint`.)
+
+``torch.utils.checkpoint`` (non-reentrant) runs the block's forward a second time in backward. Two things
+must not differ between the two runs:
+
+* randomness (dropout, DropPath): the RNG state is saved and restored by PyTorch (``preserve_rng_state``);
+* BatchNorm's running statistics (DeepViT's re-attention, Refined-ViT's refiner and CNN stem): a training
+  BatchNorm updates them on every call, so the recomputation would count each batch twice. During the
+  recomputation every training BatchNorm of the block updates copies of its buffers, which are then
+  dropped: the module's own buffers keep the one update of the real forward pass. (Turning tracking off
+  instead would change which tensors the operation saves, which the recomputation must reproduce.)
+
+Anything a block returns besides its tokens (Refined-ViT's attention map handed to the next block, TNT's
+inner tokens) flows through the checkpoint like any other output, gradients included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextlib.contextmanager
+def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
+    """Within the block, training BatchNorms update throw-away copies of their running statistics."""
+    kept = [
+        (m, {name: getattr(m, name) for name in BN_BUFFERS})
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    for m, buffers in kept:
+        for name, value in buffers.items():
+            setattr(m, name, value.clone())
+    try:
+        yield
+    finally:
+        for m, buffers in kept:
+            for name, value in buffers.items():
+                setattr(m, name, value)
+
+
+def recompute_active(enabled: bool) -> bool:
+    """Recompute only when asked, when autograd records, and outside TorchScript tracing/scripting."""
+    return enabled and torch.is_grad_enabled() and not (torch.jit.is_scripting() or torch.jit.is_tracing())
+
+
+def recomputed(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a call of ``module`` or of a function using it) under non-reentrant activation
+    recomputation (``torch.utils.checkpoint``), with ``module``'s BatchNorm statistics updated once, not
+    again at the recomputation."""
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), _batchnorm_stats_frozen(module)),
+        **kwargs,
+    )
