@@ -287,7 +287,7 @@ def test_lm_sample_options_of_the_other_kind_of_model_are_refused(checkpoints, c
 
 def test_one_class_of_training_data_is_said():
     from vitlab.data import ImageDataset
-    from vitlab.train.engine import warn_one_class
+    from vitlab.train.setup import warn_one_class
 
     def data(labels):
         return ImageDataset(
