@@ -182,3 +182,51 @@ def test_every_command_is_a_tool():
         assert layer(module)[0] == 4, f"{command}: {module} is not in the tools layer"
     assert COMMANDS["study"][0] == "vitlab.train.study" and layer("vitlab.train.study")[1] == "vitlab.train"
     assert layer("vitlab.measure.maps")[0] == 3  # the attention-map measures are a service (analysis and study)
+
+
+def _package_edges(units: tuple[str, ...]) -> set[tuple[str, str]]:
+    """(importer, imported) between the units of ``units`` (a module counts as its unit; a tool inside one,
+    such as ``vitlab.convert.cli``, does not), imports in functions included."""
+
+    def unit(name: str) -> str | None:
+        return None if owner(name, TOOLS) else owner(name, units)
+
+    edges = set()
+    for name, deps in graph().items():
+        for dep in deps:
+            a, b = unit(name), unit(dep)
+            if a and b and a != b:
+                edges.add((a, b))
+    return edges
+
+
+def test_no_two_services_import_each_other():
+    """Services may use each other, one way: a package-level loop (checkpoint <-> convert, checkpoint <->
+    distributed) would make a save or a load cross between them back and forth."""
+    edges = _package_edges(SERVICES)
+    loops = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    assert not loops, "service packages that import each other: " + "; ".join(loops)
+
+
+def test_the_checkpoint_package_stands_below_convert_and_above_distributed():
+    """convert reads files through the checkpoint package (its one safe loader), never the other way;
+    the checkpoint package's sharded checkpoints use distributed's process group, never the other way."""
+    edges = _package_edges(SERVICES)
+    assert ("vitlab.convert", "vitlab.checkpoint") in edges
+    assert ("vitlab.checkpoint", "vitlab.convert") not in edges
+    assert ("vitlab.distributed", "vitlab.checkpoint") not in edges
+    bad = [f"{n} -> {d}" for n, deps in graph().items() if n.startswith("vitlab.checkpoint") for d in deps
+           if owner(d, TOOLS) or d.startswith("vitlab.convert")]  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_a_save_goes_down_the_checkpoint_package_one_way():
+    """Inside the package: run -> load -> sharded -> safeload -> format, each importing only lower ones."""
+    order = ["format", "safeload", "sharded", "load", "run"]
+    g = graph()
+    bad = []
+    for i, mod in enumerate(order):
+        for dep in g[f"vitlab.checkpoint.{mod}"]:
+            if dep.startswith("vitlab.checkpoint.") and order.index(dep.rpartition(".")[2]) >= i:
+                bad.append(f"vitlab.checkpoint.{mod} -> {dep}")
+    assert not bad, "\n".join(bad)

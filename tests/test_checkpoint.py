@@ -1,4 +1,4 @@
-"""vitlab.checkpoint.load_model: one way from a name, a training checkpoint or a weights file to a model."""
+"""vitlab.pretrained.load_model: one way from a name, a training checkpoint or a weights file to a model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.checkpoint import load_checkpoint, load_model, save_checkpoint
+from vitlab.checkpoint import load_checkpoint, save_checkpoint
 from vitlab.convert import save_weights
+from vitlab.pretrained import load_model
 
 KWARGS = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7)
 
@@ -147,7 +148,7 @@ def test_checkpoints_without_checksum_still_load(run_dir, tmp_path):
 
 
 def test_non_finite_weights_warn_with_their_names(tmp_path):
-    from vitlab.convert.safeload import NonFiniteWeightsWarning
+    from vitlab.checkpoint.safeload import NonFiniteWeightsWarning
 
     model = trained()
     state = model.state_dict()

@@ -26,7 +26,8 @@ import torch
 
 import vitlab
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
-from vitlab.distributed import ShardError, World, read_sharded_weights, save_sharded
+from vitlab.checkpoint.sharded import ShardError, read_sharded_weights, save_sharded
+from vitlab.distributed import World
 from vitlab.optim import create_optimizer
 
 # a tiny DeiT (4x4 grid of 7-px patches, 1 block of width 32) on 128 digits: 4 steps of 32 per epoch
@@ -250,3 +251,17 @@ def test_a_sharded_checkpoint_never_runs_code(tmp_path):
         read_sharded_weights(folder)
     with pytest.raises(ShardError, match="no sharded checkpoint"):
         read_sharded_weights(tmp_path / "nowhere")
+
+
+def test_a_sharded_index_cannot_reach_what_an_allowed_module_imports(tmp_path):
+    """A dotted name looked up inside DCP's own module (``os.getcwd`` through its ``import os``) is refused:
+    only exact (module, name) pairs are resolved, so the index reaches nothing that module imported."""
+    _, folder = sharded_pair(tmp_path)
+    module, name = b"torch.distributed.checkpoint.metadata", b"os.getcwd"
+    # PROTO 4, the two names, STACK_GLOBAL, an empty tuple, REDUCE: os.getcwd() if the name were resolved
+    payload = b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name + b"\x93)R."
+    (folder / ".metadata").write_bytes(payload)
+    with pytest.raises(
+        ShardError, match=r"refusing to read .*: it asks to import torch\.distributed\.checkpoint\.metadata\.os\.getcwd"
+    ):
+        read_sharded_weights(folder)

@@ -20,9 +20,9 @@ import torch
 import vitlab
 from vitlab import options as opt
 from vitlab.checkpoint import save_checkpoint
+from vitlab.checkpoint.safeload import NonFiniteWeightsWarning
 from vitlab.cli import COMMANDS, build_parser
 from vitlab.cli import main as cli_main
-from vitlab.convert.safeload import NonFiniteWeightsWarning
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT on the embedded MNIST: 4x4 grid of 7-px patches, 1 block of width 32
@@ -287,7 +287,7 @@ def test_lm_sample_options_of_the_other_kind_of_model_are_refused(checkpoints, c
 
 def test_one_class_of_training_data_is_said():
     from vitlab.data import ImageDataset
-    from vitlab.train.engine import warn_one_class
+    from vitlab.train.setup import warn_one_class
 
     def data(labels):
         return ImageDataset(

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import vitlab
 from vitlab.data import resolve_data_config
-from vitlab.layers.checkpointing import checkpointed
+from vitlab.layers.recompute import recomputed
 from vitlab.lm import CausalLM
 from vitlab.models import create_model
 from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, pool_tokens
@@ -269,7 +269,7 @@ def test_plain_checkpoint_would_count_batchnorm_twice():
     checkpoint(bn, x, use_reentrant=False).sum().backward()
     assert int(bn[1].num_batches_tracked) == 2
     bn[1].reset_running_stats()
-    checkpointed(bn, bn, x).sum().backward()
+    recomputed(bn, bn, x).sum().backward()
     assert int(bn[1].num_batches_tracked) == 1
 
 

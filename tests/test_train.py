@@ -21,7 +21,7 @@ from vitlab.checkpoint import check_model_name, load_state_checked, model_from_c
 from vitlab.cli import main as cli_main
 from vitlab.train import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
 from vitlab.train.distill import HardDistillationLoss
-from vitlab.train.engine import init_weights_from
+from vitlab.train.setup import init_weights_from
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT: 4x4 grid of 7-px patches, 1 block of width 32 -> a few seconds per epoch

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from vitlab.checkpoint import load_checkpoint, load_model
+from vitlab.checkpoint import load_checkpoint
 from vitlab.cli import main as cli_main
 from vitlab.data import CropSpec, ResizeCenterCrop, eval_geometry
 from vitlab.data.synth import synthesize
+from vitlab.pretrained import load_model
 from vitlab.train import TrainConfig, train
 from vitlab.train.recipes import find_recipe, load_recipe, shipped_recipes
 

@@ -224,8 +224,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .checkpoint import load_model
     from .models import list_models
+    from .pretrained import load_model
 
     check_writable_file(args.out)  # before the model is built and exported
     overrides = {"num_classes": args.num_classes} if args.num_classes is not None else {}

@@ -7,10 +7,12 @@ handful of kernels per tensor list); the update rule is the same.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .device import grad_scaler
 from .models.base import layer_ids
 
 
@@ -134,3 +136,30 @@ class WarmupCosine:
     def load_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step_count"])
         self._apply()
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What updates a model's weights and carries state between steps: optimizer, schedule, gradient scaler
+    (the same three in ``vitlab train`` and ``vitlab lm train``; a run checkpoint holds all three)."""
+
+    optimizer: torch.optim.Optimizer
+    sched: WarmupCosine
+    scaler: torch.amp.GradScaler
+
+
+def build_optimization(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    total_steps: int,
+    warmup_steps: int,
+    min_lr: float,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> Optimization:
+    """AdamW at the peak ``lr`` (no decay on norms, biases, tokens), its warmup + cosine schedule over
+    ``total_steps``, and the gradient scaler autocast to ``dtype`` on ``device`` needs (a no-op one otherwise)."""
+    optimizer = create_optimizer(model, lr, weight_decay)
+    sched = WarmupCosine(optimizer, lr, total_steps, warmup_steps, min_lr)
+    return Optimization(optimizer, sched, grad_scaler(device, dtype))

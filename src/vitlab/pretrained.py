@@ -1,11 +1,11 @@
 """Models with weights in one call: ``vitlab.create_model(name, pretrained=..., checkpoint_path=...)`` and
-``vitlab.from_pretrained(folder)``.
+``vitlab.from_pretrained(folder)``; :func:`load_model`, the one way the tools get a model with its weights.
 
 Weights never come from the network. ``pretrained=True`` looks in the local weights folder
 (``$VITLAB_WEIGHTS``, else ``$XDG_CACHE_HOME/vitlab/weights``, else ``~/.cache/vitlab/weights``) for, in
 order, a model folder ``<name>/`` (written by ``save_pretrained``), ``<name>.safetensors``, or the official
 checkpoint under its published file name (converted on loading); a missing file is one line naming the
-folder and the file names. ``checkpoint_path`` takes any file :func:`vitlab.checkpoint.load_model` reads (a
+folder and the file names. ``checkpoint_path`` takes any file :func:`load_model` reads (a
 ``vitlab train`` checkpoint, safetensors, an official or timm checkpoint: detected, converted, loaded
 strictly with its report) or a model folder.
 """
@@ -13,18 +13,27 @@ strictly with its report) or a model folder.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-from .checkpoint import load_folder, load_model
+from .checkpoint import (
+    FORMAT,
+    check_image_classifier,
+    check_model_name,
+    load_checkpoint,
+    load_state_checked,
+    model_from_checkpoint,
+)
+from .convert.load import load_reference, read_checkpoint
+from .data.config import training_data_cfg
 from .models import create_model as build_model
-from .models import get_config
+from .models import get_config, list_models
 from .models.base import FeatureGetter
-from .models.folder import is_model_folder
-from .models.registry import check_overlay, overlay_cfg
+from .models.folder import WEIGHTS, is_model_folder, read_config
+from .models.registry import CFG_KEYS, check_overlay, overlay_cfg
 
 WEIGHTS_ENV = "VITLAB_WEIGHTS"
 
@@ -114,3 +123,136 @@ def _with_weights(name: str, path: Path, overlay: dict[str, Any], overrides: dic
         model.reset_classifier(num_classes)
     overlay_cfg(model, overlay)
     return model.train()
+
+
+# ------------------------------------------------------------------------------------- load_model
+def load_model(
+    name_or_path: str | Path,
+    weights: str | Path | Mapping[str, Any] | None = None,
+    *,
+    ema: bool = False,
+    **overrides: Any,
+) -> nn.Module:
+    """A model with its weights, in eval mode on the CPU; ``model.meta["weights"]`` says where they came from.
+
+    ``name_or_path`` is a registered model name, or a ``vitlab train`` checkpoint (a file, or a run folder
+    holding ``last.pt``) that is then also the weights. ``weights`` is
+
+    - None: random init (seed torch first for a repeatable draw);
+    - a ``vitlab train`` checkpoint (a path, or the dict :func:`load_checkpoint` returns): it must hold
+      this model; the model is rebuilt with the recorded constructor options plus ``overrides``, with the
+      EMA weights when ``ema``;
+    - a model folder written by ``save_pretrained`` (config.json + model.safetensors): it must hold this model;
+    - any other weights file (safetensors, a state dict in vitlab's or an official implementation's names):
+      read without running code and mapped by :func:`vitlab.convert.load_reference` (strict), the number of
+      classes taken from its ``head.weight`` unless ``overrides`` set it.
+
+    ``name_or_path`` may also be a model folder.
+
+    ``overrides`` are constructor options (``img_size``, ``in_chans``, ``num_classes``, ...).
+    """
+    if isinstance(weights, Mapping):
+        check_image_classifier(weights)  # before its name is looked up among the image models
+    if not isinstance(name_or_path, str) or not _is_model_name(name_or_path):
+        if weights is not None:
+            raise ValueError(f"{name_or_path} is a checkpoint, not a model name; pass the weights only once")
+        if is_model_folder(name_or_path):
+            return load_folder(name_or_path, **overrides)
+        return _from_vitlab(load_checkpoint(name_or_path), ema, overrides)
+    if weights is None:
+        if ema:
+            raise ValueError("--ema needs a checkpoint written by `vitlab train`; no weights were given")
+        return _ready(build_model(name_or_path, **overrides), "random init")
+    if isinstance(weights, Mapping):
+        if weights.get("format") != FORMAT or "model_name" not in weights:
+            raise ValueError("weights given as a dict must be a checkpoint read by vitlab.checkpoint.load_checkpoint")
+        check_model_name(dict(weights), name_or_path)
+        return _from_vitlab(dict(weights), ema, overrides)
+    if not isinstance(weights, Mapping) and is_model_folder(weights):
+        model = load_folder(weights, **overrides)
+        if model.model_name != name_or_path:
+            raise ValueError(f"{weights} holds a {model.model_name!r} model, not {name_or_path!r}")
+        return model
+    path = _weights_file(weights)
+    if (ckpt := _training_checkpoint(path)) is not None:
+        check_model_name(ckpt, name_or_path)
+        return _from_vitlab(ckpt, ema, overrides)
+    if ema:
+        raise ValueError(f"--ema needs a checkpoint written by `vitlab train`; {path} holds plain weights")
+    return _from_weights_file(name_or_path, path, overrides)
+
+
+def load_folder(folder: str | Path, **overrides: Any) -> nn.Module:
+    """The model saved in ``folder`` by ``save_pretrained`` (config.json + model.safetensors), in eval mode.
+
+    Only JSON and raw tensors are read: nothing in the folder runs. ``overrides`` change build options
+    that do not change the weights' shapes (``drop_path_rate``, ``dynamic_img_size``, ...)."""
+    folder = Path(folder).expanduser()
+    config = read_config(folder)
+    cfg = {k: v for k, v in config["pretrained_cfg"].items() if k in CFG_KEYS}
+    model = build_model(config["model_name"], pretrained_cfg_overlay=cfg, **{**config["model_kwargs"], **overrides})
+    load_state_checked(model, read_checkpoint(folder / WEIGHTS), f"{folder / WEIGHTS}")
+    return _ready(model, f"{folder} (vitlab model folder)")
+
+
+def _is_model_name(name: str) -> bool:
+    """A registered name; raises the registry's "unknown model" error for what is neither a name nor a path."""
+    if name in list_models():
+        return True
+    if Path(name).expanduser().exists() or any(sep in name for sep in ("/", "\\")) or name.endswith((".pt", ".pth")):
+        return False
+    get_config(name)  # an unknown name, with the closest registered ones
+    return True
+
+
+def _weights_file(weights: str | Path) -> Path:
+    path = Path(weights).expanduser()
+    if path.is_dir() and (path / "last.pt").is_file():  # a `vitlab train` output folder
+        path = path / "last.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found")
+    return path
+
+
+def _training_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The checkpoint dict when ``path`` was written by ``vitlab train``, else None (plain weights)."""
+    if path.suffix == ".safetensors":
+        return None
+    try:
+        return load_checkpoint(path)
+    except ValueError:  # not a training checkpoint (or unreadable: the plain reader explains why)
+        return None
+
+
+def _from_vitlab(ckpt: dict[str, Any], ema: bool, overrides: dict[str, Any]) -> nn.Module:
+    """The checkpoint's model as it was trained: its build options, and its data (spec, normalisation) in
+    ``pretrained_cfg``."""
+    check_image_classifier(ckpt)
+    model = model_from_checkpoint(ckpt, ema=ema, **overrides)
+    config = ckpt.get("config", {})
+    if spec := config.get("data"):
+        data_cfg = training_data_cfg(spec, model.in_chans, config.get("holdout"))
+        streamed = {k: v for k, v in (ckpt.get("data_cfg") or {}).items() if k != "input_size"}
+        names = {"label_names": list(ckpt["label_names"])} if ckpt.get("label_names") else {}
+        overlay_cfg(model, {**data_cfg, **streamed, **names})  # streaming data: evaluated with the model's crop
+    epoch = ckpt.get("epoch", "?")
+    return _ready(model, f"{ckpt.get('path', 'checkpoint')} (vitlab checkpoint, epoch {epoch}{', EMA' if ema else ''})")
+
+
+def _from_weights_file(name: str, path: Path, overrides: dict[str, Any]) -> nn.Module:
+    state = read_checkpoint(path)
+    head = state.get("head.weight")
+    if "num_classes" not in overrides and isinstance(head, Tensor) and head.dim() == 2:
+        overrides = {**overrides, "num_classes": head.shape[0]}
+    model = build_model(name, **overrides)
+    try:
+        report = load_reference(model, state, source="auto")
+    except ValueError as e:
+        first = str(e).splitlines()[0]
+        raise ValueError(f"{first}; check the model name and --img-size / --in-chans / --num-classes") from None
+    return _ready(model, f"{path} ({report.source} weights)")
+
+
+def _ready(model: nn.Module, weights: str) -> nn.Module:
+    model.meta = {**getattr(model, "meta", {}), "weights": weights}
+    return model.eval()

@@ -1,7 +1,7 @@
 """``vitlab analyze``: look inside a model (random or a checkpoint) on a few images.
 
 The analyses are the library :mod:`vitlab.analysis` (:func:`~vitlab.analysis.analyze`); this module reads
-the options, loads the model (:func:`vitlab.checkpoint.load_model`) and the images, and prints a summary.
+the options, loads the model (:func:`vitlab.pretrained.load_model`) and the images, and prints a summary.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from .. import options as opt
-from ..checkpoint import load_model
 from ..data.spec import SPEC_HELP, data_spec
 from ..device import add_device_argument, resolve_device
 from ..io import check_writable_folder
+from ..pretrained import load_model
 from .analyses import ANALYSES, analyze, parse_what
 from .inputs import load_images
 

@@ -114,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _vitlab_model(src: Path, args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]] | None:
     """A `vitlab train` checkpoint or a model folder, rebuilt as it was built; None for other files."""
-    from ..checkpoint import load_checkpoint, load_folder, load_model
+    from ..checkpoint import load_checkpoint
     from ..models.folder import is_model_folder
+    from ..pretrained import load_folder, load_model
 
     if is_model_folder(src):
         model = load_folder(src)

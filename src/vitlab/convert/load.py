@@ -1,6 +1,6 @@
 """Read checkpoints safely, convert them to vitlab names and load them strictly, with a report.
 
-Loading never runs code from a file (:mod:`vitlab.convert.safeload`): ``.safetensors`` files hold raw
+Loading never runs code from a file (:mod:`vitlab.checkpoint.safeload`): ``.safetensors`` files hold raw
 tensors, and PyTorch files go through ``torch.load(weights_only=True)`` (tensors, containers and plain
 values only; ``argparse.Namespace`` is also allowed because timm and DeiT training checkpoints store their
 arguments in one). A file holding any other Python object is refused with a ValueError before anything
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.safeload import load_file
 from ..io import write_safetensors_atomic
 from ..layers import resample_pos_embed
 from .keymaps import SOURCES, check_source, compact_keys, convert_state
-from .safeload import load_file
 
 PathOrState = str | os.PathLike | Mapping[str, Any]
 
@@ -36,7 +36,7 @@ NESTED_KEYS = ("model", "state_dict", "model_state", "state_dict_ema", "model_em
 def read_checkpoint(path: str | os.PathLike, nested_key: str | None = None) -> dict[str, Tensor]:
     """The flat ``{name: tensor}`` state_dict inside a checkpoint file.
 
-    The format is told by the file's first bytes (:func:`vitlab.convert.safeload.load_file`): safetensors
+    The format is told by the file's first bytes (:func:`vitlab.checkpoint.safeload.load_file`): safetensors
     files are read with safetensors, PyTorch files with ``torch.load(weights_only=True)``; anything else,
     or a damaged file, is one ValueError line. A dict nesting the weights under one of ``NESTED_KEYS``
     ("model", "state_dict", "state_dict_ema", ...) is unwrapped (``nested_key`` picks one explicitly), and

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Block
-from ..layers.checkpointing import checkpoint_active, checkpointed
+from ..layers.recompute import recompute_active, recomputed
 from ..mixers import build
 from ..mixers.base import TokenLayout
 from ..registry import Registry
@@ -209,9 +209,9 @@ class CausalLM(nn.Module):
         self.check_tokens(inputs)
         x = self.embed_tokens(inputs)
         layout = TokenLayout.sequence()
-        ckpt = checkpoint_active(self.grad_checkpointing)
+        ckpt = recompute_active(self.grad_checkpointing)
         for block in self.blocks:
-            x = checkpointed(block, block, x, layout) if ckpt else block(x, layout)
+            x = recomputed(block, block, x, layout) if ckpt else block(x, layout)
         return self.logits(x)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:

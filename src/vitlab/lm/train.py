@@ -30,18 +30,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint import (
+    gather_rng_states,
     is_lm_checkpoint,
     load_checkpoint,
     load_state_checked,
+    optimization_state,
     prune_shards,
-    restore_weights_and_optimizer,
+    restore_optimization,
+    restore_rng_streams,
     write_run_checkpoint,
 )
 from ..data import derive_seed
-from ..device import AMP_CHOICES, amp_dtype, autocast, grad_scaler, resolve_device, set_tf32
-from ..distributed import World, all_reduce_sum, barrier, gather_objects, gradient_sync, init_distributed, parallelize
+from ..device import AMP_CHOICES, amp_dtype, autocast, resolve_device, set_tf32
+from ..distributed import World, all_reduce_sum, barrier, gradient_sync, init_distributed, parallelize
 from ..io import write_json_atomic
-from ..optim import WarmupCosine, create_optimizer
+from ..optim import Optimization, build_optimization
 from ..rundir import check_free_space, checkpoint_bytes, own_folder
 from ..tracking import StepLog, fmt_eta, memory_probe
 from .data import ByteData, ImageSequences, open_data
@@ -152,9 +155,7 @@ class LMRun:
     data: Data
     raw: CausalLM  # the model itself
     model: nn.Module  # what a step calls: the model, its DDP wrapper, or the sharded model
-    opt: torch.optim.Optimizer
-    sched: WarmupCosine
-    scaler: torch.amp.GradScaler
+    opt: Optimization  # optimizer, schedule, gradient scaler (as in `vitlab train`)
     gen: torch.Generator  # the data sampler's stream (the same on every rank)
     steps_log: StepLog
     step: int = 0
@@ -198,7 +199,7 @@ def loop(run: LMRun) -> None:
             per_step = (time.perf_counter() - t0) / (run.step - first)
             run.log(
                 f"step {run.step}/{cfg.steps}  loss {sum(running) / len(running):.4f} bits  "
-                f"lr {run.sched.current_lr:.2e}  {1 / per_step:.2f} steps/s  ETA {fmt_eta(per_step * (cfg.steps - run.step))}"
+                f"lr {run.opt.sched.current_lr:.2e}  {1 / per_step:.2f} steps/s  ETA {fmt_eta(per_step * (cfg.steps - run.step))}"
             )
             running = []
         if run.step % cfg.eval_every == 0 or run.step == cfg.steps:
@@ -246,13 +247,11 @@ def setup(cfg: LMTrainConfig, log: Callable[[str], None], world: World, device: 
     dtype = amp_dtype(cfg.amp, device)
     raw.set_grad_checkpointing(cfg.grad_checkpointing)
     model = parallelize(raw.to(device), device, world, cfg.fsdp)
-    opt = create_optimizer(raw, cfg.lr, cfg.weight_decay)
-    sched = WarmupCosine(opt, cfg.lr, cfg.steps, min(cfg.warmup_steps, cfg.steps), cfg.min_lr)
+    opt = build_optimization(raw, cfg.lr, cfg.weight_decay, cfg.steps, min(cfg.warmup_steps, cfg.steps), cfg.min_lr,
+                             device, dtype)  # fmt: skip
     steps_log = StepLog(out if world.main else None, cfg.log_every, cfg.tensorboard, memory_probe(device), "sym_s")
     gen = torch.Generator().manual_seed(cfg.seed)
-    run = LMRun(
-        cfg, log, out, world, device, dtype, data, raw, model, opt, sched, grad_scaler(device, dtype), gen, steps_log
-    )
+    run = LMRun(cfg, log, out, world, device, dtype, data, raw, model, opt, gen, steps_log)
     if world.size > 1:  # one dropout stream per rank (alone: the stream goes on from the initialisation)
         torch.manual_seed(derive_seed(cfg.seed, world.rank))
     if resume is not None:
@@ -270,19 +269,12 @@ def setup(cfg: LMTrainConfig, log: Callable[[str], None], world: World, device: 
 def restore(run: LMRun, ckpt: dict[str, Any]) -> None:
     """Continue from a checkpoint: weights and optimizer (sharded or whole), schedule, scaler, the data
     stream, every rank's dropout stream (when the number of processes is unchanged), the history."""
-    restore_weights_and_optimizer(ckpt, run.raw, run.opt)
-    run.sched.load_state_dict(ckpt["scheduler"])
-    if ckpt.get("scaler"):
-        run.scaler.load_state_dict(ckpt["scaler"])
+    restore_optimization(ckpt, run.raw, run.opt)
     run.gen.set_state(ckpt["rng"]["data"])
     streams = ckpt["rng"]["torch"]
-    streams = [streams] if isinstance(streams, torch.Tensor) else streams  # one process, older checkpoints
-    if len(streams) == run.world.size:
-        torch.set_rng_state(streams[run.world.rank])
-    else:
-        run.log(
-            f"note: the checkpoint was written by {len(streams)} processes, now {run.world.size}: fresh dropout streams"
-        )
+    if not restore_rng_streams(streams, run.world, run.device):
+        n = 1 if isinstance(streams, torch.Tensor) else len(streams)
+        run.log(f"note: the checkpoint was written by {n} processes, now {run.world.size}: fresh dropout streams")
     run.step = int(ckpt["step"])
     run.history = list(ckpt["metrics"].get("history", []))
     if dropped := run.steps_log.trim(run.step):
@@ -298,24 +290,25 @@ def train_step(run: LMRun) -> float:
     mine = seqs[world.rank * run.per_rank : (world.rank + 1) * run.per_rank].to(run.device)
     micro = mine.chunk(cfg.accum_steps)
     total = torch.zeros((), device=run.device)
-    run.opt.zero_grad(set_to_none=True)
+    optimizer, scaler = run.opt.optimizer, run.opt.scaler
+    optimizer.zero_grad(set_to_none=True)
     for i, part in enumerate(micro):
         with gradient_sync(run.model, i == len(micro) - 1):
             with autocast(run.device, run.dtype):
                 logits = run.model(shift_right(part, run.raw.vocab_size))
             loss = F.cross_entropy(logits.flatten(0, 1).float(), part.flatten()) / len(micro)
-            run.scaler.scale(loss).backward()
+            scaler.scale(loss).backward()
         total += loss.detach()
     if not math.isfinite(total.item()):
         raise ValueError(f"the training loss became {total.item()} at step {run.step + 1}; lower --lr")
-    run.scaler.unscale_(run.opt)
+    scaler.unscale_(optimizer)
     params = [p for p in run.raw.parameters() if p.grad is not None]
     clip = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
     norm = nn.utils.clip_grad_norm_(params, clip)
-    run.scaler.step(run.opt)
-    run.scaler.update()
-    lr = run.opt.param_groups[0]["lr"]
-    run.sched.step()
+    scaler.step(optimizer)
+    scaler.update()
+    lr = optimizer.param_groups[0]["lr"]
+    run.opt.sched.step()
     run.step += 1
     total = all_reduce_sum(total, world) / world.size
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -345,14 +338,11 @@ def record(run: LMRun, loss_bits: float | None) -> dict[str, Any]:
 def save(run: LMRun) -> None:
     """``last.pt`` (collective: every rank its RNG stream, and its shards under FSDP; rank 0 the file)."""
     cfg = run.cfg
-    streams = gather_objects(torch.get_rng_state(), run.world)
+    streams = gather_rng_states(run.device, run.world)
     state = {
         "model_name": cfg.model,
         "model_kwargs": run.raw.config,
-        "model": None if cfg.fsdp else run.raw.state_dict(),
-        "optimizer": None if cfg.fsdp else run.opt.state_dict(),
-        "scheduler": run.sched.state_dict(),
-        "scaler": run.scaler.state_dict(),
+        **optimization_state(run.raw, run.opt, sharded=cfg.fsdp),
         "step": run.step,
         "world_size": run.world.size,
         "config": dataclasses.asdict(cfg),
@@ -361,7 +351,7 @@ def save(run: LMRun) -> None:
         "rng": {"data": run.gen.get_state(), "torch": streams},
     }
     shards = f"step-{run.step:07d}" if cfg.fsdp else None
-    if write_run_checkpoint(run.out / "last.pt", state, run.world, shards, run.raw, run.opt) is not None:
+    if write_run_checkpoint(run.out / "last.pt", state, run.world, shards, run.raw, run.opt.optimizer) is not None:
         prune_shards(run.out)
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..layers import Block
-from ..layers.checkpointing import checkpoint_active, checkpointed
+from ..layers.recompute import recompute_active, recomputed
 from ..mixers import build as build_mixer
 from ..mixers.base import TokenLayout, TokenMixer
 
@@ -87,21 +87,21 @@ def run_blocks(
     Returns the last output, the outputs of the blocks in ``keep`` (None: all) in block order, and every
     mixer's aux (empty dicts unless ``return_aux``). ``after_block(i, x)`` may transform the output of
     block i (CPVT's PEG). ``stop``: the last block to run. ``checkpointing``: each block is recomputed in
-    backward instead of keeping its activations (:mod:`vitlab.layers.checkpointing`).
+    backward instead of keeping its activations (:mod:`vitlab.layers.recompute`).
     """
     tokens, auxes = [], []
     carry = None
-    ckpt = checkpoint_active(checkpointing)
+    ckpt = recompute_active(checkpointing)
     for i, blk in enumerate(blocks):
         if stop is not None and i > stop:
             break
         chained = blk.mixer.uses_attn_prev
         if return_aux or chained:
             kw = dict(attn_prev=carry, return_aux=True)
-            x, aux = checkpointed(blk, blk, x, layout, **kw) if ckpt else blk(x, layout, **kw)
+            x, aux = recomputed(blk, blk, x, layout, **kw) if ckpt else blk(x, layout, **kw)
             carry = aux.get("carry", carry) if chained else carry
         else:
-            x, aux = (checkpointed(blk, blk, x, layout) if ckpt else blk(x, layout)), {}
+            x, aux = (recomputed(blk, blk, x, layout) if ckpt else blk(x, layout)), {}
         if after_block is not None:
             x = after_block(i, x)
         if keep is None or i in keep:

@@ -38,8 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import Block, Mlp, resample_pos_embed
-from ..layers.checkpointing import checkpoint_active, checkpointed
 from ..layers.patch_embed import _as_pair
+from ..layers.recompute import recompute_active, recomputed
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
 from .base import Classifier, check_pool, drop_path_rates
@@ -359,12 +359,12 @@ class TNT(Classifier):
         transformer, ``"inner_attn"`` ((B*n, h, m, m))."""
         inner, outer, layout = self._embed(x)
         tokens, auxes, inners = [], [], []
-        ckpt = checkpoint_active(self.grad_checkpointing)
+        ckpt = recompute_active(self.grad_checkpointing)
         for i, blk in enumerate(self.blocks):
             if stop is not None and i > stop:
                 break
             args = (inner, outer, layout, self.inner_layout, return_aux)
-            out = checkpointed(blk, blk, *args) if ckpt else blk(*args)
+            out = recomputed(blk, blk, *args) if ckpt else blk(*args)
             inner, outer = out[:2]
             if keep is None or i in keep:
                 tokens.append(outer)

@@ -7,7 +7,8 @@ processes, thread count and hardware). ``OUT/best.pt`` is the checkpoint of the 
 held-out top-1 so far (a hard link to that epoch's ``last.pt`` where the file system allows).
 
 An FSDP run writes its weights and optimizer state sharded, every process its own part, through
-``torch.distributed.checkpoint`` (:func:`vitlab.checkpoint.write_run_checkpoint`); such a checkpoint resumes
+``torch.distributed.checkpoint`` (:func:`vitlab.checkpoint.write_run_checkpoint`, the same for
+``vitlab lm train``); such a checkpoint resumes
 on any number of processes, one included. Its RNG streams continue only where the number of processes is
 unchanged (there the continuation is bit-identical too); elsewhere the run says so and starts fresh streams.
 """
@@ -21,18 +22,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import nn
 
 from ..checkpoint import (
+    gather_rng_states,
     load_checkpoint,
+    optimization_state,
     prune_shards,
-    restore_weights_and_optimizer,
+    restore_optimization,
+    restore_rng_streams,
     write_run_checkpoint,
 )
 from ..data import derive_seed
-from ..distributed import gather_objects
 from ..io import copy_atomic, write_csv_atomic, write_json_atomic
-from .config import Run, TrainConfig
+from ..optim import Optimization
+from .config import Context, Progress, Run, TrainConfig
+from .ema import ModelEma
 
 # options that define the run: resuming with another value cannot continue the same training
 RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
@@ -48,16 +53,6 @@ class ResumeError(ValueError):
     """A checkpoint this run cannot continue from: one line."""
 
 
-def rng_state(device: torch.device) -> dict[str, Tensor | None]:
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
     """The per-epoch log as JSON and CSV (rewritten each epoch, atomically)."""
     write_json_atomic(out / "log.json", rows)
@@ -67,10 +62,9 @@ def write_log(out: Path, rows: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------- resuming
 
 
-def open_checkpoint(run: Run) -> dict[str, Any] | None:
+def open_checkpoint(cfg: TrainConfig, out: Path) -> dict[str, Any] | None:
     """The checkpoint to resume from (``resume``), or None. A sharded checkpoint is read without its
     weights: :func:`restore` loads them into the (sharded) model."""
-    cfg, out = run.cfg, run.out
     if not cfg.resume:
         return None
     path = out / "last.pt" if cfg.resume == "auto" else Path(cfg.resume)
@@ -97,53 +91,49 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], No
         log(f"note: resuming with changed options ({', '.join(changed)}): not the run that was started")
 
 
-def restore(run: Run, ckpt: dict[str, Any]) -> None:
-    """Continue a run from its checkpoint: weights, optimizer, schedule, EMA, scaler, RNG streams, log rows."""
-    restore_weights_and_optimizer(ckpt, run.raw, run.optimizer)
-    run.sched.load_state_dict(ckpt["scheduler"])
-    if run.ema is not None:
-        if not ckpt.get("ema"):
-            raise ResumeError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
-        run.ema.load_state_dict(ckpt["ema"])
-    if ckpt.get("scaler"):
-        run.scaler.load_state_dict(ckpt["scaler"])
-    run.start_epoch, run.step = int(ckpt["epoch"]), int(ckpt["step"])
-    run.resume_loader, run.resume_tally = ckpt.get("loader"), ckpt.get("tally")  # where in the epoch it stopped
-    if run.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
-        run.log("note: the schedule is stretched to the new --epochs from here on")
-    rngs = ckpt.get("rng") or []
-    if len(rngs) == run.world.size:
-        set_rng_state(rngs[run.world.rank], run.device)
-    else:
-        run.log(
-            f"note: the checkpoint was written by {len(rngs)} processes, now {run.world.size}: fresh random streams"
-        )
-        torch.manual_seed(derive_seed(run.cfg.seed, run.world.rank, run.start_epoch))
-    restore_log(run, ckpt)
-    within = f", batch {run.resume_loader['batch']} of epoch {run.start_epoch + 1}" if run.resume_tally else ""
-    run.log(f"resumed {ckpt['path']} after epoch {run.start_epoch} (step {run.step}{within})")
+def restore(ctx: Context, ckpt: dict[str, Any], model: nn.Module, opt: Optimization, ema: ModelEma | None) -> Progress:
+    """Continue a run from its checkpoint: weights, optimizer, schedule, scaler and EMA loaded in place, RNG
+    streams set; returns the progress it had (epoch, step, log rows, the position within the epoch)."""
+    if ema is not None and not ckpt.get("ema"):
+        raise ResumeError(f"cannot resume with --ema: {ckpt['path']} was trained without an EMA")
+    restore_optimization(ckpt, model, opt)
+    if ema is not None:
+        ema.load_state_dict(ckpt["ema"])
+    epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+    if opt.sched.state_dict()["total_steps"] != ckpt["scheduler"].get("total_steps"):
+        ctx.log("note: the schedule is stretched to the new --epochs from here on")
+    if not restore_rng_streams(ckpt.get("rng"), ctx.world, ctx.device):
+        n = len(ckpt.get("rng") or [])
+        ctx.log(f"note: the checkpoint was written by {n} processes, now {ctx.world.size}: fresh random streams")
+        torch.manual_seed(derive_seed(ctx.cfg.seed, ctx.world.rank, epoch))
+    rows = restore_log(ctx, ckpt, epoch, step)
+    best = max((r["val_top1"] for r in rows if "val_top1" in r), default=None)
+    tally = ckpt.get("tally")  # where in the epoch it stopped
+    within = f", batch {ckpt['loader']['batch']} of epoch {epoch + 1}" if tally else ""
+    ctx.log(f"resumed {ckpt['path']} after epoch {epoch} (step {step}{within})")
+    return Progress(epoch, step, rows, best, ckpt.get("loader"), tally)
 
 
-def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
+def restore_log(ctx: Context, ckpt: dict[str, Any], epoch: int, step: int) -> list[dict[str, Any]]:
     """The log rows up to the checkpoint's epoch. The checkpoint carries them, so a run killed between the
     checkpoint's rename and the log write loses no row: log.json is completed at once (checkpoints
     written before they carried the rows: log.json's rows). The per-step log loses the steps after the
-    checkpoint, and the best held-out top-1 so far is taken from the rows."""
-    log_file = run.out / "log.json"
+    checkpoint."""
+    log_file = ctx.out / "log.json"
     try:
         on_disk = json.loads(log_file.read_text()) if log_file.exists() else []
-        on_disk = [r for r in on_disk if r["epoch"] <= run.start_epoch]
+        on_disk = [r for r in on_disk if r["epoch"] <= epoch]
     except (ValueError, TypeError, KeyError):
         on_disk = []  # a damaged log: the checkpoint's rows replace it
-    run.rows = [r for r in ckpt.get("log") or on_disk if r["epoch"] <= run.start_epoch]
-    run.best_top1 = max((r["val_top1"] for r in run.rows if "val_top1" in r), default=None)
-    if not run.master:
-        return
-    if run.rows != on_disk:
-        write_log(run.out, run.rows)
-        run.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(run.rows)}); restored")
-    if dropped := run.steps.trim(run.step):
-        run.log(f"note: dropped {dropped} rows of steps after the checkpoint from {run.steps.path}")
+    rows = [r for r in ckpt.get("log") or on_disk if r["epoch"] <= epoch]
+    if not ctx.master:
+        return rows
+    if rows != on_disk:
+        write_log(ctx.out, rows)
+        ctx.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(rows)}); restored")
+    if dropped := ctx.steps.trim(step):
+        ctx.log(f"note: dropped {dropped} rows of steps after the checkpoint from {ctx.steps.path}")
+    return rows
 
 
 # --------------------------------------------------------------------------- writing
@@ -151,43 +141,45 @@ def restore_log(run: Run, ckpt: dict[str, Any]) -> None:
 
 def run_state(run: Run, epoch: int, rngs: list, **extra: Any) -> dict[str, Any]:
     """What a checkpoint holds after ``epoch`` whole epochs (and, mid-epoch, the loader position and sums)."""
-    cfg, sharded = run.cfg, run.cfg.fsdp
+    cfg = run.cfg
     return {
         "model_name": cfg.model,
-        "model_kwargs": run.kwargs,
-        "model": None if sharded else run.raw.state_dict(),
-        "optimizer": None if sharded else run.optimizer.state_dict(),
-        "scheduler": run.sched.state_dict(),
+        "model_kwargs": run.net.kwargs,
+        **optimization_state(run.net.raw, run.opt, sharded=cfg.fsdp),
         "ema": run.ema.state_dict() if run.ema is not None else None,
-        "scaler": run.scaler.state_dict(),
         "epoch": epoch,
         "step": run.step,
         "rng": rngs,
         "world_size": run.world.size,
         "config": asdict(cfg),
-        "data_cfg": run.data_cfg,  # the evaluation crop and normalisation of streaming data (vitlab eval)
-        "label_names": getattr(run.train_ds, "classes", None),  # a folder's class names: eval labels by name
-        "loader": run.loader.state_dict(),
-        "log": list(run.rows),  # the rows so far: resume restores any the log files lack
+        "data_cfg": run.data.data_cfg,  # the evaluation crop and normalisation of streaming data (vitlab eval)
+        "label_names": getattr(run.data.train_ds, "classes", None),  # a folder's class names: eval labels by name
+        "loader": run.data.loader.state_dict(),
+        "log": list(run.progress.rows),  # the rows so far: resume restores any the log files lack
         **extra,
     }
 
 
+def write_checkpoint(run: Run, state: dict[str, Any], shard_name: str) -> Path | None:
+    """``OUT/last.pt`` (collective; its shards ``shards/<shard_name>`` under FSDP); its path on rank 0."""
+    name = shard_name if run.cfg.fsdp else None
+    return write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.net.raw, run.opt.optimizer)
+
+
 def write_record(run: Run) -> None:
     """``OUT/run.json`` (rank 0), beside the checkpoint: a run killed before its first one leaves nothing."""
-    if run.record is not None:
-        write_json_atomic(run.out / "run.json", run.record)
-        run.record = None  # once per start
+    if run.progress.record is not None:
+        write_json_atomic(run.out / "run.json", run.progress.record)
+        run.progress.record = None  # once per start
 
 
 def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
     """A mid-epoch checkpoint (``save_every``): the loader's position and the epoch's sums so far, the
     per-step log flushed first, so a run resumed from it continues exactly where this one stands."""
     run.steps.flush()
-    rngs = gather_objects(rng_state(run.device), run.world)
+    rngs = gather_rng_states(run.device, run.world)
     state = run_state(run, epoch, rngs, metrics=None, tally=tally)
-    name = f"step-{run.step:09d}" if run.cfg.fsdp else None
-    if write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer) is not None:
+    if write_checkpoint(run, state, f"step-{run.step:09d}") is not None:
         prune_shards(run.out)
         write_record(run)
 
@@ -195,18 +187,18 @@ def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
 def save_epoch(run: Run, row: dict[str, Any]) -> None:
     """Checkpoint (every rank contributes its RNG state; rank 0 writes the file, every rank its shards under
     FSDP), the best checkpoint, the log files."""
-    rngs = gather_objects(rng_state(run.device), run.world)
+    progress = run.progress
+    rngs = gather_rng_states(run.device, run.world)
     if run.master:
-        run.rows.append(row)
+        progress.rows.append(row)
     state = run_state(run, row["epoch"], rngs, metrics=row)
-    name = f"epoch-{row['epoch']:04d}" if run.cfg.fsdp else None
-    last = write_run_checkpoint(run.out / "last.pt", state, run.world, name, run.raw, run.optimizer)
+    last = write_checkpoint(run, state, f"epoch-{row['epoch']:04d}")
     if last is None:  # not rank 0
         return
-    if "val_top1" in row and (run.best_top1 is None or row["val_top1"] > run.best_top1):
-        run.best_top1 = row["val_top1"]
+    if "val_top1" in row and (progress.best_top1 is None or row["val_top1"] > progress.best_top1):
+        progress.best_top1 = row["val_top1"]
         copy_atomic(last, run.out / "best.pt")
     prune_shards(run.out)
-    write_log(run.out, run.rows)
+    write_log(run.out, progress.rows)
     write_record(run)
     run.steps.scalars(run.step, {k: v for k, v in row.items() if k.startswith(("val_", "ema_", "train_"))})

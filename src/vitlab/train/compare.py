@@ -40,12 +40,13 @@ from typing import Any, Protocol
 import torch
 
 from .. import options as opt
-from ..checkpoint import load_checkpoint, load_model
+from ..checkpoint import load_checkpoint
 from ..data.spec import data_spec
 from ..device import add_device_argument, resolve_device
 from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
+from ..pretrained import load_model
 from ..rundir import RunLock
 from .data import data_shape, load_data
 from .engine import RUN_FILES, TrainConfig, train

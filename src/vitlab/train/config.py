@@ -1,5 +1,6 @@
-"""What a training run is: its options (:class:`TrainConfig`, the ``vitlab train`` flags) and the state it
-holds between its steps (:class:`Run`)."""
+"""What a training run is: its options (:class:`TrainConfig`, the ``vitlab train`` flags) and its pieces
+(:class:`Run`: the :class:`Context` it runs in, its data, model and optimization, assembled once by
+:func:`vitlab.train.setup.setup`, and its :class:`Progress`, the one part that changes)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..data.spec import DataSpec, data_spec
 from ..device import AMP_CHOICES
 from ..distributed import World
 from ..models import get_config
-from ..optim import WarmupCosine
+from ..optim import Optimization
 from ..tracking import StepLog
 from .ema import ModelEma
 
@@ -227,7 +228,7 @@ class EpochTally:
         return {
             "epoch": epoch + 1,
             "step": run.step,
-            "lr": run.optimizer.param_groups[0]["lr"],
+            "lr": run.opt.optimizer.param_groups[0]["lr"],
             "train_loss": train_loss,
             "train_acc": (100 * stats[1] / stats[2]).item(),
             "train_img_s": stats[2].item() / train_time,
@@ -235,38 +236,18 @@ class EpochTally:
         }
 
 
-@dataclass
-class Run:
-    """Everything one training run holds between its steps."""
+@dataclass(frozen=True)
+class Context:
+    """Where and how a run trains: its options and the process it runs in (made first, read by every step)."""
 
     cfg: TrainConfig
     log: Callable[[str], None]  # rank 0's progress lines (the other ranks' are dropped)
     world: World
     device: torch.device
-    dtype: torch.dtype | None
+    dtype: torch.dtype | None  # autocast's, or None
     out: Path
     t_start: float
     steps: StepLog  # the per-step log (writes nothing on the other ranks)
-    train_ds: Any = None
-    val_ds: Any = None
-    loader: BatchLoader | None = None
-    val_loader: BatchLoader | None = None
-    model: nn.Module | None = None  # what the step calls: DDP wrapper, sharded model, compiled module
-    raw: nn.Module | None = None  # the model itself (state dicts, EMA, evaluation)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    criterion: nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    sched: WarmupCosine | None = None
-    ema: ModelEma | None = None
-    scaler: torch.amp.GradScaler | None = None
-    start_epoch: int = 0
-    step: int = 0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    best_top1: float | None = None
-    data_cfg: dict[str, Any] | None = None  # the evaluation data configuration of streaming data
-    resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded
-    resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded
-    record: dict[str, Any] | None = None  # what OUT/run.json says (options, versions, revision), rank 0
 
     @property
     def master(self) -> bool:
@@ -280,3 +261,53 @@ class Run:
     def evaluates(self) -> bool:
         """Whether this process evaluates: rank 0, or every rank of a sharded model (the forward is collective)."""
         return self.master or (self.cfg.fsdp and self.world.size > 1)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The model a run trains (:func:`vitlab.train.setup.setup_model`)."""
+
+    raw: nn.Module  # the model itself (state dicts, EMA, evaluation)
+    model: nn.Module  # what the step calls: DDP wrapper, sharded model, compiled module
+    kwargs: dict[str, Any]  # its constructor options (recorded in the checkpoint)
+    criterion: nn.Module  # the loss (teacher, token labels)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The data a run reads (:func:`vitlab.train.setup.open_run_data`, :func:`~vitlab.train.setup.build_run_loaders`)."""
+
+    train_ds: Any
+    val_ds: Any
+    loader: BatchLoader  # this rank's training batches
+    val_loader: BatchLoader  # the whole held-out set
+    data_cfg: dict[str, Any] | None  # the evaluation data configuration of streaming data
+
+
+@dataclass
+class Progress:
+    """What changes as a run advances: the only mutable part of a :class:`Run`."""
+
+    start_epoch: int = 0
+    step: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the log, one row per epoch (rank 0)
+    best_top1: float | None = None
+    resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded (used once)
+    resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded (used once)
+    record: dict[str, Any] | None = None  # what OUT/run.json says, written with the first checkpoint (rank 0)
+
+
+@dataclass(frozen=True)
+class Run(Context):
+    """A training run, assembled once by :func:`vitlab.train.setup.setup` from what its steps return."""
+
+    data: RunData
+    net: ModelParts
+    opt: Optimization
+    ema: ModelEma | None
+    progress: Progress
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.progress.step

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import load_checkpoint, load_model
+from ..checkpoint import load_checkpoint
 from ..data import resize, soft_target_cross_entropy
+from ..pretrained import load_model
 
 
 class Teacher(nn.Module):

@@ -1,4 +1,4 @@
-"""The training loop: one function, setup then loop (nanoGPT style), and evaluation.
+"""The training loop: one function, setup (:mod:`.setup`) then loop (nanoGPT style), and evaluation.
 
 ``train(TrainConfig(...))`` trains a registered model on a dataset spec (``vitlab.data.open_source``) with
 AdamW (no decay on norms, biases, tokens, position tables; fused on a GPU), a per-step warmup + cosine
@@ -25,9 +25,7 @@ sharded run ``shards/``.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,20 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import check_image_classifier, check_model_name, load_checkpoint
-from ..data import BatchLoader, derive_seed
-from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, grad_scaler, resolve_device, set_tf32
-from ..distributed import World, all_reduce_sum, barrier, gradient_sync, init_distributed, parallelize
+from ..data import BatchLoader
+from ..device import AMP_CHOICES, amp_dtype, autocast, device_memory, resolve_device, set_tf32
+from ..distributed import all_reduce_sum, barrier, gradient_sync, init_distributed
 from ..io import write_json_atomic
-from ..optim import WarmupCosine, create_optimizer
 from ..rundir import check_free_space, checkpoint_bytes, own_folder
 from ..runtime import is_out_of_memory as is_oom
-from ..tracking import StepLog, memory_probe
-from .checkpointing import check_resume, open_checkpoint, restore, save_epoch, save_position
+from .checkpointing import save_epoch, save_position
 from .config import OPTION_CHECKS, RUN_FILES, EpochTally, Run, TrainConfig, TrainingError
-from .data import build_loaders, data_shape, open_data
-from .ema import ModelEma
-from .losses import make_criterion
+from .setup import setup
 
 __all__ = [
     "AMP_CHOICES",
@@ -102,35 +95,6 @@ def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype:
     return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
 
 
-# --------------------------------------------------------------------------- model
-
-
-def model_kwargs(cfg: TrainConfig, train_ds) -> dict[str, Any]:
-    kw = dict(**data_shape(cfg, train_ds), **cfg.model_args)
-    if cfg.drop_path > 0:
-        kw["drop_path_rate"] = cfg.drop_path
-    if cfg.dist_token:
-        kw["dist_token"] = True
-    return kw
-
-
-def init_weights_from(model: nn.Module, path: str) -> str:
-    """``--init-from``: copy what fits from a checkpoint (vitlab's own, or official/timm ones that
-    ``vitlab.convert`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer. One line back."""
-    from ..convert import init_from
-
-    try:
-        ckpt = load_checkpoint(path)
-    except ValueError:
-        ckpt = None  # another format: vitlab.convert reads it (weights_only / safetensors)
-    if ckpt is not None:
-        check_image_classifier(ckpt)  # a sequence model's tensors are no start for an image model
-    report = init_from(model, path if ckpt is None else ckpt["model"])
-    if not report.matched:
-        raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
-    return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
-
-
 # --------------------------------------------------------------------------- the loop, as named steps
 
 
@@ -150,12 +114,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
     with own_folder(cfg.out, "vitlab train", RUN_FILES, bool(cfg.resume), cfg.force, log, world) as start_over:
         run = setup(cfg, log, world, device, t_start)
         if run.master:  # before the first write: room for a checkpoint, then the old run out of the way
-            check_free_space(run.out, checkpoint_bytes(run.raw.state_dict(), 3 if run.ema is None else 4))
+            check_free_space(run.out, checkpoint_bytes(run.net.raw.state_dict(), 3 if run.ema is None else 4))
             start_over()
-            run.record = run_record(run)  # OUT/run.json, written with the first checkpoint
-        run.model.train()
+            run.progress.record = run_record(run)  # OUT/run.json, written with the first checkpoint
+        run.net.model.train()
         try:
-            for epoch in range(run.start_epoch, cfg.epochs):
+            for epoch in range(run.progress.start_epoch, cfg.epochs):
                 row = train_epoch(run, epoch)
                 if run.evaluates:
                     row.update(evaluate_epoch(run))
@@ -197,98 +161,11 @@ def run_record(run: Run) -> dict[str, Any]:
         "world_size": run.world.size,
         "base_lr": cfg.base_lr,
         "lr": cfg.peak_lr,
-        "data_cfg": run.data_cfg,
+        "data_cfg": run.data.data_cfg,
         "versions": {"vitlab": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "git_revision": git_revision(),
         "command": sys.argv,
     }
-
-
-def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
-    """Resume checkpoint, data, model and optimizer state; the model spread over the processes."""
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    steps = StepLog(cfg.out if world.main else None, cfg.log_every, cfg.tensorboard, memory_probe(device))
-    run = Run(cfg, log if world.main else (lambda line: None), world, device, None, Path(cfg.out), t_start, steps)
-    run.dtype = amp_dtype(cfg.amp, device)
-    ckpt = open_checkpoint(run)
-    open_data(run)
-    warn_one_class(run.train_ds)
-    setup_model(run, ckpt)
-    build_loaders(run)
-    setup_optimizer(run)
-    if ckpt is not None:
-        restore(run, ckpt)
-    del ckpt
-    n_params = sum(p.numel() for p in run.raw.parameters())
-    how = f" on {world.size} processes ({'FSDP' if cfg.fsdp else 'DDP'})" if world.size > 1 else ""
-    extras = [f"autocast {run.dtype}" if run.dtype else "", "compiled" * cfg.compile]
-    extras += ["gradient checkpointing" * cfg.grad_checkpointing, "TF32" * (cfg.tf32 and device.type == "cuda")]
-    run.log(
-        f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.train_ds)} train / {len(run.val_ds)} held-out "
-        f"images at {run.kwargs['img_size']}px, {cfg.epochs} epochs x {steps_per_epoch(run)} steps of "
-        f"{cfg.global_batch} (lr {cfg.peak_lr:.3g}){how}, {device}{''.join(', ' + e for e in extras if e)}"
-    )
-    return run
-
-
-def warn_one_class(train_ds) -> None:
-    """A warning when every training image has the same label: the model then learns to answer that class
-    whatever it sees (the training loss goes to 0 and says nothing)."""
-    if not hasattr(train_ds, "labels"):  # shard streams: the labels are inside the shards
-        return
-    labels = torch.unique(train_ds.labels)
-    if len(labels) == 1:
-        warnings.warn(
-            f"all {len(train_ds)} training images are of one class (label {labels.item()}): the model can only "
-            "learn to predict it; use more data (a larger --train-limit) or data with several classes",
-            stacklevel=2,
-        )
-
-
-def setup_model(run: Run, ckpt: dict[str, Any] | None) -> None:
-    """Model (identical initial weights on every rank), its loss (teacher, token labels), the model spread
-    over the processes (DDP, or FSDP before the optimizer sees its parameters)."""
-    from ..models import create_model
-
-    cfg = run.cfg
-    run.kwargs = model_kwargs(cfg, run.train_ds)
-    if ckpt is not None:
-        check_model_name(ckpt, cfg.model)
-        check_resume(ckpt, cfg, run.log)
-    torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model, **run.kwargs)
-    if cfg.init_from and ckpt is None:
-        run.log(init_weights_from(model, cfg.init_from))
-    if cfg.grad_checkpointing:
-        if not hasattr(model, "set_grad_checkpointing"):
-            raise TrainingError(f"{cfg.model} cannot recompute its blocks (no set_grad_checkpointing); drop the flag")
-        model.set_grad_checkpointing(True)
-    model.to(run.device)
-    run.criterion = make_criterion(cfg, model, run.kwargs["in_chans"], run.device)
-    run.raw = model
-    run.model = parallelize(model, run.device, run.world, cfg.fsdp)
-    if cfg.compile:
-        # static shapes: one graph per input shape (training drops its last short batch; evaluation adds at most
-        # one more). Symbolic sizes give slower kernels, and inductor failed on them on CUDA (torch 2.11).
-        run.model = torch.compile(run.model, dynamic=False)
-
-
-def steps_per_epoch(run: Run) -> int:
-    """Optimizer steps per epoch: the loader's batches in groups of ``accum_steps`` (the last may be short)."""
-    return math.ceil(len(run.loader) / run.cfg.accum_steps)
-
-
-def setup_optimizer(run: Run) -> None:
-    """Optimizer at the peak learning rate (scaled by the global batch with ``base_lr``), schedule, EMA, scaler."""
-    cfg, model = run.cfg, run.raw
-    run.optimizer = create_optimizer(model, cfg.peak_lr, cfg.weight_decay)
-    steps = steps_per_epoch(run)
-    total, warmup = cfg.epochs * steps, round(cfg.warmup_epochs * steps)
-    run.sched = WarmupCosine(run.optimizer, cfg.peak_lr, total, warmup, cfg.min_lr)
-    run.ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
-    run.scaler = grad_scaler(run.device, run.dtype)
-    torch.manual_seed(derive_seed(cfg.seed, run.world.rank))  # dropout / drop-path streams, one per rank
 
 
 @contextlib.contextmanager
@@ -311,21 +188,22 @@ def forward_backward(run: Run, batch: tuple, weight: float, sync: bool) -> tuple
     (loss, class logits)."""
     x, y = batch[0], batch[1]
     dense = batch[2] if len(batch) > 2 else None
-    spread = getattr(run.model, "_orig_mod", run.model)  # under torch.compile: the DDP or FSDP module inside
+    net = run.net
+    spread = getattr(net.model, "_orig_mod", net.model)  # under torch.compile: the DDP or FSDP module inside
     with oom_guard(run), gradient_sync(spread, sync):
         with autocast(run.device, run.dtype):
-            outputs = run.model(x)
-            loss = run.criterion(x, outputs, y, dense)
-        run.scaler.scale(loss * weight).backward()
+            outputs = net.model(x)
+            loss = net.criterion(x, outputs, y, dense)
+        run.opt.scaler.scale(loss * weight).backward()
     return loss, outputs[0] if isinstance(outputs, tuple) else outputs
 
 
 def optimizer_step(run: Run) -> Tensor:
     """Clip, step, schedule, EMA; returns the gradient norm before clipping."""
-    cfg, optimizer, scaler = run.cfg, run.optimizer, run.scaler
+    cfg, optimizer, scaler = run.cfg, run.opt.optimizer, run.opt.scaler
     with oom_guard(run):
         scaler.unscale_(optimizer)  # the norm and the clip see the true gradients (no-op without fp16)
-        params = [p for p in run.raw.parameters() if p.grad is not None]
+        params = [p for p in run.net.raw.parameters() if p.grad is not None]
         if cfg.clip_grad > 0:
             norm = nn.utils.clip_grad_norm_(params, cfg.clip_grad)
         else:
@@ -333,21 +211,22 @@ def optimizer_step(run: Run) -> Tensor:
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    run.sched.step()
-    run.step += 1
+    run.opt.sched.step()
+    run.progress.step += 1
     if run.ema is not None:
-        run.ema.update(run.raw)
+        run.ema.update(run.net.raw)
     return local_value(norm)
 
 
 def start_epoch(run: Run, epoch: int) -> EpochTally:
     """Position the loader at the epoch's start, or where a mid-epoch checkpoint left it (with its sums)."""
-    if run.resume_loader is not None:
-        run.loader.load_state_dict(run.resume_loader)
+    progress, loader = run.progress, run.data.loader
+    if progress.resume_loader is not None:
+        loader.load_state_dict(progress.resume_loader)
     else:
-        run.loader.set_epoch(epoch)
-    tally = EpochTally.restore(run.resume_tally, run.device)
-    run.resume_loader = run.resume_tally = None
+        loader.set_epoch(epoch)
+    tally = EpochTally.restore(progress.resume_tally, run.device)
+    progress.resume_loader = progress.resume_tally = None  # the next epoch starts at its beginning
     return tally
 
 
@@ -357,18 +236,19 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
     per-step log; with ``save_every`` a checkpoint is written between steps."""
     from ..tracking import Progress
 
-    cfg, n_batches, accum = run.cfg, len(run.loader), run.cfg.accum_steps
+    cfg, loader, accum = run.cfg, run.data.loader, run.cfg.accum_steps
+    n_batches = len(loader)
     tally = start_epoch(run, epoch)
     progress = Progress(cfg.epochs * n_batches, epoch * n_batches, run.log, cfg.progress and run.master,
                         cfg.progress_every)  # fmt: skip
     progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches)
     run.steps.restart_clock()  # images/s counts training only (not setup, evaluation, checkpoints)
     t0, group_loss, group_images = time.perf_counter(), 0.0, 0
-    for batch in run.loader:
-        done = run.loader.state_dict()["batch"]  # batches of the epoch handed out, this one included
+    for batch in loader:
+        done = loader.state_dict()["batch"]  # batches of the epoch handed out, this one included
         first = (done - 1) // accum * accum
         last = done % accum == 0 or done == n_batches
-        lr = run.optimizer.param_groups[0]["lr"]
+        lr = run.opt.optimizer.param_groups[0]["lr"]
         loss, logits = forward_backward(run, batch, 1.0 / min(accum, n_batches - first), last)
         tally.add(loss, logits, batch[1])
         group_loss, group_images = group_loss + loss.detach().float(), group_images + len(batch[0])
@@ -389,11 +269,11 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
 
 def evaluate_epoch(run: Run) -> dict[str, Any]:
     """Held-out top-1/top-5 of the model (and of its EMA); a sharded model evaluates on every rank."""
-    model = run.model if run.cfg.fsdp else run.raw  # FSDP's forward gathers the shards; the others run whole
-    ev = evaluate(model, run.val_loader, run.device, run.dtype)
+    model = run.net.model if run.cfg.fsdp else run.net.raw  # FSDP's forward gathers the shards; the others whole
+    ev = evaluate(model, run.data.val_loader, run.device, run.dtype)
     row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
     if run.ema is not None:
-        ev_ema = evaluate(run.ema.module, run.val_loader, run.device, run.dtype)
+        ev_ema = evaluate(run.ema.module, run.data.val_loader, run.device, run.dtype)
         row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])
     return row
 
@@ -403,7 +283,7 @@ def report_epoch(run: Run, row: dict[str, Any]) -> None:
     if not run.master:
         return
     ema_txt = f"  ema {row['ema_top1']:.2f}%" if run.ema is not None else ""
-    best = "  (best)" * (row.get("val_top1") == run.best_top1)
+    best = "  (best)" * (row.get("val_top1") == run.progress.best_top1)
     run.log(
         f"epoch {row['epoch']}/{run.cfg.epochs}  loss {row['train_loss']:.4f}  train {row['train_acc']:.1f}%  "
         f"held-out {row['val_top1']:.2f}% (top-5 {row['val_top5']:.1f}%){ema_txt}{best}  lr {row['lr']:.2e}  "
@@ -415,12 +295,12 @@ def finish(run: Run) -> dict[str, Any]:
     """The run's summary (rank 0; empty elsewhere), written to ``OUT/summary.json`` and returned with the log."""
     summary: dict[str, Any] = {}
     if run.master:
-        rows = run.rows
+        rows = run.progress.rows
         train_s = sum(r["train_time_s"] for r in rows)
         best = max(rows, key=lambda r: r.get("val_top1", -1.0)) if rows else {}
         summary = {
             "model": run.cfg.model,
-            "params": sum(p.numel() for p in run.raw.parameters()),
+            "params": sum(p.numel() for p in run.net.raw.parameters()),
             "epochs": run.cfg.epochs,
             "world_size": run.world.size,
             "final": rows[-1] if rows else {},

@@ -76,9 +76,10 @@ def load_for_eval(
 ) -> tuple[Any, dict[str, Any]]:
     """The model, and what evaluating it needs from its weights: ``{"data": the spec it was trained on or None,
     "holdout", "trained": True for a `vitlab train` checkpoint}``."""
-    from ..checkpoint import load_checkpoint, load_model
+    from ..checkpoint import load_checkpoint
     from ..models import list_models
     from ..models.folder import is_model_folder, read_config
+    from ..pretrained import load_model
 
     if weights is None and str(path) not in list_models() and not is_model_folder(path):
         ckpt = load_checkpoint(path)

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_model
 from ..data import create_loader, open_source
 from ..io import write_figure_atomic, write_json_atomic
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
+from ..pretrained import load_model
 from .compare import RECIPE, Column, Plan, Variant, add_run_arguments, compare_note, pyplot, run_variants
 from .data import whole_image
 from .engine import TrainConfig

@@ -1,4 +1,5 @@
-"""Gradient checkpointing of one block: keep only its inputs, recompute its inside during backward.
+"""Activation recomputation of one block ("gradient checkpointing" in PyTorch and timm): keep only its
+inputs, recompute its inside during backward. (Saving a run to disk is :mod:`vitlab.checkpoint`.)
 
 ``torch.utils.checkpoint`` (non-reentrant) runs the block's forward a second time in backward. Two things
 must not differ between the two runs:
@@ -46,14 +47,15 @@ def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
                 setattr(m, name, value)
 
 
-def checkpoint_active(enabled: bool) -> bool:
-    """Checkpoint only when asked, when autograd records, and outside TorchScript tracing/scripting."""
+def recompute_active(enabled: bool) -> bool:
+    """Recompute only when asked, when autograd records, and outside TorchScript tracing/scripting."""
     return enabled and torch.is_grad_enabled() and not (torch.jit.is_scripting() or torch.jit.is_tracing())
 
 
-def checkpointed(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` (a call of ``module`` or of a function using it) under non-reentrant gradient
-    checkpointing, with ``module``'s BatchNorm statistics updated once, not again at the recomputation."""
+def recomputed(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a call of ``module`` or of a function using it) under non-reentrant activation
+    recomputation (``torch.utils.checkpoint``), with ``module``'s BatchNorm statistics updated once, not
+    again at the recomputation."""
     return checkpoint(
         fn,
         *args,

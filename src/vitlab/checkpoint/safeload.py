@@ -1,13 +1,18 @@
-"""Reading weights files without running code, answering every bad file with one line.
+"""The one safe loader: reading weights files and sharded-checkpoint indexes without running code.
 
 A file is recognised by its first bytes before anything is unpickled: a zip archive (``torch.save``), torch's
 legacy format (a pickle of its magic number first) or safetensors (an 8-byte little-endian header length, then
 a JSON header). Pickles are read with ``torch.load(weights_only=True)``: tensors, containers and plain values
 only. A file that asks to import any other Python object is refused (unpickling it could run code), and every
 exception raised while reading becomes one ``ValueError`` line naming the file; nothing else escapes.
+Checkpoints written by vitlab carry a checksum of their contents (:mod:`vitlab.checkpoint.format`), verified
+on every read.
 
-Checkpoints written by vitlab carry a checksum of their contents (:func:`state_checksum`), verified on every
-read (:func:`verify_checksum`), so bytes flipped inside tensor data are caught instead of loaded.
+The index of a sharded checkpoint (``torch.distributed.checkpoint``'s ``.metadata``) is a protocol-4 pickle
+that torch's weights-only unpickler cannot read; :func:`load_index` reads it with an unpickler that resolves
+only an exact list of (module, name) pairs, DCP's own record classes, never a dotted path inside them.
+Its non-tensor entries go through :func:`load_bytes` (``weights_only=True``). Every loader of the package
+reads through this module.
 """
 
 from __future__ import annotations
@@ -20,18 +25,14 @@ import pickletools
 import re
 import warnings
 import zipfile
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
 
-#: the top-level ``format`` and ``version`` of a vitlab training checkpoint; version 2 on carry a checksum
-FORMAT = "vitlab-checkpoint"
-VERSION = 2
-CHECKSUM_ALGO = "crc32"
+from .format import leaves, verify_checksum
 
 ZIP_MAGIC = b"PK\x03\x04"
 #: torch's legacy (pre-zip) files open with a pickle of the number 0x1950a86a20f9469cfc6c (LONG1, 10 bytes)
@@ -212,82 +213,6 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
         ) from None
 
 
-# ------------------------------------------------------------------------------------- checksum
-def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, value) of every leaf of nested dicts, lists and tuples, in order; containers as their kind."""
-    if isinstance(obj, Mapping):
-        yield path, f"map[{len(obj)}]"
-        for key, value in obj.items():
-            yield from _leaves(value, f"{path}/{key}")
-    elif isinstance(obj, (list, tuple)):
-        yield path, f"sequence[{len(obj)}]"
-        for i, value in enumerate(obj):
-            yield from _leaves(value, f"{path}/{i}")
-    else:
-        yield path, obj
-
-
-def _tensor_crc(t: Tensor) -> int:
-    """crc32 of a tensor's dtype, shape and bytes (as stored: on any device, in any layout)."""
-    crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
-    if t.layout != torch.strided or not t.numel():
-        return crc
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return zlib.crc32(flat.view(torch.uint8).numpy(), crc)
-
-
-def _digests(state: Mapping[str, Any]) -> tuple[list[str], list[int], int]:
-    """(tensor paths, their crc32s, one crc32 over the plain values and the layout), ``checksum`` left out."""
-    names, crcs, plain = [], [], 0
-    for path, value in _leaves({k: v for k, v in state.items() if k != "checksum"}):
-        if isinstance(value, Tensor):
-            names.append(path)
-            crcs.append(_tensor_crc(value))
-            value = "<tensor>"
-        elif isinstance(value, (set, frozenset)):
-            value = sorted(map(repr, value))
-        plain = zlib.crc32(f"{path}={type(value).__name__}:{value!r}\n".encode("utf-8", "replace"), plain)
-    return names, crcs, plain
-
-
-def state_checksum(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The checksum a vitlab checkpoint carries: a crc32 of every tensor (dtype, shape, bytes), in key order,
-    and ``value``, a crc32 over those and over every plain value (epoch, options, metrics) and key."""
-    _, crcs, plain = _digests(state)
-    value = zlib.crc32(b"".join(c.to_bytes(4, "big") for c in crcs), plain)
-    return {"algo": CHECKSUM_ALGO, "value": value, "tensors": crcs}
-
-
-def verify_checksum(obj: Any, path: Path | str) -> None:
-    """Raise a one-line ValueError when a checkpoint's contents differ from the checksum written with it.
-
-    Checkpoints without one (other writers, vitlab before version 2) pass unchecked.
-    """
-    if not isinstance(obj, Mapping):
-        return
-    stored = obj.get("checksum")
-    if stored is None:
-        if obj.get("format") == FORMAT and isinstance(obj.get("version"), int) and obj["version"] >= 2:
-            raise ValueError(
-                f"checkpoint {path} is corrupt: its checksum is missing; re-create it or pass another file"
-            )
-        return
-    if not isinstance(stored, Mapping) or stored.get("algo") != CHECKSUM_ALGO:
-        raise ValueError(f"checkpoint {path} is corrupt: its checksum entry is unreadable; re-create it")
-    recorded = stored.get("tensors")
-    recorded = list(recorded) if isinstance(recorded, (list, tuple)) else []
-    now = state_checksum(obj)
-    if now["value"] == stored.get("value") and now["tensors"] == recorded:
-        return
-    names, crcs, _ = _digests(obj)
-    first = next((n for n, a, b in zip(names, crcs, recorded) if a != b), None)
-    where = f"tensor {first.lstrip('/')}" if first else "its recorded values (options, counters or metrics)"
-    raise ValueError(
-        f"checkpoint {path} is corrupt: {where} differs from the checksum written with it (the file changed "
-        "after it was saved); re-create it or pass another file"
-    )
-
-
 # ------------------------------------------------------------------------------------- non-finite weights
 class NonFiniteWeightsWarning(UserWarning):
     """Weights holding NaN or infinity: the model's outputs will be NaN."""
@@ -297,7 +222,7 @@ def warn_non_finite(obj: Any, where: str) -> list[str]:
     """Warn (one line naming the tensors) when floating-point tensors anywhere in ``obj`` hold NaN or inf."""
     bad = [
         path.lstrip("/")
-        for path, v in _leaves(obj)
+        for path, v in leaves(obj)
         if isinstance(v, Tensor) and (v.is_floating_point() or v.is_complex()) and not bool(torch.isfinite(v).all())
     ]
     if bad:
@@ -310,3 +235,53 @@ def warn_non_finite(obj: Any, where: str) -> list[str]:
             stacklevel=1,
         )
     return bad
+
+
+# ------------------------------------------------------------------------------------- sharded checkpoints
+class IndexRefused(ValueError):
+    """A sharded-checkpoint index that asks for an object outside the allowed ones (its name is the message)."""
+
+
+# what DCP's index (``.metadata``) may ask the unpickler for: its own record classes, torch.Size, dtypes and
+# layouts, paths; nothing that runs code when called. Exact pairs only: a dotted name (``os.system`` looked
+# up inside an allowed module) would reach anything that module imported.
+_INDEX_MODULE = "torch.distributed.checkpoint.metadata"
+_INDEX_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata")
+_INDEX_CLASSES += ("BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+_INDEX_GLOBALS = {(_INDEX_MODULE, name) for name in _INDEX_CLASSES} | {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _INDEX_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise IndexRefused(f"{module}.{name}")
+
+
+def load_index(path: str | os.PathLike) -> Any:
+    """The object in a sharded checkpoint's index file, read with only DCP's record classes allowed.
+
+    Raises FileNotFoundError for a missing file, :class:`IndexRefused` (its message: the refused name) for
+    one asking to import anything else, and a one-line ValueError for a damaged one."""
+    try:
+        with open(path, "rb") as f:
+            return _IndexUnpickler(f).load()
+    except (FileNotFoundError, IndexRefused):
+        raise
+    except Exception as e:  # truncated or garbled: the end of what reads as a pickle
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+
+
+def load_bytes(stream: BinaryIO) -> Any:
+    """A non-tensor entry of a sharded checkpoint (optimizer settings), read ``weights_only``."""
+    return torch.load(stream, weights_only=True)
