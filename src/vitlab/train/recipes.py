@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from .config import OPTION_CHECKS, TrainConfig
 
