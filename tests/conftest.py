@@ -15,7 +15,7 @@ torch.set_num_threads(THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("VITLAB_SHARED", REPO.parent / "shared"))
-# the reference vectors ship with the tests (tests/golden/README.md says how they were made): a clone checks the
+# the reference vectors ship with the tests (docs/testing.md says where they come from): a clone checks the
 # README's central claim by itself, and a missing file is a failure, not a skip
 GOLDEN = Path(__file__).resolve().parent / "golden"
 DATA = SHARED / "data"

@@ -200,3 +200,22 @@ def test_fused_linear_on_the_plain_path_is_exactly_the_module(unsupported_cpu):
     with torch.inference_mode():
         assert torch.equal(fused_linear(lin, x, residual=res), res + lin(x))
         assert torch.equal(fused_linear(lin, x, gelu=True), torch.nn.functional.gelu(lin(x)))
+
+
+def test_the_first_decision_may_be_asked_for_anywhere(monkeypatch):
+    """The first call that needs a decision may run under activation checkpointing (saved-tensor hooks), a FLOP
+    counter or inference mode: the probe runs apart from them and decides as it does on its own."""
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    torch.manual_seed(0)
+    lin, x = nn.Linear(32, 32), torch.randn(4, 32, requires_grad=True)
+    with FlopCounterMode(display=False):
+        checkpoint(lambda t: fused_linear(lin, t), x, use_reentrant=False).sum().backward()
+    with torch.inference_mode():
+        fused_linear(lin, x.detach())
+    for (dtype, training), decision in probe._DECISIONS.items():
+        assert decision.works == probe._probe(dtype, training).works
+    assert set(probe._DECISIONS) == {(torch.float32, True), (torch.float32, False)}
+    torch.testing.assert_close(x.grad, torch.ones(4, 32) @ lin.weight)

@@ -11,13 +11,16 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
 2. times it against aten's products on one ViT-sized MLP (512 tokens, 384 -> 1536 -> 384 with GELU and the
    residual; training: forward and backward; the current thread count), alternating, best of :data:`REPEATS`; the path is taken only when it is faster by :data:`MARGIN`.
 
-The answer is cached for the process (:func:`reset` forgets it) and reported by :func:`decisions`. Under
+The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it). The answer is
+cached for the process (:func:`reset` forgets it) and reported by :func:`decisions`. Under
 ``torch.compile`` the answer is a constant of the graph (the probe runs while tracing).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -135,8 +138,20 @@ def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
     (probed on the first call, then remembered)."""
     key = (dtype, training)
     if key not in _DECISIONS:
-        _DECISIONS[key] = _probe(dtype, training)
+        _DECISIONS[key] = _isolated(_probe, dtype, training)
     return _DECISIONS[key]
+
+
+def _isolated(fn: Callable[..., Decision], *args) -> Decision:
+    """``fn(*args)`` in a thread of its own. The first call that needs a decision may run anywhere: under
+    activation checkpointing (saved-tensor hooks), a FLOP counter or another dispatch mode, inference mode,
+    autocast, or while torch.compile traces with fake tensors. All of these are thread-local, so the probe's
+    operations neither see them nor are seen by them."""
+    result: list[Decision] = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)), name="vitlab-probe")
+    thread.start()
+    thread.join()
+    return result[0]
 
 
 def _probe(dtype: torch.dtype, training: bool) -> Decision:
