@@ -156,7 +156,7 @@ def _official_model(src: Path, args: argparse.Namespace) -> tuple[Any, Any, dict
     """An official / timm checkpoint mapped into ``--model`` (non-strict here: the caller decides)."""
     from .convert.keymaps import check_source, convert_state
     from .convert.load import detect_source, load_reference, read_checkpoint
-    from .models import create_model, get_config
+    from .models import build_model, get_config
 
     if not args.model:
         raise ValueError(f"{src} is not a vitlab checkpoint; name the vitlab model to load it into with --model")
@@ -168,7 +168,7 @@ def _official_model(src: Path, args: argparse.Namespace) -> tuple[Any, Any, dict
         head = convert_state(state, source)[0].get("head.weight")
         num_classes = head.shape[0] if head is not None and head.dim() == 2 else None
     overrides = {k: v for k, v in (("num_classes", num_classes), ("img_size", args.img_size)) if v}
-    model = create_model(args.model, **overrides)
+    model = build_model(args.model, **overrides)
     report = load_reference(model, state, source=source, strict=False)
     report.origin = str(src)
     model.meta["weights"] = f"{src} ({source} weights)"

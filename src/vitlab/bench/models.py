@@ -118,12 +118,12 @@ DEFINITIONS = {
 
 def build(name: str, img_size: int | None) -> Any:
     """The named model at ``img_size`` (its own default when None); position tables are built for that size."""
-    from ..models import create_model, get_config
+    from ..models import build_model, get_config
 
     overrides: dict[str, Any] = {}
     if img_size is not None and img_size != get_config(name).input_size[-1]:
         overrides["img_size"] = img_size
-    return create_model(name, **overrides)
+    return build_model(name, **overrides)
 
 
 def prepare_case(

@@ -207,10 +207,10 @@ def resolve_models(spec: str) -> list[str]:
 
 def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int]) -> tuple[int, int]:
     """(parameters, MACs) of the variant, counted on the meta device."""
-    from ..models import create_model
+    from ..models import build_model
 
     with torch.device("meta"):
-        model = create_model(name, **kwargs)
+        model = build_model(name, **kwargs)
     params = sum(p.numel() for p in model.parameters())
     return params, count_macs(model, input_size).total
 
