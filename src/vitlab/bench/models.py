@@ -87,7 +87,7 @@ from ..measure.sweep import (
     write_json,
     write_text,
 )
-from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
+from ..report import aligned, figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 
 DTYPES = ("fp32", "bf16", "fp16")
 # the low-precision dtypes: inference converts the model to them, training autocasts to them
@@ -454,10 +454,7 @@ def table(results: list[dict[str, Any]]) -> str:
         if row["status"] != "ok":
             line[[key for key, _, _ in COLUMNS].index("throughput")] = row["status"]
         cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    text = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
-    ]
+    text = aligned(cells)
     notes = [
         f"  {r['model']} {r['mode']} {r['dtype']} B={r['batch']}: {r['status']} ({r.get('reason')})"
         for r in results
