@@ -46,8 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("vitlab.cli", "vitlab.train.cli", "vitlab.train.evaluate", "vitlab.train.compare", "vitlab.catalog",
-         "vitlab.bench.models", "vitlab.bench.mixers", "vitlab.analysis.cli", "vitlab.convert.cli", "vitlab.export",
-         "vitlab.lm.cli", "vitlab.data.cli", "vitlab.bench.data")  # fmt: skip
+         "vitlab.bench.models", "vitlab.bench.mixers", "vitlab.analysis.cli", "vitlab.convert_cli", "vitlab.export",
+         "vitlab.lm.cli", "vitlab.data_cli", "vitlab.bench.data")  # fmt: skip
 TINY = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",

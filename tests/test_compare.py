@@ -11,7 +11,8 @@ import torch
 import vitlab
 from vitlab.cli import main as cli_main
 from vitlab.measure.flops import count_macs
-from vitlab.train.compare import adapt_to_size, method_of, render_markdown, render_text
+from vitlab.report import render_markdown, render_text
+from vitlab.train.compare import COLUMNS, TEXT_COLUMNS, adapt_to_size, method_of
 
 
 def test_adaptation_gives_a_4x4_grid_on_mnist():
@@ -30,9 +31,9 @@ def test_adaptation_gives_a_4x4_grid_on_mnist():
 
 def test_tables_render_missing_values():
     rows = [{"model": "a", "method": "m", "top1": 90.123, "params_m": 0.2}, {"model": "b", "method": "n"}]
-    text = render_text(rows)
+    text = render_text(rows, COLUMNS, TEXT_COLUMNS)
     assert "90.12" in text and text.count("\n") == 3
-    md = render_markdown(rows, "note")
+    md = render_markdown(rows, "note", COLUMNS, TEXT_COLUMNS)
     assert md.splitlines()[1].startswith("|---|---|---:") and "| b | n | - |" in md
 
 

@@ -120,6 +120,27 @@ def test_dynamic_size_support():
         export_onnx(small("deit_mini", 1), torch.randn(1, 3, 32, 32), "unused.onnx", dynamic_size=True)
 
 
+def test_one_dynamic_size_rule_for_export_and_eval():
+    """``vitlab export`` and ``vitlab eval`` ask the models' one rule: as built (export) or with its tables
+    resampled (eval); a model that runs at any size as built also runs once resampled."""
+    import vitlab.export
+    from vitlab.models import supports_dynamic_size as rule
+    from vitlab.train.evaluate import resample_tables
+
+    assert vitlab.export.supports_dynamic_size is rule
+    for name in vitlab.list_models():
+        with torch.device("meta"):
+            model = vitlab.create_model(name)
+        as_built, resampled = rule(model), rule(model, resample=True)
+        assert resampled == (get_config(name).arch in ("vit", "tnt")), name
+        assert resampled or not as_built, name
+    for name in ("deit_mini", "aft_full_mini", "tnt_mini"):  # tables resampled by eval: run at 48 px
+        model = small(name, 1)
+        resample_tables(model)
+        with torch.no_grad():
+            assert model(example_input(model, 1, 48)).shape == (1, 10)
+
+
 # ----------------------------------------------------------------------------------------- torch.compile
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)

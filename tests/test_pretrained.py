@@ -34,7 +34,7 @@ from vitlab.checkpoint import save_checkpoint
 from vitlab.cli import main as cli_main
 from vitlab.convert import rename_key
 from vitlab.io import write_safetensors_atomic
-from vitlab.models import create_model as build_model
+from vitlab.models import build_model
 from vitlab.pretrained import find_weights, weights_dir
 
 # (registered model, golden file, options giving the golden's small configuration, source, nesting)

@@ -16,10 +16,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import vitlab
+from vitlab import create_model
 from vitlab.data import resolve_data_config
 from vitlab.layers.recompute import recomputed
 from vitlab.lm import CausalLM
-from vitlab.models import create_model
 from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, pool_tokens
 from vitlab.optim import WarmupCosine, param_groups_layer_decay
 

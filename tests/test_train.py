@@ -374,7 +374,7 @@ def test_train_eval_distill_and_user_errors(tmp_path, capsys):
 
 def test_a_batch_too_big_for_memory_is_one_clear_line(tmp_path, monkeypatch, capsys):
     """An allocation failure in the training step (simulated: CPU allocators raise this RuntimeError)."""
-    real = vitlab.models.create_model
+    real = vitlab.models.build_model
 
     def failing(*args, **kw):
         model = real(*args, **kw)
@@ -388,7 +388,7 @@ def test_a_batch_too_big_for_memory_is_one_clear_line(tmp_path, monkeypatch, cap
         model.forward = forward
         return model
 
-    monkeypatch.setattr(vitlab.models, "create_model", failing)
+    monkeypatch.setattr(vitlab.models, "build_model", failing)
     assert cli_main(["train", *TINY_RUN, "--epochs", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "a batch of 32 images does not fit in memory" in err and "--batch-size" in err

@@ -51,7 +51,7 @@ def test_impossible_combinations_are_one_line(tmp_path, capsys, monkeypatch):
 
     assert cli_main(["train", *TINY_RUN, "--fsdp", "--ema", "0.9", "--out", str(tmp_path / "a")]) == 2
     assert "--ema keeps a whole copy of the weights, which --fsdp does not" in one_line_error(capsys)
-    without = vitlab.models.create_model("deit_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7)
-    monkeypatch.setattr(vitlab.models, "create_model", lambda name, **kw: torch.nn.Sequential(without))
+    without = vitlab.models.build_model("deit_mini", img_size=28, in_chans=1, num_classes=10, patch_size=7)
+    monkeypatch.setattr(vitlab.models, "build_model", lambda name, **kw: torch.nn.Sequential(without))
     assert cli_main(["train", *TINY_RUN, "--grad-checkpointing", "--out", str(tmp_path / "b")]) == 2
     assert "cannot recompute its blocks (no set_grad_checkpointing)" in one_line_error(capsys)

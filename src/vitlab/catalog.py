@@ -20,14 +20,14 @@ def describe(name: str, macs: bool = True, img_size: int | None = None) -> dict:
     import torch
 
     from .measure.flops import count_macs
-    from .models import create_model, get_config
+    from .models import build_model, get_config
 
     cfg = get_config(name)
     overrides = {"img_size": img_size} if img_size else {}
     if img_size and cfg.kwargs.get("pos_embed", "learned") == "learned":
         overrides["dynamic_img_size"] = True
     with torch.device("meta"):
-        model = create_model(name, **overrides)
+        model = build_model(name, **overrides)
     row = {
         "name": name,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3),

@@ -42,8 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vitlab.bench.data",
         "images/s of decode + training transform through DataLoader workers vs a plain PIL pipeline; loader memory",
     ),
-    "data": ("vitlab.data.cli", "make image data: a synthetic ImageNet-layout JPEG folder, WebDataset shards, info"),
-    "convert": ("vitlab.convert.cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
+    "data": ("vitlab.data_cli", "make image data: a synthetic ImageNet-layout JPEG folder, WebDataset shards, info"),
+    "convert": ("vitlab.convert_cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
     "lm": (
         "vitlab.lm.cli",

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from . import options as opt
 from .extras import require
 from .io import atomic_open, atomic_path_with_companions, check_writable_file
+from .models import supports_dynamic_size
 
 FORMATS = ("torchscript", "onnx", "compile")
 
@@ -52,16 +53,6 @@ def example_input(model: nn.Module, batch: int = 2, img_size: int | Sequence[int
     if img_size is not None:
         h, w = (img_size, img_size) if isinstance(img_size, int) else img_size
     return torch.randn(batch, chans, h, w)
-
-
-def supports_dynamic_size(model: nn.Module) -> bool:
-    """True for models whose computation has no fixed token count: no learned position table and no mixer
-    built for a fixed sequence length (CPVT with PEGs, AFT-conv, AFT-simple without a table)."""
-    from .models.vit import VisionTransformer
-
-    if not isinstance(model, VisionTransformer) or model.pos_embed is not None:
-        return False
-    return not any(getattr(blk.mixer, "max_len", None) for blk in model.blocks)
 
 
 # --------------------------------------------------------------------------------------------- TorchScript

@@ -29,8 +29,7 @@ from .checkpoint import (
 )
 from .convert.load import load_reference, read_checkpoint
 from .data.config import training_data_cfg
-from .models import create_model as build_model
-from .models import get_config, list_models
+from .models import build_model, get_config, list_models
 from .models.base import FeatureGetter
 from .models.folder import WEIGHTS, is_model_folder, read_config
 from .models.registry import CFG_KEYS, check_overlay, overlay_cfg

@@ -1,4 +1,4 @@
-"""PNG figures for ``vitlab analyze`` (matplotlib with the Agg backend, imported on first use)."""
+"""PNG figures for ``vitlab analyze`` (matplotlib through :mod:`vitlab.report`, imported on first use)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import write_figure_atomic
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)  # no display needed; keeps an interactive backend a user already chose
-    import matplotlib.pyplot as plt
-
-    return plt
+from ..report import pyplot, save_figure
 
 
 def _save(fig, path: str | Path) -> Path:
-    path = write_figure_atomic(fig, path, dpi=100, bbox_inches="tight")
-    _pyplot().close(fig)
-    return path
+    return save_figure(fig, path, dpi=100, bbox_inches="tight")
 
 
 def _title(fig, title: str) -> None:
@@ -79,7 +68,7 @@ def map_grid(
     (each map enlarged to at least ``min_px`` pixels, nearest neighbour) in a single axes: a figure of
     hundreds of maps stays fast to draw.
     """
-    plt = _pyplot()
+    plt = pyplot()
     maps = np.asarray(maps, dtype=np.float32)
     r, c, h, w = maps.shape
     k = max(1, math.ceil(min_px / max(h, w)))
@@ -137,7 +126,7 @@ def matrices(
 ) -> Path:
     """Square heatmaps side by side (cross-layer similarity, head similarity per block), one colour bar;
     ``axis`` names what the rows and columns index."""
-    plt = _pyplot()
+    plt = pyplot()
     k = len(mats)
     cols = min(k, 6)
     rows = math.ceil(k / cols)
@@ -179,7 +168,7 @@ def curve(
     ylim: tuple[float, float] | None = None,
 ) -> Path:
     """One line plot with markers (feature evolution over the blocks)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(list(x), list(y), marker="o")
     ax.xaxis.get_major_locator().set_params(integer=True)  # block indices

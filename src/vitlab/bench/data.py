@@ -164,9 +164,9 @@ def throughput(source, args) -> list[dict[str, Any]]:
 
 def step_time(model_name: str, batch: int, img_size: int, dtype: str, steps: int = 3) -> float:
     """Median seconds of one AdamW training step (forward, backward, update) at ``batch`` x ``img_size``."""
-    from ..models import create_model
+    from ..models import build_model
 
-    model = create_model(model_name, img_size=img_size)
+    model = build_model(model_name, img_size=img_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = torch.randn(batch, 3, img_size, img_size), torch.randint(0, 1000, (batch,))
     times = []

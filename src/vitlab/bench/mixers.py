@@ -62,7 +62,7 @@ from ..measure.sweep import (
 )
 from ..mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
 from ..options import Int, non_negative_int, positive_float, positive_int
-from .report import (
+from ..report import (
     figure_grid,
     legend_entries,
     log_axes,

@@ -87,7 +87,7 @@ from ..measure.sweep import (
     write_json,
     write_text,
 )
-from .report import figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
+from ..report import aligned, figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 
 DTYPES = ("fp32", "bf16", "fp16")
 # the low-precision dtypes: inference converts the model to them, training autocasts to them
@@ -118,12 +118,12 @@ DEFINITIONS = {
 
 def build(name: str, img_size: int | None) -> Any:
     """The named model at ``img_size`` (its own default when None); position tables are built for that size."""
-    from ..models import create_model, get_config
+    from ..models import build_model, get_config
 
     overrides: dict[str, Any] = {}
     if img_size is not None and img_size != get_config(name).input_size[-1]:
         overrides["img_size"] = img_size
-    return create_model(name, **overrides)
+    return build_model(name, **overrides)
 
 
 def prepare_case(
@@ -454,10 +454,7 @@ def table(results: list[dict[str, Any]]) -> str:
         if row["status"] != "ok":
             line[[key for key, _, _ in COLUMNS].index("throughput")] = row["status"]
         cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    text = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
-    ]
+    text = aligned(cells)
     notes = [
         f"  {r['model']} {r['mode']} {r['dtype']} B={r['batch']}: {r['status']} ({r.get('reason')})"
         for r in results

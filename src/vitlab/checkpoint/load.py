@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import create_model
+from ..models import build_model
 from .format import FORMAT
 from .safeload import load_file
 from .sharded import read_sharded_weights
@@ -109,7 +109,7 @@ def check_model_name(ckpt: dict[str, Any], model_name: str) -> None:
 def model_from_checkpoint(ckpt: dict[str, Any], ema: bool = False, **overrides: Any) -> nn.Module:
     """Rebuild the checkpoint's model (its name and constructor overrides, plus ``overrides``) with its
     weights (the EMA weights with ``ema=True``)."""
-    model = create_model(ckpt["model_name"], **{**ckpt.get("model_kwargs", {}), **overrides})
+    model = build_model(ckpt["model_name"], **{**ckpt.get("model_kwargs", {}), **overrides})
     if ema:
         if not ckpt.get("ema"):
             raise ValueError(f"checkpoint {ckpt.get('path', '')} has no EMA weights (trained without --ema)")

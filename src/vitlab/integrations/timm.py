@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from ..extras import require
-from ..models import create_model as build_model
-from ..models import list_models
+from ..models import build_model, list_models
 from ..pretrained import create_model
 
 #: the timm architecture name; models are "vitlab.<name>"

@@ -3,7 +3,7 @@ configs."""
 
 from . import ablation_configs, configs  # noqa: F401  (register the named models)
 from .pyramid import PyramidCPVT
-from .registry import ModelConfig, create_model, get_config, list_models, register
+from .registry import ModelConfig, build_model, get_config, list_models, register, supports_dynamic_size
 from .t2t import T2TViT
 from .tnt import TNT
 from .vit import VisionTransformer
@@ -14,8 +14,9 @@ __all__ = [
     "PyramidCPVT",
     "T2TViT",
     "VisionTransformer",
-    "create_model",
+    "build_model",
     "get_config",
     "list_models",
     "register",
+    "supports_dynamic_size",
 ]

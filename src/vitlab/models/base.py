@@ -237,7 +237,7 @@ class Classifier(nn.Module):
 
     @property
     def pretrained_cfg(self) -> dict[str, Any]:
-        """timm's description of the expected input and of the weights (set by ``create_model``; a model built
+        """timm's description of the expected input and of the weights (set by ``build_model``; a model built
         from its class gets one from its own sizes)."""
         cfg = self.__dict__.get("_pretrained_cfg")
         return cfg if cfg is not None else self.default_pretrained_cfg()

@@ -76,7 +76,7 @@ def model_card(model: nn.Module, folder: Path) -> str:
 
 def save_pretrained(model: nn.Module, folder: str | os.PathLike) -> Path:
     """Write ``model`` as a model folder (see the module docstring); the weights first, ``config.json`` last,
-    each file atomically. The model must have been built by ``create_model`` (it records its name)."""
+    each file atomically. The model must have been built by ``build_model`` or ``vitlab.create_model``, which record its name."""
     name = getattr(model, "model_name", None)
     if name is None:
         raise ValueError(

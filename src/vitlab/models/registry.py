@@ -166,7 +166,7 @@ def check_overlay(overlay: dict[str, Any] | None) -> dict[str, Any]:
     return overlay
 
 
-def create_model(
+def build_model(
     name: str,
     pretrained_cfg_overlay: dict[str, Any] | None = None,
     features_only: bool = False,
@@ -180,13 +180,32 @@ def create_model(
     timm's ``pretrained_cfg`` (``pretrained_cfg_overlay`` replaces entries of it) and ``model.meta`` (paper,
     source, input size, mean/std). ``features_only=True`` returns timm's feature extractor
     (:class:`~vitlab.models.base.FeatureGetter`) of the blocks ``out_indices`` (default: the last 3).
-    ``vitlab.create_model`` adds weights (``pretrained=``, ``checkpoint_path=``).
+    The public ``vitlab.create_model`` (:mod:`vitlab.pretrained`) is this plus weights (``pretrained=``,
+    ``checkpoint_path=``); the layers below the public front build through this one.
     """
     overlay = check_overlay(pretrained_cfg_overlay)
     cfg = get_config(name)
     model = MODELS.create(name, **overrides)
     describe(model, cfg, overrides, overlay)
     return FeatureGetter(model, out_indices) if features_only else model
+
+
+def supports_dynamic_size(model: nn.Module, resample: bool = False) -> bool:
+    """Whether ``model`` runs at input sizes other than the one it was built for (a multiple of its patch).
+
+    Without ``resample``: as built, with one computation for every size -- no learned position table and no
+    mixer built for a fixed token count (CPVT's PEGs, AFT-conv, TNT without a patch table): what an exported
+    graph with a dynamic height and width needs (resampling a table is traced at the example's size). With
+    ``resample``: also once its fixed-size tables are resampled to the input (ViT's and TNT's position table,
+    ``dynamic_img_size``; AFT-full/local's position biases, the mixers' ``resample``): what evaluating trained
+    weights at another resolution needs. T2T-ViT and the pyramid CPVT are built for one size either way.
+    """
+    if not hasattr(model, "dynamic_img_size"):  # the architectures that can resample their table say so
+        return False
+    if resample:
+        return True
+    fixed_mixer = any(getattr(m, "max_len", None) for m in model.modules() if m is not model)
+    return model.pos_embed is None and not fixed_mixer
 
 
 def describe(model: nn.Module, cfg: ModelConfig, overrides: dict[str, Any], overlay: dict[str, Any]) -> None:

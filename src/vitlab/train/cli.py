@@ -162,7 +162,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     device (no memory) at the input size of the data."""
     import torch
 
-    from ..models import create_model
+    from ..models import build_model
     from ..models.registry import MODELS
     from ..options import check_keyword_values
 
@@ -183,7 +183,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     sizes = {"img_size": args.img_size or side, "in_chans": chans}
     try:
         with torch.device("meta"):
-            create_model(args.model, **{k: v for k, v in sizes.items() if v is not None}, **overrides)
+            build_model(args.model, **{k: v for k, v in sizes.items() if v is not None}, **overrides)
     except Exception as e:  # whatever the constructor raises for options it cannot build
         given = " ".join(f"{k}={v!r}" for k, v in overrides.items())
         detail = " ".join(str(e).split())[:200] or type(e).__name__

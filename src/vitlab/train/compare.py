@@ -43,10 +43,11 @@ from .. import options as opt
 from ..checkpoint import load_checkpoint
 from ..data.spec import data_spec
 from ..device import add_device_argument, resolve_device
-from ..io import open_append, write_csv_atomic, write_figure_atomic, write_json_atomic, write_text_atomic
+from ..io import open_append, write_csv_atomic, write_json_atomic, write_text_atomic
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
 from ..pretrained import load_model
+from ..report import Column, pyplot, render_markdown, render_text, save_figure
 from ..rundir import RunLock
 from .data import data_shape, load_data
 from .engine import RUN_FILES, TrainConfig, train
@@ -207,10 +208,10 @@ def resolve_models(spec: str) -> list[str]:
 
 def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int]) -> tuple[int, int]:
     """(parameters, MACs) of the variant, counted on the meta device."""
-    from ..models import create_model
+    from ..models import build_model
 
     with torch.device("meta"):
-        model = create_model(name, **kwargs)
+        model = build_model(name, **kwargs)
     params = sum(p.numel() for p in model.parameters())
     return params, count_macs(model, input_size).total
 
@@ -256,7 +257,6 @@ def inference_case(checkpoint: str, batch: int = 256, device: str = "cpu") -> Pr
 
 # --------------------------------------------------------------------------- table and plots
 
-Column = tuple[str, str, str]  # (row key, header, format of one value)
 COLUMNS: list[Column] = [
     ("model", "model", "{}"), ("method", "method", "{}"), ("top1", "top-1 %", "{:.2f}"), ("top5", "top-5 %", "{:.2f}"),
     ("params_m", "params (M)", "{:.3f}"), ("mmacs", "MACs (M)", "{:.2f}"), ("train_img_s", "train img/s", "{:.0f}"),
@@ -266,38 +266,6 @@ TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
 # measured per run and averaged over the seeds; the first two also get their standard deviation
 SEED_MEAN = ("top1", "top5", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
 SEED_SPREAD = ("top1", "top5")
-
-
-def fmt_cell(row: dict[str, Any], key: str, fmt: str) -> str:
-    """One cell: ``-`` for a missing value, ``mean ± std`` where the row has the spread over seeds."""
-    if row.get(key) is None:
-        return "-"
-    if row.get(f"{key}_std") is not None:
-        return f"{fmt.format(row[key])} ± {fmt.format(row[key + '_std'])}"
-    return fmt.format(row[key])
-
-
-def fmt_row(row: dict[str, Any], columns: list[Column] = COLUMNS) -> list[str]:
-    return [fmt_cell(row, k, f) for k, _, f in columns]
-
-
-def render_text(rows: list[dict[str, Any]], columns: list[Column] = COLUMNS, text_columns: int = TEXT_COLUMNS) -> str:
-    cells = [[h for _, h, _ in columns]] + [fmt_row(r, columns) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = [
-        "  ".join(c[i].ljust(widths[i]) if i < text_columns else c[i].rjust(widths[i]) for i in range(len(c)))
-        for c in cells
-    ]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
-
-
-def render_markdown(
-    rows: list[dict[str, Any]], note: str, columns: list[Column] = COLUMNS, text_columns: int = TEXT_COLUMNS
-) -> str:
-    head = "| " + " | ".join(h for _, h, _ in columns) + " |"
-    sep = "|" + "|".join("---" if i < text_columns else "---:" for i in range(len(columns))) + "|"
-    body = ["| " + " | ".join(fmt_row(r, columns)) + " |" for r in rows]
-    return "\n".join([head, sep, *body, "", note, ""])
 
 
 def compare_note(meta: dict[str, Any]) -> str:
@@ -367,8 +335,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     fig.tight_layout()
-    write_figure_atomic(fig, out / "curves.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "curves.png", dpi=120)
     pts = [r for r in rows if r.get("top1") is not None and r.get("infer_img_s")]
     if not pts:
         return [out / "curves.png"]
@@ -387,19 +354,8 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    write_figure_atomic(fig, out / "acc_vs_speed.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / "acc_vs_speed.png", dpi=120)
     return [out / "curves.png", out / "acc_vs_speed.png"]
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 # --------------------------------------------------------------------------- the command

@@ -13,7 +13,6 @@ biases are resampled (bicubic over the patch grid).
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,15 +63,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
-def supports_dynamic_size(model_name: str) -> bool:
-    from ..models import get_config
-    from ..models.registry import architecture
+def resample_tables(model: Any) -> None:
+    """Let ``model`` run at other input sizes where it can (:func:`vitlab.models.supports_dynamic_size` with
+    ``resample``): its position table resampled to the input (``dynamic_img_size``), and AFT-full/local's
+    learned position biases interpolated as the table. Both are read at each forward, so setting them on the
+    built model is the same as building it so."""
+    from ..models import supports_dynamic_size
 
-    return "dynamic_img_size" in inspect.signature(architecture(get_config(model_name).arch).__init__).parameters
+    if supports_dynamic_size(model, resample=True):
+        model.dynamic_img_size = True
+    for m in model.modules():
+        if isinstance(getattr(m, "resample", None), bool):
+            m.resample = True
 
 
 def load_for_eval(
-    path: str | Path, weights: str | Path | None, model_name: str | None, ema: bool, other_sizes: bool
+    path: str | Path, weights: str | Path | None, model_name: str | None, ema: bool
 ) -> tuple[Any, dict[str, Any]]:
     """The model, and what evaluating it needs from its weights: ``{"data": the spec it was trained on or None,
     "holdout", "trained": True for a `vitlab train` checkpoint}``."""
@@ -83,10 +89,7 @@ def load_for_eval(
 
     if weights is None and str(path) not in list_models() and not is_model_folder(path):
         ckpt = load_checkpoint(path)
-        dynamic = other_sizes and supports_dynamic_size(ckpt["model_name"])
-        model = load_model(
-            model_name or ckpt["model_name"], ckpt, ema=ema, **({"dynamic_img_size": True} if dynamic else {})
-        )
+        model = load_model(model_name or ckpt["model_name"], ckpt, ema=ema)
         cfg = ckpt.get("config", {})
         return model, {"data": cfg.get("data", "mnist"), "holdout": cfg.get("holdout"), "trained": True}
     if ema:
@@ -98,8 +101,7 @@ def load_for_eval(
         raise ValueError(
             f"{name} is a model name: give its weights with --weights (a random model has nothing to evaluate)"
         )
-    dynamic = other_sizes and supports_dynamic_size(name)
-    model = load_model(str(path), weights, **({"dynamic_img_size": True} if dynamic else {}))
+    model = load_model(str(path), weights)
     cfg = model.pretrained_cfg
     return model, {"data": cfg.get("data"), "holdout": cfg.get("holdout"), "trained": False}
 
@@ -182,13 +184,11 @@ def evaluate_checkpoint(
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if img_sizes and any(s < 1 for s in img_sizes):
         raise ValueError(f"--img-size must be positive, got {img_sizes}")
-    model, trained = load_for_eval(path, weights, model_name, ema, other_sizes=bool(img_sizes))
+    model, trained = load_for_eval(path, weights, model_name, ema)
     name, train_size = model.model_name, model.img_size[0]
     sizes = img_sizes or [train_size]
-    if any(s != train_size for s in sizes):  # AFT-full/local: interpolate the learned position biases as the table
-        for m in model.modules():
-            if isinstance(getattr(m, "resample", None), bool):
-                m.resample = True
+    if any(s != train_size for s in sizes):
+        resample_tables(model)
     if (data or trained["data"]) is None:
         raise ValueError(f"--data is needed: the weights of {name} do not say what data they were trained on")
     spec = DataSpec.parse(data or trained["data"])

@@ -161,7 +161,7 @@ def init_weights_from(model: nn.Module, path: str) -> str:
 def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> ModelParts:
     """Model (identical initial weights on every rank), its loss (teacher, token labels), the model spread
     over the processes (DDP, or FSDP before the optimizer sees its parameters)."""
-    from ..models import create_model
+    from ..models import build_model
 
     cfg = ctx.cfg
     kwargs = model_kwargs(cfg, train_ds)
@@ -169,7 +169,7 @@ def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> Mod
         check_model_name(ckpt, cfg.model)
         check_resume(ckpt, cfg, ctx.log)
     torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model, **kwargs)
+    model = build_model(cfg.model, **kwargs)
     if cfg.init_from and ckpt is None:
         ctx.log(init_weights_from(model, cfg.init_from))
     if cfg.grad_checkpointing:

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from ..data import create_loader, open_source
-from ..io import write_figure_atomic, write_json_atomic
+from ..io import write_json_atomic
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
 from ..pretrained import load_model
-from .compare import RECIPE, Column, Plan, Variant, add_run_arguments, compare_note, pyplot, run_variants
+from ..report import Column, pyplot, save_figure
+from .compare import RECIPE, Plan, Variant, add_run_arguments, compare_note, run_variants
 from .data import whole_image
 from .engine import TrainConfig
 from .recipes import find_recipe
@@ -207,9 +208,7 @@ def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(study.title, fontsize=10)
     fig.tight_layout()
-    write_figure_atomic(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- DeepViT's cross-layer similarity
@@ -260,6 +259,4 @@ def write_similarity(out: Path, curves: dict[str, list[float]]) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    write_figure_atomic(fig, out / "similarity.png", dpi=120)
-    plt.close(fig)
-    return [out / "similarity.png"]
+    return [save_figure(fig, out / "similarity.png", dpi=120)]

@@ -7,9 +7,9 @@ import argparse
 import json
 import time
 
-from .. import options as opt
-from ..io import check_writable_folder
-from .spec import SPEC_HELP, data_spec
+from . import options as opt
+from .data.spec import SPEC_HELP, data_spec
+from .io import check_writable_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.action == "synth":
-        from .synth import synthesize
+        from .data.synth import synthesize
 
         check_writable_folder(args.out, "OUT")
         size = tuple(args.size) if args.size else None
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
               f"in {time.perf_counter() - t0:.1f} s; use it as --data folder:{args.out}")  # fmt: skip
         return 0
     if args.action == "shards":
-        from .wds import write_shards
+        from .data.wds import write_shards
 
         check_writable_folder(args.out, "OUT")
         meta = write_shards(args.src, args.out, shard_size=args.shard_size)
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {parts} to {args.out} in {time.perf_counter() - t0:.1f} s; use it as --data wds:{args.out}")
         return 0
-    from .factory import open_source
+    from .data.factory import open_source
 
     src = open_source(args.spec, args.split)
     counts = src.class_counts() if hasattr(src, "class_counts") else None

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .. import options as opt
-from ..io import check_writable_file, check_writable_folder
-from .keymaps import SOURCES
+from . import options as opt
+from .convert.keymaps import SOURCES
+from .io import check_writable_file, check_writable_folder
 
 FORMATS = ("safetensors", "folder")
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "folder":
         model.save_pretrained(out)
     else:
-        from .load import save_weights
+        from .convert.load import save_weights
 
         meta = {"format": "pt", "writer": "vitlab convert", "model": model.model_name, "checkpoint": src.name}
         meta["model_kwargs"] = json.dumps(model.model_kwargs)
@@ -114,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _vitlab_model(src: Path, args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]] | None:
     """A `vitlab train` checkpoint or a model folder, rebuilt as it was built; None for other files."""
-    from ..checkpoint import load_checkpoint
-    from ..models.folder import is_model_folder
-    from ..pretrained import load_folder, load_model
+    from .checkpoint import load_checkpoint
+    from .models.folder import is_model_folder
+    from .pretrained import load_folder, load_model
 
     if is_model_folder(src):
         model = load_folder(src)
@@ -154,9 +154,9 @@ def _vitlab_model(src: Path, args: argparse.Namespace) -> tuple[Any, None, dict[
 
 def _official_model(src: Path, args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """An official / timm checkpoint mapped into ``--model`` (non-strict here: the caller decides)."""
-    from ..models import create_model, get_config
-    from .keymaps import check_source, convert_state
-    from .load import detect_source, load_reference, read_checkpoint
+    from .convert.keymaps import check_source, convert_state
+    from .convert.load import detect_source, load_reference, read_checkpoint
+    from .models import build_model, get_config
 
     if not args.model:
         raise ValueError(f"{src} is not a vitlab checkpoint; name the vitlab model to load it into with --model")
@@ -168,7 +168,7 @@ def _official_model(src: Path, args: argparse.Namespace) -> tuple[Any, Any, dict
         head = convert_state(state, source)[0].get("head.weight")
         num_classes = head.shape[0] if head is not None and head.dim() == 2 else None
     overrides = {k: v for k, v in (("num_classes", num_classes), ("img_size", args.img_size)) if v}
-    model = create_model(args.model, **overrides)
+    model = build_model(args.model, **overrides)
     report = load_reference(model, state, source=source, strict=False)
     report.origin = str(src)
     model.meta["weights"] = f"{src} ({source} weights)"
