@@ -83,7 +83,9 @@ def onednn_linear(monkeypatch):
     skip where the primitive does not run in it: the plain path, which those CPUs take, has tests of its own."""
     from dataclasses import replace
 
-    from vitlab.ops import probe
+    from vitlab.ops import probe, switch
+
+    monkeypatch.setattr(switch, "_enabled", True)  # a test of the path runs with VITLAB_FAST_PATHS=0 too
 
     def require(dtype: torch.dtype = torch.float32, training: bool = False) -> None:
         decision = probe.onednn_linear(dtype, training)
@@ -92,3 +94,12 @@ def onednn_linear(monkeypatch):
         monkeypatch.setitem(probe._DECISIONS, (dtype, training), replace(decision, taken=True))
 
     return require
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    """The fast paths on for a test of one of them (the suite also runs with ``VITLAB_FAST_PATHS=0``, where the
+    other tests check the plain paths)."""
+    from vitlab.ops import switch
+
+    monkeypatch.setattr(switch, "_enabled", True)

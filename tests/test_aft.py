@@ -390,6 +390,7 @@ def test_local_and_simple_cores_stable(monkeypatch):
     assert counter.entries > 0
 
 
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("scale", [1.0, 1e4], ids=["normal", "huge"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale, monkeypatch):
@@ -411,6 +412,7 @@ def test_full_core_without_autograd_in_bands_is_the_paper_equation(causal, scale
     assert (counter.entries > 0) == (scale > 1)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     """Inference at T = 1024: the tensors' peak is one band of e^{w - rowmax} (1 MB) and a few activations, not the
     (T, T) matrix (4 MB) that autograd keeps (exact allocation record)."""
@@ -422,6 +424,7 @@ def test_full_core_without_autograd_holds_a_band_of_the_bias_weights():
     assert peak is not None and peak <= 4 * aft_ops._BIAS_BAND_ELEMS + 8 * 4 * b * n * c < 4 * n * n, peak
 
 
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("causal", [False, True])
 def test_full_core_without_autograd_holds_three_activations_beside_the_weights(causal):
     """A short sequence without autograd: e^{w - rowmax} formed once, the denominator's product from e^K, then
@@ -438,6 +441,7 @@ def test_full_core_without_autograd_holds_three_activations_beside_the_weights(c
     assert_rel(y, naive_full(q, k, v, w, causal), 1e-5)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_simple_without_autograd_holds_at_most_three_activations():
     """Inference projects [K | V], reduces it to the context vector and frees it before Q: at most K, V and e^K
     (3 activations) at once, where the fused [Q | K | V] projection alone is 3 (exact allocation record); the

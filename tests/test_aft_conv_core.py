@@ -146,6 +146,7 @@ def test_module_gradients_equal_the_composite_form(kw, layout, monkeypatch):
         )
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_large_negative_biases_stay_on_the_eager_path_and_exact(monkeypatch):
     """w << 0: Eq. 6's e^w - 1 ≈ -1 cancels in its literal form; the eager core's sums do not (no fallback)."""
     torch.manual_seed(6)

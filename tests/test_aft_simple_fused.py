@@ -59,6 +59,7 @@ def test_no_autograd_path_equals_the_composite(context):
     torch.testing.assert_close(out.double(), naive_simple(qkv), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_module_trains_through_the_fused_core_with_the_plain_gradients():
     torch.manual_seed(3)
     m = AFTSimple(16, hidden_dim=12).double()

@@ -60,6 +60,7 @@ def test_sdpa_path_equals_explicit_path(causal, train):
     torch.testing.assert_close(out_fused, explicit(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_short_sequences_train_through_the_explicit_map(monkeypatch):
     """Training on the CPU with N <= 64 takes the explicit map (faster there); longer sequences, inference and
     attention dropout take SDPA."""

@@ -128,6 +128,7 @@ def test_layouts_give_the_same_values_and_gradients(heads_last, channels_last):
     assert a1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_fused_only_while_training_with_batch_statistics():
     bn, a = torch.nn.BatchNorm2d(3), torch.randn(1, 3, 4, 4)
     assert can_fuse(a, bn)
@@ -140,6 +141,7 @@ def test_fused_only_while_training_with_batch_statistics():
     assert not can_fuse(a.to("meta"), bn)  # FLOP counting on the meta device: the plain modules
 
 
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("transform_scale", [False, True])
 def test_reattention_training_step_equals_the_plain_modules(monkeypatch, transform_scale):
     torch.manual_seed(3)

@@ -21,6 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "vitlab"
 BF16_UNIT = 2.0**-8
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_the_switch_turns_every_fast_path_off_and_back():
     assert ops.fast_paths_enabled()
     with ops.fast_paths(False):
@@ -202,6 +203,7 @@ def test_fused_linear_on_the_plain_path_is_exactly_the_module(unsupported_cpu):
         assert torch.equal(fused_linear(lin, x, gelu=True), torch.nn.functional.gelu(lin(x)))
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_the_first_decision_may_be_asked_for_anywhere(monkeypatch):
     """The first call that needs a decision may run under activation checkpointing (saved-tensor hooks), a FLOP
     counter or inference mode: the probe runs apart from them and decides as it does on its own."""

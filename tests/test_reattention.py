@@ -89,6 +89,7 @@ def test_shapes_aux_and_prev_map_ignored():
     torch.testing.assert_close(m(x, attn_prev=torch.rand(2, 4, 10, 10)), out)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_gradients_reach_every_parameter():
     torch.manual_seed(3)
     m = ReAttention(16, num_heads=2, attn_drop=0.1, proj_drop=0.1).train()
