@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# the fast paths' decisions are cached per machine (vitlab.ops.probe): the suite keeps its own cache, never the user's
+os.environ["VITLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitlab-test-cache-")
 
 # the suite must pass with any thread count (reduction orders differ): VITLAB_TEST_THREADS picks it
 THREADS = int(os.environ.get("VITLAB_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1)))

@@ -3,6 +3,8 @@ on any CPU the primitive does not run on, and every model correct in bf16 with t
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -78,6 +80,7 @@ def unsupported_cpu(monkeypatch):
 
     monkeypatch.setattr(onednn, "linear", refuse)
     monkeypatch.setattr(probe, "_DECISIONS", {})
+    monkeypatch.setenv("VITLAB_CACHE_DIR", "off")  # this CPU's cached answers are not that CPU's
     return refuse
 
 
@@ -221,3 +224,36 @@ def test_the_first_decision_may_be_asked_for_anywhere(monkeypatch):
         assert decision.works == probe._probe(dtype, training).works
     assert set(probe._DECISIONS) == {(torch.float32, True), (torch.float32, False)}
     torch.testing.assert_close(x.grad, torch.ones(4, 32) @ lin.weight)
+
+
+def test_decisions_are_kept_per_machine(monkeypatch, tmp_path):
+    """The answers go to a cache file named by the machine, torch and the settings they depend on; the next
+    process reads them instead of probing (its memory and time), a damaged file is probed again, and "off" keeps
+    nothing."""
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    first = probe.onednn_linear(torch.float32, False)
+    path = probe.cache_path()
+    assert path is not None and path.parent == tmp_path and path.is_file()
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    monkeypatch.setattr(probe, "_probe", lambda *a: pytest.fail("probed although the cache holds the answer"))
+    assert probe.onednn_linear(torch.float32, False) == first
+    monkeypatch.undo()
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    path.write_text("{not json")
+    calls = []
+    real = probe._probe
+    monkeypatch.setattr(probe, "_probe", lambda *a: calls.append(a) or real(*a))
+    assert probe.onednn_linear(torch.float32, False).works == first.works and calls
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another setting: another file
+    assert probe.cache_path() != path
+    monkeypatch.setenv("VITLAB_CACHE_DIR", "off")
+    assert probe.cache_path() is None
+
+
+def test_a_cached_answer_that_no_longer_holds_is_probed_again(unsupported_cpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    stale = probe.Decision(True, True, 1.0, 2.0, "oneDNN faster than aten")
+    probe.cache_path().write_text(json.dumps({"float32,infer": dataclasses.asdict(stale)}))
+    assert probe.onednn_linear(torch.float32, False).works is False  # the primitive fails here now

@@ -12,20 +12,27 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
    residual; training: forward and backward; the current thread count), alternating, best of :data:`REPEATS`; the path is taken only when it is faster by :data:`MARGIN`.
 
 The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it). The answer is
-cached for the process (:func:`reset` forgets it) and reported by :func:`decisions`. Under
+kept for the process and in a per-machine cache file (:func:`cache_path`; :func:`reset` forgets both) and
+reported by :func:`decisions`. Under
 ``torch.compile`` the answer is a constant of the graph (the probe runs while tracing).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..io import WriteError, write_json_atomic
 from . import onednn
 
 #: oneDNN is taken when its time is at most this fraction of aten's (a clear win, so that the choice is stable)
@@ -135,11 +142,80 @@ onednn_linear_taken._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
     """The probe of this module's docstring for linear layers of ``dtype`` on the CPU, inference or training
-    (probed on the first call, then remembered)."""
+    (probed on the first call, then remembered by the process and the machine's cache)."""
     key = (dtype, training)
     if key not in _DECISIONS:
-        _DECISIONS[key] = _isolated(_probe, dtype, training)
+        cached = _read_cache().get(_name(key))
+        if cached and (not cached["taken"] or _isolated(_still_works, dtype, training)):
+            _DECISIONS[key] = Decision(**cached)
+        else:
+            _DECISIONS[key] = _isolated(_probe, dtype, training)
+            _write_cache()
     return _DECISIONS[key]
+
+
+def _still_works(dtype: torch.dtype, training: bool) -> bool:
+    """The tiny correctness check alone, for a cached answer that takes the path (a stale or edited cache file
+    then costs a probe, never an error)."""
+    try:
+        with torch.no_grad():
+            _check(dtype, training)
+        return True
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------- the machine's cache of decisions
+# Probing costs time and, more, memory: both products are initialised (oneDNN's and the BLAS's code and buffers,
+# 30-50 MB of resident memory in the first call) where a process then uses one. So the answers are kept per
+# machine, as a compiler keeps its autotuning: a JSON file under VITLAB_CACHE_DIR (default
+# $XDG_CACHE_HOME/vitlab or ~/.cache/vitlab), named by everything the answer depends on. An unreadable or foreign
+# file is ignored (probed again); a folder that cannot be written only leaves the answers uncached.
+_CACHE_VERSION = 1
+_ENVIRONMENT = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _name(key: tuple[torch.dtype, bool]) -> str:
+    return f"{str(key[0]).removeprefix('torch.')},{'train' if key[1] else 'infer'}"
+
+
+def cache_path() -> Path | None:
+    """The file this machine's decisions are kept in, or None when caching is off (``VITLAB_CACHE_DIR=off``)."""
+    folder = os.environ.get("VITLAB_CACHE_DIR")
+    if folder is None:
+        folder = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vitlab")
+    if folder.strip().lower() in ("", "0", "off", "none"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        cpu = platform.processor() or platform.machine()
+    what = [_CACHE_VERSION, torch.__version__, cpu, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]
+    what += [os.environ.get(name, "") for name in _ENVIRONMENT]
+    digest = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+    return Path(folder) / f"ops-probe-{digest}.json"
+
+
+def _read_cache() -> dict[str, dict]:
+    path = cache_path()
+    try:
+        entries = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        fields = set(Decision.__dataclass_fields__)
+        return {k: v for k, v in entries.items() if isinstance(v, dict) and set(v) == fields}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _write_cache() -> None:
+    path = cache_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {**_read_cache(), **{_name(k): asdict(d) for k, d in _DECISIONS.items()}})
+    except (OSError, WriteError):
+        pass
 
 
 def _isolated(fn: Callable[..., Decision], *args) -> Decision:
@@ -183,5 +259,8 @@ def decisions() -> dict[str, dict]:
 
 
 def reset() -> None:
-    """Forget the decisions (the next call probes again): for tests that simulate another CPU."""
+    """Forget the decisions of this process and of the machine's cache (the next call probes again)."""
     _DECISIONS.clear()
+    path = cache_path()
+    if path is not None:
+        path.unlink(missing_ok=True)
