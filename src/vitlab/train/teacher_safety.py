@@ -329,8 +329,11 @@ def checked_export_archive(path: Path, data: bytes) -> bytes:
     if members.get("archive_format", b"").strip() != b"pt2" or members.get("archive_version", b"").strip() != b"0":
         raise TeacherError(f"cannot read teacher {path}: not a pt2 archive of version 0 (re-export it with this torch)")
     model = _json(path, members, "models/model.json")
-    _drop_metadata(model)
-    why = check_program(model)
+    try:
+        _drop_metadata(model)
+        why = check_program(model)
+    except RecursionError:  # JSON nested deeper than any program is
+        why = "models/model.json is nested too deeply"
     for name, prefix in (("data/weights/model_weights_config.json", "weight_"),
                          ("data/constants/model_constants_config.json", "tensor_")):  # fmt: skip
         why = why or check_payload_config(_json(path, members, name), prefix)
