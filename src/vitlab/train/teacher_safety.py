@@ -12,7 +12,8 @@ The check (:func:`read_export`):
 - every node target and operator argument is on the operator allowlist (:func:`check_target`): the ``aten``
   and ``prims`` namespaces except the operators of :data:`REFUSED_OPS` (files, printing, foreign memory,
   global random state, remote calls), a vetted few higher-order operators, and the symbolic-integer
-  arithmetic torch itself emits (:data:`SYMBOLIC_OPS`); no custom namespace or Python callable;
+  arithmetic torch itself emits (:data:`SYMBOLIC_OPS`), and vitlab's own operators (:data:`PACKAGE_OPS`); no
+  other namespace, and no Python callable;
 - every name is a plain dotted identifier, every shape expression is integer arithmetic over size symbols
   (:func:`check_expression`), every guard a comparison of input sizes (:func:`check_guard`), and the input and
   output tree specs name only tuples, lists and dicts;
@@ -82,6 +83,9 @@ REFUSED_OPS = {
     "is_owner": "reads a remote value",
     "confirmed_by_owner": "reads a remote value",
 }
+#: vitlab's own registered operators (:mod:`vitlab.ops.onednn`: oneDNN's linear product), which a vitlab model
+#: exported with the fast paths on calls; defined by this package, not by the file
+PACKAGE_OPS = {"vitlab": frozenset({"onednn_linear", "onednn_linear_grad_input", "onednn_linear_grad_weight"})}
 #: higher-order operators a teacher may use: they only run subgraphs of the program itself
 HIGHER_ORDER_OPS = frozenset({"cond", "while_loop", "map_impl", "wrap_with_set_grad_enabled", "wrap_with_autocast"})
 #: Python callables torch.export records for symbolic-integer arithmetic (its serialiser's own list)
@@ -112,15 +116,23 @@ EXPORT_MEMBERS = re.compile(
 #: names in a program (nodes, parameters, symbols, dialects): dotted identifiers, nothing a code generator or
 #: an expression parser could read as code
 NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", re.ASCII)
-#: the functions a shape expression may call: the sympy functions torch's deserialiser knows, and comparisons
-EXPRESSION_FUNCTIONS = _words(
+#: the words of a shape expression besides size symbols: torch writes them with ``sympy.srepr`` (``Symbol('s0',
+#: positive=True, integer=True)``, ``Add(...)``, ``Integer(2)``): sympy's expression classes, the sympy functions
+#: torch's deserialiser knows, and the symbols' assumptions
+EXPRESSION_WORDS = _words(
     "FloorDiv ModularIndexing Where PythonMod Mod CleanDiv CeilToInt FloorToInt CeilDiv LShift RShift PowByNatural "
     "FloatPow FloatTrueDiv IntTrueDiv IsNonOverlappingAndDenseIndicator TruncToFloat TruncToInt RoundToInt "
-    "RoundDecimal ToFloat Identity Max Min Eq Ne Lt Le Gt Ge And Or Not Abs floor ceiling oo Integer Rational "
-    "Float sqrt true false True False"
+    "RoundDecimal ToFloat Identity Max Min Eq Ne Lt Le Gt Ge And Or Not Abs floor ceiling Symbol Dummy Integer "
+    "Rational Float Add Mul Pow Equality Unequality StrictLessThan LessThan StrictGreaterThan GreaterThan "
+    "BooleanTrue BooleanFalse Infinity NegativeInfinity oo zoo nan true false True False precision positive "
+    "negative nonnegative nonpositive integer real finite infinite zero nonzero even odd rational commutative"
 )
 _SYMBOL = re.compile(r"[a-z]{1,4}\d+", re.ASCII)  # torch's size symbols: s0, u3, zuf1, ...
-_EXPRESSION_TOKEN = re.compile(r"\s+|\d+\.\d*(e-?\d+)?|\d+|[A-Za-z_]\w*|\*\*|//|[<>=!]=|[-+*/%(),<>&|~]", re.ASCII)
+#: a quoted word in an expression: a symbol's name, or a Float's digits
+_QUOTED = re.compile(r"'([a-z]{1,4}\d+|-?\d+(\.\d*)?(e[-+]?\d+)?)'", re.ASCII)
+_EXPRESSION_TOKEN = re.compile(
+    r"\s+|\d+\.\d*(e-?\d+)?|\d+|[A-Za-z_]\w*|'[^']*'|\*\*|//|[<>=!]=|[-+*/%(),<>&|~=]", re.ASCII
+)
 #: tree-spec node types a teacher's inputs and outputs may have
 TREE_TYPES = frozenset({None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"})
 #: JSON keys whose strings are free text passed on as values (never parsed as code or names)
@@ -147,6 +159,8 @@ def check_target(name: str) -> str | None:
     namespace, op = m[1], m[2]
     if namespace == "higher_order":
         return None if op in HIGHER_ORDER_OPS else f"it calls the higher-order operator {op!r}"
+    if namespace in PACKAGE_OPS:
+        return None if op in PACKAGE_OPS[namespace] else f"it calls {name!r}, which {namespace} does not define"
     if namespace not in OP_NAMESPACES:
         return f"it calls {name!r}, an operator of the custom namespace {namespace!r}"
     if op in REFUSED_OPS:
@@ -164,7 +178,9 @@ def check_expression(text: str) -> str | None:
         if m is None:
             return f"the shape expression {text!r} is not integer arithmetic"
         word = m[0]
-        if (word[0].isalpha() or word[0] == "_") and not (word in EXPRESSION_FUNCTIONS or _SYMBOL.fullmatch(word)):
+        if word[0] == "'" and not _QUOTED.fullmatch(word):
+            return f"the shape expression {text!r} quotes {word}"
+        if (word[0].isalpha() or word[0] == "_") and not (word in EXPRESSION_WORDS or _SYMBOL.fullmatch(word)):
             return f"the shape expression {text!r} names {word!r}"
         pos = m.end()
     return None
@@ -185,7 +201,9 @@ def check_guard(code: str) -> str | None:
         bad = not isinstance(node, _GUARD_NODES)
         bad |= isinstance(node, ast.Name) and node.id != "L"
         bad |= isinstance(node, ast.Attribute) and node.attr not in ("size", "stride", "storage_offset", "dim")
-        bad |= isinstance(node, ast.Call) and (node.args or node.keywords or not isinstance(node.func, ast.Attribute))
+        bad |= isinstance(node, ast.Call) and bool(
+            node.args or node.keywords or not isinstance(node.func, ast.Attribute)
+        )
         # strings only as input names: torch pastes the guard's text into a string literal of the code it exec-s
         bad |= isinstance(node, ast.Constant) and not (
             isinstance(node.value, int) or (isinstance(node.value, str) and NAME.fullmatch(node.value))
@@ -448,6 +466,8 @@ def quiet_torch_logs() -> Iterator[None]:
 
 def read_export(path: Path) -> tuple[Any, nn.Module]:
     """The ``ExportedProgram`` in ``path``, deserialised from a checked copy (module docstring), and its module."""
+    from ..ops import onednn  # noqa: F401 -- registers PACKAGE_OPS, which torch resolves by name
+
     archive = checked_export_archive(path, path.read_bytes())  # read once: what is loaded is what was checked
     try:
         with no_pickled_code(path), quiet_torch_logs():
