@@ -61,6 +61,7 @@ class TeacherError(ValueError):
 
 # ------------------------------------------------------------------------------------- the allowlist (data)
 def _words(text: str) -> frozenset[str]:
+    """A table of names written as one string of words."""
     return frozenset(text.split())
 
 
@@ -143,6 +144,7 @@ MAX_EXPRESSION = 2000
 
 
 def refuse(path: Path, why: str) -> TeacherError:
+    """The one line refusing ``path`` for the reason ``why``."""
     return TeacherError(
         f"refusing teacher {path}: {one_line(why, 200)}; vitlab loads teachers that only compute on tensors"
     )
@@ -310,6 +312,7 @@ def _members(path: Path, data: bytes) -> dict[str, bytes]:
 
 
 def _json(path: Path, members: dict[str, bytes], name: str) -> Any:
+    """The JSON member ``name`` (missing or invalid: one line)."""
     try:
         return json.loads(members[name].decode("utf-8"))
     except KeyError:
