@@ -12,20 +12,17 @@ The student has a distillation token and head (``dist_token=True``); in training
 ``distilled_training = True`` it returns ``(cls_logits, dist_logits)``, at test time their average.
 
 The teacher is a vitlab checkpoint, a program saved by ``torch.export.save`` (``.pt2``) or a TorchScript
-file, so a CNN trained elsewhere (DeiT's RegNetY-16GF) plugs in without its code. None of them runs pickled
-Python: checkpoints are read with ``weights_only``; a ``.pt2`` archive's tensors are read with
-``weights_only=True`` and an archive holding other pickled objects is refused; TorchScript is TorchScript's own
-format. The teacher runs in eval mode without gradients, on the batch resized to its own input size; a program
+file, so a CNN trained elsewhere (DeiT's RegNetY-16GF) plugs in without its code. None of them runs code from
+the file: checkpoints are read with ``weights_only``; a ``.pt2`` program or TorchScript file is checked before
+it is deserialised or run (no string it carries is evaluated, every operator is a tensor operation of an
+allowlist) and anything else is refused with one :class:`TeacherError` line (:mod:`.teacher_safety`). The teacher runs in eval mode without gradients, on the batch resized to its own input size; a program
 exported with a static batch size (or a bounded dynamic one) is called on chunks of the sizes it takes, a short
 last chunk padded and its padding's outputs dropped.
 """
 
 from __future__ import annotations
 
-import contextlib
-import pickle
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +32,9 @@ from torch import Tensor, nn
 from ..checkpoint import load_checkpoint
 from ..data import resize, soft_target_cross_entropy
 from ..pretrained import load_model
+from .teacher_safety import TeacherError as TeacherError  # load_teacher's one-line error, importable from here
+from .teacher_safety import no_pickled_code as _no_pickled_code  # noqa: F401 -- the name tests and callers use
+from .teacher_safety import read_export, read_torchscript
 
 
 class Teacher(nn.Module):
@@ -75,29 +75,6 @@ class Teacher(nn.Module):
         return self.predict(x).float()
 
 
-@contextlib.contextmanager
-def _no_pickled_code(path: Path) -> Iterator[None]:
-    """While ``torch.export.load`` reads ``path``: tensors with ``weights_only=True``, other pickles refused.
-
-    The archive reader unpickles custom objects with ``pickle.loads`` or torch's own object loader, depending on
-    the torch release; both are replaced for the duration of the load (the stdlib function itself, not a name
-    inside torch's private modules, which differ between releases)."""
-    real_load, real_obj, real_loads = torch.load, torch._C._pickle_load_obj, pickle.loads
-
-    def weights_only_load(*args, **kwargs):
-        kwargs["weights_only"] = True
-        return real_load(*args, **kwargs)
-
-    def refuse(*args, **kwargs):
-        raise ValueError(f"--teacher {path}: the program carries pickled Python objects; refusing to load them")
-
-    torch.load, torch._C._pickle_load_obj, pickle.loads = weights_only_load, refuse, refuse
-    try:
-        yield
-    finally:
-        torch.load, torch._C._pickle_load_obj, pickle.loads = real_load, real_obj, real_loads
-
-
 def _exported_input(program) -> Tensor | None:
     """The example (fake) tensor of an exported program's first user input, with its static or symbolic shape."""
     user = program.graph_signature.user_inputs
@@ -131,14 +108,19 @@ def _exported_batch_range(program) -> tuple[int, int | None]:
 
 
 def _archive_kind(path: Path) -> str:
-    """ "export", "torchscript" or "vitlab" (anything else: the checkpoint reader explains)."""
+    """ "export" (a ``.pt2`` name, or a torch.export archive under another), "torchscript" or "vitlab" (anything
+    else: the checkpoint reader explains)."""
     if path.suffix == ".pt2":
         return "export"
-    if zipfile.is_zipfile(path):
+    try:
         with zipfile.ZipFile(path) as z:
             names = z.namelist()
-        if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
-            return "torchscript"
+    except (zipfile.BadZipFile, OSError, ValueError):  # not a zip, or a damaged one
+        return "vitlab"
+    if any(n.endswith("/models/model.json") for n in names) and any(n.endswith("/archive_format") for n in names):
+        return "export"
+    if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
+        return "torchscript"
     return "vitlab"
 
 
@@ -149,17 +131,15 @@ def load_teacher(path: str | Path, device: torch.device | str = "cpu", img_size:
     if path.is_dir() and (path / "last.pt").is_file():  # a `vitlab train` output folder
         path = path / "last.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"--teacher {path}: no such file")
+        raise FileNotFoundError(f"teacher {path}: no such file")
     kind = _archive_kind(path)
     size = (img_size, img_size) if img_size else None
     batches: tuple[int, int | None] = (1, None)
     if kind == "export":
-        with _no_pickled_code(path):
-            program = torch.export.load(path)
-        module, size, classes = program.module(), size or _exported_input_size(program), None
-        batches = _exported_batch_range(program)
+        program, module = read_export(path)
+        size, classes, batches = size or _exported_input_size(program), None, _exported_batch_range(program)
     elif kind == "torchscript":
-        module, classes = torch.jit.load(path, map_location="cpu"), None
+        module, classes = read_torchscript(path), None
     else:
         ckpt = load_checkpoint(path)
         module = load_model(ckpt["model_name"], ckpt)
