@@ -43,26 +43,28 @@ def _records(x: Tensor, weight: Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
+def onednn_mode(x: Tensor, weight: Tensor) -> str | None:
+    """How :func:`fused_linear` runs ``x``'s product with ``weight``: ``"infer"`` (oneDNN's fused primitive, nothing
+    recorded by autograd), ``"train"`` (:class:`vitlab.ops.onednn.OneDNNLinear`, or inside ``torch.compile``
+    :func:`vitlab.ops.onednn.compiled_linear`: fp32 while autograd records) or None (the plain operations). The
+    call's context is checked once, then the probe's answer for the dtype and mode."""
+    training = _records(x, weight)
+    if training and x.dtype != torch.float32:
+        return None
+    if not _context_allows(x, weight, compiled=training):
+        return None
+    taken = probe.onednn_linear_taken(x.dtype, training=training)
+    return ("train" if training else "infer") if taken else None
+
+
 def fuses_linear(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` takes oneDNN's fused primitive (inference): the context allows it, nothing is
-    recorded by autograd, and the probe took the path for this dtype."""
-    return (
-        _context_allows(x, weight, compiled=False)
-        and not _records(x, weight)
-        and probe.onednn_linear_taken(x.dtype, training=False)
-    )
+    """Whether :func:`fused_linear` takes oneDNN's fused primitive (inference; :func:`onednn_mode`)."""
+    return onednn_mode(x, weight) == "infer"
 
 
 def trains_linear_in_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`fused_linear` runs a training step's products in :class:`vitlab.ops.onednn.OneDNNLinear`
-    (compiled: :func:`vitlab.ops.onednn.compiled_linear`): fp32 while autograd records, the context allowing it
-    (also inside ``torch.compile``) and the probe having taken the path."""
-    return (
-        x.dtype == torch.float32
-        and _context_allows(x, weight, compiled=True)
-        and _records(x, weight)
-        and probe.onednn_linear_taken(x.dtype, training=True)
-    )
+    """Whether :func:`fused_linear` runs a training step's products in oneDNN (:func:`onednn_mode`)."""
+    return onednn_mode(x, weight) == "train"
 
 
 def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Tensor | None = None) -> Tensor:
@@ -84,9 +86,10 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     # the residual goes into the product when it has the output's shape (the primitive does not broadcast)
     fits = w is not None and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
     inside = residual if fits else None
-    if w is not None and fuses_linear(x, w):
+    mode = None if w is None else onednn_mode(x, w)
+    if mode == "infer":
         y, gelu = onednn.linear(x, w, b, inside, gelu), False  # GELU inside the product too
-    elif w is not None and trains_linear_in_onednn(x, w):
+    elif mode == "train":
         product = onednn.compiled_linear if torch.compiler.is_compiling() else onednn.OneDNNLinear.apply
         y = product(x, w, b, inside)
     else:
