@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..data import BatchLoader
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from ..options import Validated
 
 IGNORE_INDEX = 255
 LAYOUTS = {"voc": 21, "ade20k": 150}  # layout -> classes
@@ -58,10 +59,13 @@ def parse_mask_spec(text: str) -> tuple[str, Path]:
     return found, root
 
 
-def mask_spec(text: str) -> str:
-    """argparse type of ``vitlab seg --data``: the text, once it names a readable layout."""
+def _checked_spec(text: str) -> str:
     parse_mask_spec(text)
     return text
+
+
+#: argparse type of ``vitlab seg --data``: the text, once it names a readable layout
+mask_spec = Validated(_checked_spec, "segmentation data")
 
 
 def pairs(layout: str, root: Path, split: str) -> list[tuple[Path, Path]]:

@@ -45,17 +45,17 @@ def predict(model: nn.Module, image: Tensor, crop: int, mode: str = "slide", str
         raise ValueError(f"stride must lie in [1, crop={crop}], got {stride}")
     x = F.pad(image, (0, max(crop - w, 0), 0, max(crop - h, 0)))
     hp, wp = x.shape[-2:]
-    boxes = [(t, l) for t in window_starts(hp, crop, stride) for l in window_starts(wp, crop, stride)]  # noqa: E741
+    boxes = [(t, le) for t in window_starts(hp, crop, stride) for le in window_starts(wp, crop, stride)]
     total, count = None, torch.zeros(1, 1, hp, wp, device=image.device)
     for i in range(0, len(boxes), batch):
         part = boxes[i : i + batch]
-        windows = torch.cat([x[:, :, t : t + crop, l : l + crop] for t, l in part])  # noqa: E741
+        windows = torch.cat([x[:, :, t : t + crop, le : le + crop] for t, le in part])
         out = model(windows).float().reshape(len(part), b, -1, crop, crop)
         if total is None:
             total = torch.zeros(b, out.shape[2], hp, wp, device=image.device)
-        for (t, l), logits in zip(part, out):  # noqa: E741
-            total[:, :, t : t + crop, l : l + crop] += logits
-            count[:, :, t : t + crop, l : l + crop] += 1
+        for (t, le), logits in zip(part, out):
+            total[:, :, t : t + crop, le : le + crop] += logits
+            count[:, :, t : t + crop, le : le + crop] += 1
     return (total / count)[:, :, :h, :w]
 
 
