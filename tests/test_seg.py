@@ -254,3 +254,26 @@ def test_seg_cli_refuses_what_it_cannot_do(voc, tmp_path, capsys):
     assert "not in the voc or ade20k layout" in capsys.readouterr().err
     assert main(["seg", "train", *RUN, "--data", str(voc), "--mixup", "0.8", "--out", str(tmp_path / "x")]) == 2
     assert "does not take --mixup" in capsys.readouterr().err
+
+
+def test_segmentation_studies_pass_their_switch_to_the_small_rows(capsys):
+    from vitlab.train.studies import STUDIES
+    from vitlab.train.study import variants
+
+    memory = variants(STUDIES.get("ea-seg-memory"), "small")
+    assert [v.model_args["memory_size"] for v in memory] == [8, 32, 64, 256]
+    assert STUDIES.get("ea-seg-memory").rows[2].paper == {"miou": 77.4}
+    assert main(["study", "ea-seg-head"]) == 2  # the default data is MNIST: one line asking for a mask folder
+    assert "give --data voc:ROOT" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ea-seg-head", "ea-seg-norm", "ea-seg-memory"])
+def test_segmentation_studies_end_to_end(name, voc, tmp_path):
+    from vitlab.train.studies import STUDIES
+
+    out = tmp_path / name
+    assert main(["study", name, "--data", f"voc:{voc}", "--seeds", "1", "--epochs", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "table.json").read_text())["rows"]
+    assert [r["row"] for r in rows] == [r.label for r in STUDIES.get(name).rows]
+    assert all(0 <= r["miou"] <= 100 for r in rows) and "mIoU" in (out / "table.md").read_text()

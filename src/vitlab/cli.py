@@ -49,6 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vitlab.train.seg_cli",
         "semantic segmentation (EANet / plain head over any backbone): synth, train, eval (mIoU, sliding windows)",
     ),
+    "points": (
+        "vitlab.train.points_cli",
+        "point clouds: PCT-style classifier with external attention on ModelNet40 (HDF5): synth, train, eval",
+    ),
     "lm": (
         "vitlab.lm.cli",
         "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench",

@@ -33,7 +33,7 @@ class TrainingError(ValueError):
 @dataclass
 class TrainConfig:
     model: str = "deit_mini"
-    task: str = "classification"  # or "segmentation" (vitlab seg train): the hooks of vitlab.train.tasks
+    task: str = "classification"  # "segmentation" (vitlab seg train), "points" (vitlab points train): train.tasks
     model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
     data: str = "mnist"
     out: str = "runs/train"
@@ -112,8 +112,8 @@ class TrainConfig:
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
         for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
-            if name == "data" and self.task != "classification":
-                continue  # a dense task reads its own data layouts (and checks them when it opens them)
+            if (name == "data" and self.task != "classification") or (name == "model" and self.task == "points"):
+                continue  # the other tasks read their own data layouts (point models: their own names)
             value = getattr(self, name)
             if value is not None:
                 try:
@@ -143,7 +143,7 @@ def _rand_augment_spec(spec: str) -> str:
 # the command line is parsed, before any work) and TrainConfig's own check of values given in code
 OPTION_CHECKS: dict[str, opt.Check] = {
     "model": opt.Validated(_registered_model, "a registered model name"),
-    "task": opt.Choice("classification", "segmentation"),
+    "task": opt.Choice("classification", "segmentation", "points"),
     "data": data_spec,
     "epochs": opt.positive_int,
     "batch_size": opt.positive_int,

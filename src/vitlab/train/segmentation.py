@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..distributed import all_reduce_sum
 from ..seg import IGNORE_INDEX, SegLoader, build_segmenter, evaluate_segmentation, open_masks
 from .config import EpochTally, Run, TrainConfig, TrainingError
+from .data import data_shape
 
 # classification options with no meaning for segmentation here: refused rather than silently ignored
 UNSUPPORTED = {
@@ -83,6 +84,14 @@ class PixelTally(EpochTally):
         return row
 
 
+def open_split(cfg: TrainConfig, split: str):
+    """One split ("train" / "val") of the run's mask data; a problem with it as one line."""
+    try:
+        return open_masks(cfg.data, split)
+    except (ValueError, OSError) as e:
+        raise TrainingError(str(e)) from None
+
+
 class SegmentationTask:
     """The engine's hooks for semantic segmentation (module docstring)."""
 
@@ -95,14 +104,18 @@ class SegmentationTask:
             raise TrainingError(f"vitlab seg train does not take --{', --'.join(b.replace('_', '-') for b in bad)}")
         if cfg.batch_size % draft.world.size:
             raise TrainingError(f"the batch {cfg.batch_size} must be divisible by the {draft.world.size} processes")
-        try:
-            draft.train_ds, draft.val_ds = open_masks(cfg.data, "train"), open_masks(cfg.data, "val")
-        except (ValueError, OSError) as e:
-            raise TrainingError(str(e)) from None
+        draft.train_ds, draft.val_ds = open_split(cfg, "train"), open_split(cfg, "val")
         if cfg.batch_size // draft.world.size > len(draft.train_ds) // draft.world.size:
             raise TrainingError(
                 f"batch size {cfg.batch_size} exceeds the {len(draft.train_ds)} training images; use a smaller one"
             )
+
+    def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
+        """The crop (``--img-size``, else the backbone's input size), the classes, ``--model-arg``s, drop path."""
+        kw = {**data_shape(cfg, train_ds), **cfg.model_args}
+        if cfg.drop_path > 0:
+            kw["drop_path_rate"] = cfg.drop_path
+        return kw
 
     def build_model(self, name: str, kwargs: dict[str, Any]) -> nn.Module:
         try:

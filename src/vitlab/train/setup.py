@@ -70,7 +70,8 @@ def describe(run: Run) -> str:
     extras += ["gradient checkpointing" * cfg.grad_checkpointing, "TF32" * (cfg.tf32 and device.type == "cuda")]
     return (
         f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.data.train_ds)} train / {len(run.data.val_ds)} "
-        f"held-out images at {run.net.kwargs['img_size']}px, {cfg.epochs} epochs x "
+        f"held-out {'images at ' + str(run.net.kwargs['img_size']) + 'px' if 'img_size' in run.net.kwargs else 'samples'}, "
+        f"{cfg.epochs} epochs x "
         f"{steps_per_epoch(cfg, run.data.loader)} steps of {cfg.global_batch} (lr {cfg.peak_lr:.3g}){how}, "
         f"{device}{''.join(', ' + e for e in extras if e)}"
     )
@@ -167,7 +168,7 @@ def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> Mod
     from ..models import build_model
 
     cfg, task = ctx.cfg, task_hooks(ctx.cfg)
-    kwargs = model_kwargs(cfg, train_ds)
+    kwargs = task.model_kwargs(cfg, train_ds) if task is not None else model_kwargs(cfg, train_ds)
     if ckpt is not None:
         check_model_name(ckpt, cfg.model)
         check_resume(ckpt, cfg, ctx.log)

@@ -1,9 +1,9 @@
 """The tasks the training engine runs: image classification (its own steps) and the dense tasks that plug
 their data, model, loss, epoch sums and evaluation into the same loop, checkpoints, DDP and run folders.
 
-A task's hooks (:class:`vitlab.train.segmentation.SegmentationTask` is one) are called by
+A task's hooks (:class:`vitlab.train.segmentation.SegmentationTask`, :class:`vitlab.train.points.PointsTask`) are called by
 :func:`vitlab.train.setup.setup` and :mod:`vitlab.train.engine` where classification calls its own steps:
-``open_data(draft)``, ``build_model(name, kwargs)``, ``criterion(cfg, model)``, ``build_loaders(draft)``,
+``open_data(draft)``, ``model_kwargs(cfg, train_ds)``, ``build_model(name, kwargs)``, ``criterion(cfg, model)``, ``build_loaders(draft)``,
 ``tally(state, device)``, ``evaluate(run)``, ``report(run, row)``; ``score`` names the held-out measure that
 chooses ``best.pt``.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import TrainConfig
 
-TASKS = ("classification", "segmentation")
+TASKS = ("classification", "segmentation", "points")
 
 
 def task_hooks(cfg: TrainConfig) -> Any | None:
@@ -23,6 +23,10 @@ def task_hooks(cfg: TrainConfig) -> Any | None:
         from .segmentation import SegmentationTask
 
         return SegmentationTask()
+    if cfg.task == "points":
+        from .points import PointsTask
+
+        return PointsTask()
     return None
 
 
