@@ -277,3 +277,21 @@ def test_segmentation_studies_end_to_end(name, voc, tmp_path):
     rows = json.loads((out / "table.json").read_text())["rows"]
     assert [r["row"] for r in rows] == [r.label for r in STUDIES.get(name).rows]
     assert all(0 <= r["miou"] <= 100 for r in rows) and "mIoU" in (out / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_seg_train_under_torchrun_ddp(voc, tmp_path):
+    """Two gloo processes: the batch split over them, the pixel sums all-reduced, rank 0 evaluates and writes."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "vitlab.cli",
+           "seg", "train", *RUN, "--data", str(voc), "--epochs", "1", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on 2 processes (DDP)" in proc.stdout
+    row = json.loads((out / "log.json").read_text())[0]
+    assert 0 <= row["val_miou"] <= 100 and 0 <= row["train_acc"] <= 100 and row["step"] == 2  # 16 images / 8
