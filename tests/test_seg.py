@@ -281,7 +281,8 @@ def test_segmentation_studies_end_to_end(name, voc, tmp_path):
 
 @pytest.mark.slow
 def test_seg_train_under_torchrun_ddp(voc, tmp_path):
-    """Two gloo processes: the batch split over them, the pixel sums all-reduced, rank 0 evaluates and writes."""
+    """Two gloo processes: the global batch of 4 split over them, the pixel sums all-reduced, rank 0 evaluates
+    and writes."""
     import os
     import subprocess
     import sys
@@ -294,4 +295,4 @@ def test_seg_train_under_torchrun_ddp(voc, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "on 2 processes (DDP)" in proc.stdout
     row = json.loads((out / "log.json").read_text())[0]
-    assert 0 <= row["val_miou"] <= 100 and 0 <= row["train_acc"] <= 100 and row["step"] == 2  # 16 images / 8
+    assert 0 <= row["val_miou"] <= 100 and 0 <= row["train_acc"] <= 100 and row["step"] == 4  # 16 images / 4

@@ -334,8 +334,10 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     ``acc_vs_speed.png`` (top-1 against inference speed, error bars = std over seeds) when speeds were timed."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows_seen = [r for runs in logs.values() for run in runs for r in run]
+    score = "val_miou" if any("val_miou" in r for r in rows_seen) else "val_top1"  # a segmentation study: mIoU
     for name, runs in logs.items():
-        for ax, key in ((ax1, "val_top1"), (ax2, "train_loss")):
+        for ax, key in ((ax1, score), (ax2, "train_loss")):
             ep, mean, std = mean_curve(runs, key)
             if not ep:
                 continue
@@ -348,7 +350,8 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
                     color=line.get_color(),
                     alpha=0.2,
                 )
-    ax1.set(xlabel="epoch", ylabel="held-out top-1 (%)", title="held-out accuracy")
+    what = "held-out mIoU" if score == "val_miou" else "held-out top-1 (%)"
+    ax1.set(xlabel="epoch", ylabel=what, title=what.replace(" (%)", ""))
     ax2.set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
