@@ -19,6 +19,7 @@ from .losses import PlainLoss
 
 CLASSIFIERS = tuple(n for n in POINT_MODELS if "partseg" not in n)
 UNSUPPORTED = ("mixup", "cutmix", "teacher", "token_label", "dist_token", "auto_augment", "img_size", "init_from")
+UNSUPPORTED += ("fsdp",)  # FSDP shards a model's blocks; a point model has none
 
 
 class PointsTask:

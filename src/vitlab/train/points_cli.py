@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..options import Choice
+from ..options import Choice, Int
 from ..points import build_point_model, open_points
 from ..points.data import SPEC_HELP
 from . import cli as train_cli
@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--layout", choices=("modelnet40", "shapenetpart"), default="modelnet40", help="(default modelnet40)"
     )
-    s.add_argument("--shapes", type=int, default=64, help="training shapes (default 64; half as many held out)")
-    s.add_argument("--points", type=int, default=256, help="points per shape (default 256)")
+    s.add_argument("--shapes", type=Int(2), default=64, help="training shapes (default 64; half as many held out)")
+    s.add_argument("--points", type=Int(2), default=256, help="points per shape (default 256)")
     s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
 
 
@@ -52,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
     if args.points_command == "synth":
         from ..points.synth import make_modelnet40, make_shapenet_part
 
-        if min(args.shapes, args.points) < 2:
-            raise ValueError("--shapes and --points must be >= 2")
         if args.layout == "modelnet40":
             make_modelnet40(args.out, args.shapes, max(1, args.shapes // 2), args.points, seed=args.seed)
         else:

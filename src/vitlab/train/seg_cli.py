@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..options import positive_int
 from ..seg.data import SPEC_HELP, mask_spec
 from ..seg.infer import INFER_MODES
 from . import cli as train_cli
@@ -38,20 +39,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--split", choices=("val", "train"), default="val", help="split to evaluate (default val)")
     e.add_argument("--mode", choices=INFER_MODES, default="slide", help="sliding windows, or the whole image "
                    "resized to the training crop (default slide)")  # fmt: skip
-    e.add_argument("--stride", type=int, default=None, help="window stride in pixels (default 2/3 of the crop)")
+    e.add_argument(
+        "--stride", type=positive_int, default=None, help="window stride in pixels (default 2/3 of the crop)"
+    )
     e.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
-    e.add_argument("--limit", type=int, default=None, help="evaluate the first N images only")
+    e.add_argument("--limit", type=positive_int, default=None, help="evaluate the first N images only")
     e.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
     e.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
     s = sub.add_parser("synth", help="write a small generated set in the VOC or ADE20K layout")
     s.add_argument("out", help="folder to write (created)")
     s.add_argument("--layout", choices=("voc", "ade20k"), default="voc", help="folder layout (default voc)")
-    s.add_argument("--train", type=int, default=24, help="training pairs (default 24)")
-    s.add_argument("--val", type=int, default=8, help="held-out pairs (default 8)")
-    s.add_argument("--height", type=int, default=48, help="image height (default 48)")
-    s.add_argument("--width", type=int, default=64, help="image width (default 64)")
-    s.add_argument("--classes", type=int, default=5, help="classes drawn, background included (default 5)")
+    s.add_argument("--train", type=positive_int, default=24, help="training pairs (default 24)")
+    s.add_argument("--val", type=positive_int, default=8, help="held-out pairs (default 8)")
+    s.add_argument("--height", type=positive_int, default=48, help="image height (default 48)")
+    s.add_argument("--width", type=positive_int, default=64, help="image width (default 64)")
+    s.add_argument("--classes", type=positive_int, default=5, help="classes drawn, background included (default 5)")
     s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
 
 
@@ -120,8 +123,6 @@ def run_synth(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; give a new folder")
-    if min(args.train, args.val, args.height, args.width) < 1:
-        raise ValueError("--train, --val, --height and --width must be >= 1")
     make_mask_folder(out, args.layout, args.train, args.val, (args.height, args.width), args.classes, args.seed)
     print(json.dumps({"out": str(out), "layout": args.layout, "train": args.train, "val": args.val}))
     return 0

@@ -35,6 +35,7 @@ UNSUPPORTED = {
     "aug_repeats": 1,
     "train_limit": None,
     "holdout": None,
+    "fsdp": False,  # FSDP shards a model's blocks; the segmenter's decoder is not a block stack
 }
 
 
