@@ -50,8 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.points_command == "synth":
+        from pathlib import Path
+
         from ..points.synth import make_modelnet40, make_shapenet_part
 
+        if Path(args.out).exists() and any(Path(args.out).iterdir()):
+            raise ValueError(f"{args.out} is not empty; give a new folder")
         if args.layout == "modelnet40":
             make_modelnet40(args.out, args.shapes, max(1, args.shapes // 2), args.points, seed=args.seed)
         else:

@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if action.dest == "data":
             action.type, action.default, action.required = mask_spec, None, True
             action.help = f"segmentation data: {SPEC_HELP}"
+        elif action.dest == "model":
+            action.default = SEG_DEFAULTS["model"]
+            action.help = (f"backbone: a registered model (see `vitlab models`) whose features_only pyramid feeds the "
+                           f"decoder; --model-arg head=ea|plain, memory_size=S, ea_norm=double|softmax, channels=C "
+                           f"shape the decoder (default {SEG_DEFAULTS['model']})")  # fmt: skip
         elif action.dest in SEG_DEFAULTS:
             action.default = SEG_DEFAULTS[action.dest]
             action.help = action.help.rsplit(" (default", 1)[0] + f" (default {SEG_DEFAULTS[action.dest]})"
