@@ -39,6 +39,9 @@ def test_models_give_class_and_part_logits():
     seg = build_point_model("pct_partseg_ea_mini").eval()
     assert seg(torch.randn(2, 32, 3), torch.tensor([0, 5])).shape == (2, 32, 50)
     assert build_point_model("pct_sa_mini", num_classes=4)(torch.randn(2, 16, 3)).shape == (2, 4)
+    pts, cat = torch.randn(2, 32, 3), torch.tensor([3, 15])
+    batch = torch.cat([pts, cat.float()[:, None, None].expand(-1, 32, 1)], -1)  # as PointSet.get_batch gives it
+    torch.testing.assert_close(seg(batch), seg(pts, cat))
     with pytest.raises(ValueError, match="unknown point model"):
         build_point_model("pct_nope")
     with pytest.raises(ValueError, match=r"expected points \(B, N, 3\)"):
@@ -107,4 +110,19 @@ def test_classifier_trains_on_a_modelnet40_hdf5_file(tmp_path, capsys):
     assert max(r["val_oa"] for r in log) > 25 + 20  # 4 balanced classes: chance is 25 %
     capsys.readouterr()
     assert main(["points", "eval", str(out / "best.pt"), "--data", f"modelnet40:{root}"]) == 0
-    assert "OA" in capsys.readouterr().out
+    assert "oa " in capsys.readouterr().out
+
+
+def test_part_segmenter_trains_on_the_shapenet_part_layout(tmp_path, capsys):
+    import json
+
+    root = make_shapenet_part(tmp_path / "sp", per_split=4, points=32, categories=2)
+    out = tmp_path / "run"
+    args = ["points", "train", "--data", f"shapenetpart:{root}", "--model", "pct_partseg_ea_mini", "--epochs", "2",
+            "--batch-size", "2", "--threads", "1", "--no-progress", "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    log = json.loads((out / "log.json").read_text())
+    assert log[-1]["train_loss"] < log[0]["train_loss"] and 0 <= log[-1]["train_acc"] <= 100
+    assert all(0 <= r["val_instance_miou"] <= 100 and 0 <= r["val_category_miou"] <= 100 for r in log)
+    assert main([*args[:5], "pct_ea_mini", *args[6:-1], str(tmp_path / "other")]) == 2  # a classifier: one line
+    assert "needs a pct_partseg_* model" in capsys.readouterr().err

@@ -11,9 +11,11 @@ line (x y z nx ny nz part), part ids 0..49 numbered over all 16 categories, and
 text: no extra package.
 
 Each set is a :class:`PointSet`: ``points`` (M, N, 3), ``labels`` (M,) (the class; ShapeNet-Part: the object
-category), and for ShapeNet-Part ``parts`` (M, N). Training batches are augmented as PCT's recipe (one random
-scale in [2/3, 3/2] per axis and a shift in [-0.2, 0.2] per shape, the points' order shuffled):
-:func:`augment`, drawn from the loader's per-batch generator.
+category), and for ShapeNet-Part ``parts`` (M, N); its batches carry the category as a fourth channel of the
+points, which :class:`~vitlab.points.PartSegmenter` reads. Training batches are augmented as PCT's recipe (one
+random scale in [2/3, 3/2] and a shift in [-0.2, 0.2] per axis per shape): :func:`augment`, drawn from the
+loader's per-batch generator. PCT also shuffles the points; these models see every point and are indifferent
+to their order, so the shuffle is left out.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ class PointSet:
         return int(self.points.shape[-1])
 
     def get_batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
-        return self.points[idx], self.labels[idx]
+        """(points, classes); for part segmentation (points with the object category as a last channel, parts)."""
+        if self.parts is None:
+            return self.points[idx], self.labels[idx]
+        pts = self.points[idx]
+        category = self.labels[idx].to(pts.dtype)[:, None, None].expand(-1, pts.shape[1], 1)
+        return torch.cat([pts, category], -1), self.parts[idx]
 
 
 def parse_point_spec(text: str) -> tuple[str, Path]:
@@ -133,10 +140,9 @@ def open_points(text: str, split: str) -> PointSet:
 
 
 def augment(points: Tensor, g: torch.Generator) -> Tensor:
-    """PCT's training augmentation of a batch ``(B, N, 3)``: per shape a scale in [2/3, 3/2] per axis, a shift
-    in [-0.2, 0.2] per axis, and the points shuffled (one order for the batch)."""
-    b, n, c = points.shape
-    scale = torch.empty(b, 1, c).uniform_(2 / 3, 3 / 2, generator=g).to(points.device)
-    shift = torch.empty(b, 1, c).uniform_(-0.2, 0.2, generator=g).to(points.device)
-    order = torch.randperm(n, generator=g).to(points.device)
-    return (points * scale + shift)[:, order]
+    """PCT's training augmentation of a batch ``(B, N, 3 [+ category])``: per shape a scale in [2/3, 3/2] and a
+    shift in [-0.2, 0.2] per axis of the coordinates (a category channel is left as it is)."""
+    b = points.shape[0]
+    scale = torch.empty(b, 1, 3).uniform_(2 / 3, 3 / 2, generator=g).to(points.device)
+    shift = torch.empty(b, 1, 3).uniform_(-0.2, 0.2, generator=g).to(points.device)
+    return torch.cat([points[..., :3] * scale + shift, points[..., 3:]], -1)

@@ -97,7 +97,7 @@ class PointClassifier(nn.Module):
 
 class PartSegmenter(nn.Module):
     """Part segmentation: logits ``(B, N, num_parts)`` of ``points (B, N, 3)`` given each shape's object
-    ``category (B,)`` (module docstring)."""
+    ``category (B,)`` (module docstring), or of ``(B, N, 4)`` points whose last channel is the category."""
 
     def __init__(self, num_parts: int = 50, num_categories: int = 16, in_chans: int = 3, dim: int = 128,
                  depth: int = 4, mixer: str = "external", memory_size: int = 64, num_heads: int = 1,
@@ -109,7 +109,9 @@ class PartSegmenter(nn.Module):
         c = self.trunk.out_dim
         self.head = nn.Sequential(LBR(3 * c + 64, 256), nn.Dropout(dropout), LBR(256, 256), nn.Linear(256, num_parts))
 
-    def forward(self, points: Tensor, category: Tensor) -> Tensor:
+    def forward(self, points: Tensor, category: Tensor | None = None) -> Tensor:
+        if category is None:  # a training batch: the category rides as the points' last channel
+            category, points = points[:, 0, -1].round().long(), points[..., :-1]
         check_points(points, self.in_chans)
         f = self.trunk(points)
         n = f.shape[1]

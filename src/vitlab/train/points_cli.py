@@ -14,23 +14,24 @@ import argparse
 import json
 
 from ..options import Choice, Int
-from ..points import build_point_model, open_points
+from ..points import POINT_MODELS, build_point_model, open_points
 from ..points.data import SPEC_HELP
 from . import cli as train_cli
-from .points import CLASSIFIERS, evaluate_points
+from .points import evaluate_points
 
 POINT_DEFAULTS = {"model": "pct_ea_mini", "smoothing": 0.2, "drop_path": 0.0, "weight_decay": 1e-4, "batch_size": 16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="points_command", metavar="ACTION", required=True)
-    t = sub.add_parser("train", help="train a point-cloud classifier (all `vitlab train` options that apply)")
+    t = sub.add_parser("train", help="train a point-cloud classifier or part segmenter (the `vitlab train` options)")
     train_cli.add_arguments(t)
     for action in t._actions:
         if action.dest == "data":
             action.type, action.default, action.required, action.help = str, None, True, f"point data: {SPEC_HELP}"
         elif action.dest == "model":
-            action.type, action.help = Choice(*CLASSIFIERS), f"point model: {', '.join(CLASSIFIERS)}"
+            action.type = Choice(*POINT_MODELS)
+            action.help = f"point model: {', '.join(POINT_MODELS)} (pct_partseg_*: shapenetpart: data)"
         if action.dest in POINT_DEFAULTS:
             action.default = POINT_DEFAULTS[action.dest]
     t.set_defaults(task="points")
@@ -89,5 +90,6 @@ def run_eval(args: argparse.Namespace) -> int:
     model = build_point_model(ckpt["model_name"], **ckpt["model_kwargs"])
     load_state_checked(model, ckpt["model"], f"checkpoint {args.checkpoint}")
     ev = evaluate_points(model.to(device), open_points(args.data, "test"), device)
-    print(f"{ckpt['model_name']} on {args.data} ({ev['n']} shapes): OA {ev['oa']:.2f}%  mAcc {ev['macc']:.2f}%")
+    shown = "  ".join(f"{k} {v:.2f}" for k, v in ev.items() if k != "n")
+    print(f"{ckpt['model_name']} on {args.data} ({ev['n']} shapes): {shown}")
     return 0

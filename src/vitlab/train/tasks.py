@@ -26,7 +26,7 @@ def task_hooks(cfg: TrainConfig) -> Any | None:
     if cfg.task == "points":
         from .points import PointsTask
 
-        return PointsTask()
+        return PointsTask(partseg=cfg.data.startswith("shapenetpart:"))
     return None
 
 
