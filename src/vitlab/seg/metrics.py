@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..distributed import World, all_reduce_sum
-
 
 def confusion(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
     """The ``(K, K)`` int64 confusion matrix of integer predictions and targets of one shape."""
@@ -50,8 +48,7 @@ def iou_from_confusion(m: Tensor) -> dict[str, object]:
 
 
 class ConfusionMatrix:
-    """A running confusion matrix over batches (on the device of the first batch); :meth:`reduce` sums it over
-    the processes of a run."""
+    """A running confusion matrix over batches (on the device of the first batch)."""
 
     def __init__(self, num_classes: int, ignore_index: int = 255) -> None:
         self.num_classes, self.ignore_index = num_classes, ignore_index
@@ -60,10 +57,6 @@ class ConfusionMatrix:
     def add(self, pred: Tensor, target: Tensor) -> None:
         m = confusion(pred, target, self.num_classes, self.ignore_index)
         self.matrix = m if self.matrix is None else self.matrix + m
-
-    def reduce(self, world: World) -> None:
-        if self.matrix is not None:
-            self.matrix = all_reduce_sum(self.matrix, world)
 
     def result(self) -> dict[str, object]:
         m = self.matrix if self.matrix is not None else torch.zeros(self.num_classes, self.num_classes)
