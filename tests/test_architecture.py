@@ -42,6 +42,8 @@ SERVICES = (
     "vitlab.pretrained",
     "vitlab.distributed",
     "vitlab.tracking",
+    "vitlab.seg",
+    "vitlab.points",
 )
 # the core, lowest first: a module may import lower ranks and its own unit; the kernel layer (ops) and the data
 # path share the lowest rank and never import each other

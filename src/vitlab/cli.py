@@ -45,6 +45,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("vitlab.data_cli", "make image data: a synthetic ImageNet-layout JPEG folder, WebDataset shards, info"),
     "convert": ("vitlab.convert_cli", "load an official / timm checkpoint into a vitlab model and write safetensors"),
     "export": ("vitlab.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
+    "seg": (
+        "vitlab.train.seg_cli",
+        "semantic segmentation (EANet / plain head over any backbone): synth, train, eval (mIoU, sliding windows)",
+    ),
+    "points": (
+        "vitlab.train.points_cli",
+        "point clouds: PCT-style classifier with external attention on ModelNet40 (HDF5): synth, train, eval",
+    ),
     "lm": (
         "vitlab.lm.cli",
         "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench",

@@ -91,17 +91,22 @@ class BatchLoader:
         idx, bs = self.indices(), self.batch_size
         for b in range(self.start_batch % max(len(self), 1), len(self)):  # a finished pass starts over
             self.start_batch = b + 1  # the state a checkpoint taken after this batch records
-            x, y = self._fetch(idx[b * bs : (b + 1) * bs])
-            if self.device is not None:
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             g = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank, b))
-            if self.transform is not None:
-                x = self.transform(x, g)
-            elif x.dtype == torch.uint8:
-                x = x.float().div_(255)
-            if self.mix is not None:
-                x, y = self.mix(x, y, g)
-            yield x, y
+            yield self._batch(idx[b * bs : (b + 1) * bs], g)
+
+    def _batch(self, idx: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor]:
+        """The batch of the samples ``idx``, its augmentation drawn from ``g`` (a subclass may read other data:
+        image-mask pairs, :class:`vitlab.seg.SegLoader`)."""
+        x, y = self._fetch(idx)
+        if self.device is not None:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.transform is not None:
+            x = self.transform(x, g)
+        elif x.dtype == torch.uint8:
+            x = x.float().div_(255)
+        if self.mix is not None:
+            x, y = self.mix(x, y, g)
+        return x, y
 
     def __repr__(self) -> str:
         return (

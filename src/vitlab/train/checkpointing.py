@@ -38,10 +38,11 @@ from ..io import copy_atomic, write_csv_atomic, write_json_atomic
 from ..optim import Optimization
 from .config import Context, Progress, Run, TrainConfig
 from .ema import ModelEma
+from .tasks import score_key
 
 # options that define the run: resuming with another value cannot continue the same training
 RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
-RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_root")
+RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_root", "task")
 # options a resumed run may change (said in a note: it is then not the run that was started)
 RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
 RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
@@ -107,7 +108,8 @@ def restore(ctx: Context, ckpt: dict[str, Any], model: nn.Module, opt: Optimizat
         ctx.log(f"note: the checkpoint was written by {n} processes, now {ctx.world.size}: fresh random streams")
         torch.manual_seed(derive_seed(ctx.cfg.seed, ctx.world.rank, epoch))
     rows = restore_log(ctx, ckpt, epoch, step)
-    best = max((r["val_top1"] for r in rows if "val_top1" in r), default=None)
+    key = score_key(ctx.cfg)
+    best = max((r[key] for r in rows if key in r), default=None)
     tally = ckpt.get("tally")  # where in the epoch it stopped
     within = f", batch {ckpt['loader']['batch']} of epoch {epoch + 1}" if tally else ""
     ctx.log(f"resumed {ckpt['path']} after epoch {epoch} (step {step}{within})")
@@ -195,8 +197,9 @@ def save_epoch(run: Run, row: dict[str, Any]) -> None:
     last = write_checkpoint(run, state, f"epoch-{row['epoch']:04d}")
     if last is None:  # not rank 0
         return
-    if "val_top1" in row and (progress.best_top1 is None or row["val_top1"] > progress.best_top1):
-        progress.best_top1 = row["val_top1"]
+    key = score_key(run.cfg)
+    if key in row and (progress.best_top1 is None or row[key] > progress.best_top1):
+        progress.best_top1 = row[key]
         copy_atomic(last, run.out / "best.pt")
     prune_shards(run.out)
     write_log(run.out, progress.rows)

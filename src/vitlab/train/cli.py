@@ -68,7 +68,7 @@ HELP = {
     "log_every": "steps between writes of OUT/steps.jsonl (one row per step)",
     "progress_every": "seconds between progress lines when the output is not a terminal",
 }
-HIDDEN = {"progress", "force", "resume", "model_args", "device", "recipe"}
+HIDDEN = {"progress", "force", "resume", "model_args", "device", "recipe", "task"}
 
 
 class _Store(argparse._StoreAction):

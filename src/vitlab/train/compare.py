@@ -49,6 +49,7 @@ from ..measure.process import CaseRunner, CaseSpec, Prepared
 from ..pretrained import load_model
 from ..report import Column, pyplot, render_markdown, render_text, save_figure
 from ..rundir import RunLock
+from ..seg.data import mask_spec
 from .data import data_shape, load_data
 from .engine import RUN_FILES, TrainConfig, train
 
@@ -101,9 +102,10 @@ def add_run_arguments(
 
     p.add_argument(
         "--data",
-        type=data_spec,
+        type=any_data,
         default=default("data", "mnist"),
-        help="dataset spec as for `vitlab train` (default: the embedded MNIST)",
+        help="dataset spec as for `vitlab train`, or a VOC / ADE20K folder for a segmentation study "
+        "(default: the embedded MNIST)",
     )
     p.add_argument(
         "--img-size", type=opt.image_size, default=None, help="resize the images to this size (default: the data's)"
@@ -180,6 +182,20 @@ def adapt_to_size(name: str, img_size: int) -> dict[str, Any]:
     return {"patch_size": 7}  # TNT keeps its word stride: stride 2 cuts a 7-px patch into 4x4 words, as TNT-S's 16
 
 
+def _any_data(text: str) -> Any:
+    """A classification dataset spec (parsed), else a segmentation folder (its text); the spec's error else."""
+    try:
+        return data_spec.function(text)
+    except (ValueError, OSError) as e:
+        try:
+            return mask_spec.function(text)
+        except (ValueError, OSError):
+            raise e from None
+
+
+any_data = opt.Validated(_any_data, "a dataset spec or a segmentation folder")
+
+
 def method_of(name: str) -> str:
     base = name.removesuffix("_mini")
     for key in sorted(METHOD, key=len, reverse=True):
@@ -206,12 +222,15 @@ def resolve_models(spec: str) -> list[str]:
     return out
 
 
-def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int]) -> tuple[int, int]:
-    """(parameters, MACs) of the variant, counted on the meta device."""
+def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int], task: str = "classification"
+            ) -> tuple[int, int]:  # fmt: skip
+    """(parameters, MACs) of the variant (a segmentation model over the backbone ``name`` for that task),
+    counted on the meta device."""
     from ..models import build_model
+    from ..seg import build_segmenter
 
     with torch.device("meta"):
-        model = build_model(name, **kwargs)
+        model = (build_segmenter if task == "segmentation" else build_model)(name, **kwargs)
     params = sum(p.numel() for p in model.parameters())
     return params, count_macs(model, input_size).total
 
@@ -264,8 +283,8 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
 # measured per run and averaged over the seeds; the first two also get their standard deviation
-SEED_MEAN = ("top1", "top5", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
-SEED_SPREAD = ("top1", "top5")
+SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
+SEED_SPREAD = ("top1", "top5", "miou")
 
 
 def compare_note(meta: dict[str, Any]) -> str:
@@ -315,8 +334,10 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     ``acc_vs_speed.png`` (top-1 against inference speed, error bars = std over seeds) when speeds were timed."""
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows_seen = [r for runs in logs.values() for run in runs for r in run]
+    score = "val_miou" if any("val_miou" in r for r in rows_seen) else "val_top1"  # a segmentation study: mIoU
     for name, runs in logs.items():
-        for ax, key in ((ax1, "val_top1"), (ax2, "train_loss")):
+        for ax, key in ((ax1, score), (ax2, "train_loss")):
             ep, mean, std = mean_curve(runs, key)
             if not ep:
                 continue
@@ -329,7 +350,8 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
                     color=line.get_color(),
                     alpha=0.2,
                 )
-    ax1.set(xlabel="epoch", ylabel="held-out top-1 (%)", title="held-out accuracy")
+    what = "held-out mIoU" if score == "val_miou" else "held-out top-1 (%)"
+    ax1.set(xlabel="epoch", ylabel=what, title=what.replace(" (%)", ""))
     ax2.set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -498,7 +520,13 @@ def plan_variants(
     out = Path(args.out)
     recipe = {**recipe, "img_size": args.img_size}
     probe = TrainConfig(data=args.data, **recipe)
-    train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
+    dense = probe.task != "classification"
+    if dense:  # the rows of a segmentation study (vitlab.train.segmentation): mask folders, mIoU
+        from .segmentation import open_split
+
+        train_ds, val_ds = open_split(probe, "train"), open_split(probe, "val")
+    else:
+        train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
     n_train = min(args.train_limit, len(train_ds)) if args.train_limit else len(train_ds)
     if recipe["batch_size"] > n_train:
         raise ValueError(f"--batch-size {recipe['batch_size']} exceeds the {n_train} training images")
@@ -509,7 +537,7 @@ def plan_variants(
     seeds = [args.seed + i for i in range(n_seeds)]
     runs, configs, sizes = {}, {}, {}
     for v in variants:
-        model_args = {**({} if args.no_adapt else adapt_to_size(v.model, img)), **v.model_args}
+        model_args = {**({} if args.no_adapt or dense else adapt_to_size(v.model, img)), **v.model_args}
         runs[v.label] = [v.label if n_seeds == 1 else f"{v.label}/seed{s}" for s in seeds]
         for run_id, seed in zip(runs[v.label], seeds):
             configs[run_id] = TrainConfig(
@@ -527,7 +555,7 @@ def plan_variants(
                 **recipe,
             )
         kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
-        sizes[v.label] = size_of(v.model, kwargs, input_size)  # also checks that the overrides build
+        sizes[v.label] = size_of(v.model, kwargs, input_size, probe.task)  # also checks that the overrides build
     return Plan(out, variants, runs, configs, sizes, jobs, per_job, n_train, len(val_ds), img, seeds, recipe, speed)
 
 
@@ -611,6 +639,7 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
     mem = res["mem"].get("timed", res["mem"])
     figures = {
         "top1": final.get("val_top1"),
+        "miou": final.get("val_miou"),
         "top5": final.get("val_top5"),
         "ema_top1": final.get("ema_top1"),
         "train_img_s": s["train_img_s"],

@@ -33,6 +33,7 @@ class TrainingError(ValueError):
 @dataclass
 class TrainConfig:
     model: str = "deit_mini"
+    task: str = "classification"  # "segmentation" (vitlab seg train), "points" (vitlab points train): train.tasks
     model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
     data: str = "mnist"
     out: str = "runs/train"
@@ -111,6 +112,8 @@ class TrainConfig:
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
         for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
+            if (name == "data" and self.task != "classification") or (name == "model" and self.task == "points"):
+                continue  # the other tasks read their own data layouts (point models: their own names)
             value = getattr(self, name)
             if value is not None:
                 try:
@@ -140,6 +143,7 @@ def _rand_augment_spec(spec: str) -> str:
 # the command line is parsed, before any work) and TrainConfig's own check of values given in code
 OPTION_CHECKS: dict[str, opt.Check] = {
     "model": opt.Validated(_registered_model, "a registered model name"),
+    "task": opt.Choice("classification", "segmentation", "points"),
     "data": data_spec,
     "epochs": opt.positive_int,
     "batch_size": opt.positive_int,
@@ -291,7 +295,7 @@ class Progress:
     start_epoch: int = 0
     step: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)  # the log, one row per epoch (rank 0)
-    best_top1: float | None = None
+    best_top1: float | None = None  # the best held-out score so far (top-1; a dense task's own, tasks.score_key)
     resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded (used once)
     resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded (used once)
     record: dict[str, Any] | None = None  # what OUT/run.json says, written with the first checkpoint (rank 0)

@@ -43,6 +43,7 @@ from ..runtime import is_out_of_memory as is_oom
 from .checkpointing import save_epoch, save_position
 from .config import OPTION_CHECKS, RUN_FILES, EpochTally, Run, TrainConfig, TrainingError
 from .setup import setup
+from .tasks import score_key, task_hooks
 
 __all__ = [
     "AMP_CHOICES",
@@ -225,7 +226,8 @@ def start_epoch(run: Run, epoch: int) -> EpochTally:
         loader.load_state_dict(progress.resume_loader)
     else:
         loader.set_epoch(epoch)
-    tally = EpochTally.restore(progress.resume_tally, run.device)
+    task = task_hooks(run.cfg)
+    tally = (task.tally if task is not None else EpochTally.restore)(progress.resume_tally, run.device)
     progress.resume_loader = progress.resume_tally = None  # the next epoch starts at its beginning
     return tally
 
@@ -269,6 +271,8 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
 
 def evaluate_epoch(run: Run) -> dict[str, Any]:
     """Held-out top-1/top-5 of the model (and of its EMA); a sharded model evaluates on every rank."""
+    if (task := task_hooks(run.cfg)) is not None:
+        return task.evaluate(run)
     model = run.net.model if run.cfg.fsdp else run.net.raw  # FSDP's forward gathers the shards; the others whole
     ev = evaluate(model, run.data.val_loader, run.device, run.dtype)
     row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
@@ -281,6 +285,9 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
 def report_epoch(run: Run, row: dict[str, Any]) -> None:
     """The epoch's line."""
     if not run.master:
+        return
+    if (task := task_hooks(run.cfg)) is not None:
+        run.log(task.report(run, row))
         return
     ema_txt = f"  ema {row['ema_top1']:.2f}%" if run.ema is not None else ""
     best = "  (best)" * (row.get("val_top1") == run.progress.best_top1)
@@ -297,7 +304,8 @@ def finish(run: Run) -> dict[str, Any]:
     if run.master:
         rows = run.progress.rows
         train_s = sum(r["train_time_s"] for r in rows)
-        best = max(rows, key=lambda r: r.get("val_top1", -1.0)) if rows else {}
+        key = score_key(run.cfg)
+        best = max(rows, key=lambda r: r.get(key, -1.0)) if rows else {}
         summary = {
             "model": run.cfg.model,
             "params": sum(p.numel() for p in run.net.raw.parameters()),
@@ -306,7 +314,7 @@ def finish(run: Run) -> dict[str, Any]:
             "final": rows[-1] if rows else {},
             "best": {
                 "epoch": best.get("epoch"),
-                "val_top1": best.get("val_top1"),
+                key: best.get(key),
                 "checkpoint": str(run.out / "best.pt"),
             },
             "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),

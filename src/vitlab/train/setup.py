@@ -31,6 +31,7 @@ from .config import Context, ModelParts, Progress, Run, RunData, TrainConfig, Tr
 from .data import build_loaders, data_shape, open_data
 from .ema import ModelEma
 from .losses import make_criterion
+from .tasks import task_hooks
 
 
 def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
@@ -69,7 +70,8 @@ def describe(run: Run) -> str:
     extras += ["gradient checkpointing" * cfg.grad_checkpointing, "TF32" * (cfg.tf32 and device.type == "cuda")]
     return (
         f"{cfg.model}: {n_params / 1e6:.3f}M parameters, {len(run.data.train_ds)} train / {len(run.data.val_ds)} "
-        f"held-out images at {run.net.kwargs['img_size']}px, {cfg.epochs} epochs x "
+        f"held-out {'images at ' + str(run.net.kwargs['img_size']) + 'px' if 'img_size' in run.net.kwargs else 'samples'}, "
+        f"{cfg.epochs} epochs x "
         f"{steps_per_epoch(cfg, run.data.loader)} steps of {cfg.global_batch} (lr {cfg.peak_lr:.3g}){how}, "
         f"{device}{''.join(', ' + e for e in extras if e)}"
     )
@@ -103,14 +105,16 @@ class _DataDraft:
 def open_run_data(ctx: Context) -> tuple[Any, Any]:
     """(training subset, held-out set): nothing decoded yet for streaming sources."""
     draft = _DataDraft(ctx.cfg, ctx.world, ctx.device)
-    open_data(draft)
+    task = task_hooks(ctx.cfg)
+    (task.open_data if task is not None else open_data)(draft)
     return draft.train_ds, draft.val_ds
 
 
 def build_run_loaders(ctx: Context, train_ds: Any, val_ds: Any, net: ModelParts) -> RunData:
     """This rank's training loader and the held-out loader, with the evaluation data configuration."""
     draft = _DataDraft(ctx.cfg, ctx.world, ctx.device, train_ds, val_ds, net.kwargs, net.raw)
-    build_loaders(draft)
+    task = task_hooks(ctx.cfg)
+    (task.build_loaders if task is not None else build_loaders)(draft)
     return RunData(train_ds, val_ds, draft.loader, draft.val_loader, draft.data_cfg)
 
 
@@ -163,13 +167,13 @@ def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> Mod
     over the processes (DDP, or FSDP before the optimizer sees its parameters)."""
     from ..models import build_model
 
-    cfg = ctx.cfg
-    kwargs = model_kwargs(cfg, train_ds)
+    cfg, task = ctx.cfg, task_hooks(ctx.cfg)
+    kwargs = task.model_kwargs(cfg, train_ds) if task is not None else model_kwargs(cfg, train_ds)
     if ckpt is not None:
         check_model_name(ckpt, cfg.model)
         check_resume(ckpt, cfg, ctx.log)
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, **kwargs)
+    model = task.build_model(cfg.model, kwargs) if task is not None else build_model(cfg.model, **kwargs)
     if cfg.init_from and ckpt is None:
         ctx.log(init_weights_from(model, cfg.init_from))
     if cfg.grad_checkpointing:
@@ -177,7 +181,10 @@ def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> Mod
             raise TrainingError(f"{cfg.model} cannot recompute its blocks (no set_grad_checkpointing); drop the flag")
         model.set_grad_checkpointing(True)
     model.to(ctx.device)
-    criterion = make_criterion(cfg, model, kwargs["in_chans"], ctx.device)
+    if task is not None:
+        criterion = task.criterion(cfg, model)
+    else:
+        criterion = make_criterion(cfg, model, kwargs["in_chans"], ctx.device)
     spread = parallelize(model, ctx.device, ctx.world, cfg.fsdp)
     if cfg.compile:
         # static shapes: one graph per input shape (training drops its last short batch; evaluation adds at most

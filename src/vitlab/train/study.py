@@ -104,7 +104,7 @@ def resolve(args: argparse.Namespace, study: Study) -> tuple[dict[str, Any], str
 
 def variants(study: Study, scale: str) -> list[Variant]:
     if scale == "small":
-        return [Variant(r.key, r.small) for r in study.rows]
+        return [Variant(r.key, r.small, dict(r.small_args)) for r in study.rows]
     return [Variant(r.key, r.full, dict(r.full_args)) for r in study.rows]
 
 
@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("name a study to run, e.g. `vitlab study cpvt-padding` (`vitlab study --list` shows them)")
     study = STUDIES.get(args.name)
     recipe, scale = resolve(args, study)
+    if study.score == "miou" and (args.data == "mnist" or args.speed):
+        raise ValueError(
+            f"{study.name} trains segmentation models: give --data voc:ROOT or ade20k:ROOT (`vitlab seg synth DIR` "
+            "writes a small VOC-layout one), without --speed"
+        )
     if args.out == "runs/study/NAME":
         args.out = f"runs/study/{study.name}" + ("" if scale == "small" else "-full")
     report = StudyReport(study, scale)
@@ -148,7 +153,7 @@ class StudyReport:
         self.columns: list[Column] = [
             ("row", "row", "{}"),
             ("model", "model", "{}"),
-            ("top1", "top-1 %", "{:.2f}"),
+            ("miou", "mIoU", "{:.2f}") if study.score == "miou" else ("top1", "top-1 %", "{:.2f}"),
             *extra,
             *paper,
             ("params_m", "params (M)", "{:.3f}"),
@@ -193,10 +198,12 @@ def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
     panels = 2 if any(v is not None for v in numeric) else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 0.5 * len(rows) + 2), squeeze=False)
     y = list(range(len(rows)))
-    ours = [r.get("top1") or 0.0 for r in rows]
-    axes[0][0].barh(y, ours, xerr=[r.get("top1_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
-    axes[0][0].set(yticks=y, yticklabels=labels, xlabel="held-out top-1 (%)", title="vitlab (this run)")
-    spread = [(r.get("top1") or 0.0, r.get("top1_std") or 0.0) for r in rows]
+    key = study.score
+    ours = [r.get(key) or 0.0 for r in rows]
+    axes[0][0].barh(y, ours, xerr=[r.get(f"{key}_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
+    what = "held-out mIoU" if key == "miou" else "held-out top-1 (%)"
+    axes[0][0].set(yticks=y, yticklabels=labels, xlabel=what, title="vitlab (this run)")
+    spread = [(r.get(key) or 0.0, r.get(f"{key}_std") or 0.0) for r in rows]
     axes[0][0].set_xlim(max(0.0, min(m - s for m, s in spread) - 2), min(100.0, max(m + s for m, s in spread) + 2))
     if panels == 2:
         known = [v for v in numeric if v is not None]

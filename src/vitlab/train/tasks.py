@@ -1,0 +1,36 @@
+"""The tasks the training engine runs: image classification (its own steps) and the dense tasks that plug
+their data, model, loss, epoch sums and evaluation into the same loop, checkpoints, DDP and run folders.
+
+A task's hooks (:class:`vitlab.train.segmentation.SegmentationTask`, :class:`vitlab.train.points.PointsTask`) are called by
+:func:`vitlab.train.setup.setup` and :mod:`vitlab.train.engine` where classification calls its own steps:
+``open_data(draft)``, ``model_kwargs(cfg, train_ds)``, ``build_model(name, kwargs)``, ``criterion(cfg, model)``, ``build_loaders(draft)``,
+``tally(state, device)``, ``evaluate(run)``, ``report(run, row)``; ``score`` names the held-out measure that
+chooses ``best.pt``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import TrainConfig
+
+TASKS = ("classification", "segmentation", "points")
+
+
+def task_hooks(cfg: TrainConfig) -> Any | None:
+    """The hooks of ``cfg.task``, or None for image classification (the engine's own steps)."""
+    if cfg.task == "segmentation":
+        from .segmentation import SegmentationTask
+
+        return SegmentationTask()
+    if cfg.task == "points":
+        from .points import PointsTask
+
+        return PointsTask(partseg=cfg.data.startswith("shapenetpart:"))
+    return None
+
+
+def score_key(cfg: TrainConfig) -> str:
+    """The key of the epoch rows' held-out score that chooses ``best.pt`` (higher is better)."""
+    task = task_hooks(cfg)
+    return task.score if task is not None else "val_top1"
