@@ -43,7 +43,9 @@ def parse_mixer(mixer: MixerSpec) -> tuple[str, dict[str, Any]]:
     """``"aft_simple"`` or ``("aft_local", {"window": 256})`` -> (kind, options)."""
     kind, opts = (mixer, {}) if isinstance(mixer, str) else (mixer[0], dict(mixer[1]) if len(mixer) > 1 else {})
     if kind not in KINDS:
-        raise ValueError(f"unknown causal mixer {kind!r} (or one with no causal form); expected one of {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown causal mixer {kind!r} (or one with no causal form); expected one of {', '.join(KINDS)}"
+        )
     return kind, opts
 
 

@@ -41,7 +41,7 @@ def linear_attention(fq: Tensor, fk: Tensor, v: Tensor, causal: bool, chunk: int
         num = fq @ kv
         den = fq @ fk.sum(-2, keepdim=True).transpose(-2, -1)
         return num / den.clamp_min(torch.finfo(den.dtype).tiny)
-    b, h, n, m = fq.shape
+    b, h, n, _ = fq.shape
     pad = -n % chunk
     if pad:
         fq, fk, v = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v))
@@ -96,7 +96,7 @@ class LinearAttention(TokenMixer):
 
     def features(self, x: Tensor, is_query: bool) -> tuple[Tensor, Tensor]:
         """φ(x) for queries or keys (B, H, N, d) and the log-scale it is returned at (0 here: no rescaling)."""
-        return F.elu(x) + 1, x.new_zeros(x.shape[:2] + (1,))
+        return F.elu(x) + 1, x.new_zeros((*x.shape[:2], 1))
 
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, -1)
