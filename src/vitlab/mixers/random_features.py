@@ -20,11 +20,12 @@ def redraw_due(forwards: int, every: int) -> bool:
 def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> Tensor:
     """``m`` random directions in R^d (m, d), orthogonal within each block of d (Performer, §2.4 ORF): the rows of
     Q from the QR decomposition of a Gaussian d x d matrix, each scaled to the norm of a Gaussian d-vector, so that
-    every row has the marginal distribution of a Gaussian vector."""
+    every row has the marginal distribution of a Gaussian vector. Q's columns take the signs of R's diagonal: only
+    then is Q uniformly (Haar) distributed, and the FAVOR+ estimate unbiased."""
     blocks = []
     for _ in range(math.ceil(m / d)):
-        q, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
-        blocks.append(q.T)
+        q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+        blocks.append((q * torch.diagonal(r).sign()).T)
     rows = torch.cat(blocks)[:m]
     norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (rows * norms).float()
