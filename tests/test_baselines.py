@@ -37,7 +37,10 @@ def test_linear_transformer_equals_its_equation(causal, n):
     m = build("linear_attention", D, num_heads=H, causal=causal).double()
     x = torch.randn(2, n, D, dtype=torch.float64)
     q, k, v = heads_of(m, x)
-    phi = lambda t: torch.where(t > 0, t + 1, t.exp())  # elu(x) + 1
+
+    def phi(t):  # elu(x) + 1
+        return torch.where(t > 0, t + 1, t.exp())
+
     weights = phi(q) @ phi(k).transpose(-2, -1)  # φ(q_i)·φ(k_j), Katharopoulos Eq. 4
     if causal:
         weights = weights * causal_mask(n)
@@ -178,9 +181,7 @@ def lsh_reference(mixer, x):
                 for i in range(n):
                     near = {rank[i] // c, (rank[i] // c - 1) % chunks}
                     js = [
-                        j
-                        for j in range(n)
-                        if rank[j] // c in near and bk[j] == bk[i] and (not mixer.causal or j <= i)
+                        j for j in range(n) if rank[j] // c in near and bk[j] == bk[i] and (not mixer.causal or j <= i)
                     ]
                     logits = torch.stack([qk[bi, hi, i] @ keys[bi, hi, j] * mixer.scale for j in js])
                     logits = torch.where(torch.tensor(js) == i, torch.full_like(logits, SELF_LOGIT), logits)
