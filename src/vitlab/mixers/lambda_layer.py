@@ -30,9 +30,12 @@ def batch_norm_tokens(bn: nn.BatchNorm1d, x: Tensor) -> Tensor:
 
 class LambdaLayer(TokenMixer):
     """Lambda layer with content and relative position lambdas (module docstring). ``key_dim`` = |k| (paper
-    and AFT's Table 7: 16); values are C / ``num_heads`` wide."""
+    and AFT's Table 7: 16); values are C / ``num_heads`` wide. ``prefix_embedding=False``: no embedding for pairs
+    with a prefix token (models without a class token), and none may come."""
 
-    def __init__(self, dim: int, num_heads: int = 4, key_dim: int = 16, max_distance: int = 13) -> None:
+    def __init__(
+        self, dim: int, num_heads: int = 4, key_dim: int = 16, max_distance: int = 13, prefix_embedding: bool = True
+    ) -> None:
         super().__init__(dim)
         value_dim = check_divisible("LambdaLayer", dim, num_heads)
         if key_dim < 1 or max_distance < 0:
@@ -45,10 +48,10 @@ class LambdaLayer(TokenMixer):
         self.norm_v = nn.BatchNorm1d(value_dim)
         size = 2 * max_distance + 1
         self.rel_pos = nn.Parameter(torch.randn(size, size, key_dim) * key_dim**-0.5)
-        self.prefix_pos = nn.Parameter(torch.randn(key_dim) * key_dim**-0.5)
+        self.prefix_pos = nn.Parameter(torch.randn(key_dim) * key_dim**-0.5) if prefix_embedding else None
 
     def no_weight_decay(self) -> set[str]:
-        return {"rel_pos", "prefix_pos"}
+        return {"rel_pos", "prefix_pos"} if self.prefix_pos is not None else {"rel_pos"}
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, key_dim={self.key_dim}, max_distance={self.max_distance}"
@@ -56,6 +59,11 @@ class LambdaLayer(TokenMixer):
     def position_embeddings(self, n: int, layout: TokenLayout) -> Tensor:
         """E (N, N, k): the relative embedding of every (query, context) pair."""
         p = layout.num_prefix
+        if p and self.prefix_pos is None:
+            raise ValueError(
+                f"LambdaLayer: {p} prefix token(s) (class token), but built with prefix_embedding=False; "
+                "build it with prefix_embedding=True or drop the class token"
+            )
         gh, gw = layout.grid or (1, n - p)
         ys, xs = torch.meshgrid(
             torch.arange(gh, device=self.rel_pos.device), torch.arange(gw, device=self.rel_pos.device), indexing="ij"
@@ -64,6 +72,8 @@ class LambdaLayer(TokenMixer):
         k = self.max_distance
         dy = (ys[None] - ys[:, None]).clamp(-k, k) + k
         dx = (xs[None] - xs[:, None]).clamp(-k, k) + k
+        if not p:
+            return self.rel_pos[dy, dx]
         emb = self.prefix_pos.expand(n, n, -1).clone()
         emb[p:, p:] = self.rel_pos[dy, dx]
         return emb

@@ -18,6 +18,7 @@ Both decode one token at a time from the running sums (O(d²) per step, :class:`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,13 @@ class LinearAttention(TokenMixer):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.heads(x)
-        fq, fk = self.features(q, True)[0], self.features(k, False)[0]
-        out = linear_attention(fq, fk, v, self.causal)
-        return self.proj_drop(self.proj(merge_heads(out))), {}
+        # the features and the (prefix) sums in fp32 even under autocast: exponentials and long sums
+        with torch.autocast(x.device.type, enabled=False):
+            dtype = v.dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                q, k, v = q.float(), k.float(), v.float()
+            out = linear_attention(self.features(q, True)[0], self.features(k, False)[0], v, self.causal)
+        return self.proj_drop(self.proj(merge_heads(out.to(dtype)))), {}
 
     def init_state(self, batch: int, max_len: int, like: Tensor) -> KernelSums:
         """Zero sums for ``batch`` sequences."""
@@ -158,13 +163,14 @@ class Performer(LinearAttention):
     ) -> None:
         super().__init__(dim, num_heads, qkv_bias, proj_drop, causal)
         d = dim // num_heads
-        self.num_features = num_features or max(d, int(d * torch.tensor(float(d)).log().item()))
+        self.num_features = num_features or max(d, int(d * math.log(d)))
         if self.num_features < 1 or redraw_every < 0:
             raise ValueError(
                 f"Performer: num_features must be >= 1 and redraw_every >= 0, got {num_features}, {redraw_every}"
             )
         self.redraw_every = redraw_every
-        self.register_buffer("feature_seed", torch.randint(0, 2**62, ()), persistent=True)
+        # the seed and the draws are made on the CPU whatever the default device (a meta-device build included)
+        self.register_buffer("feature_seed", torch.randint(0, 2**62, (), device="cpu"))
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw(0))
 

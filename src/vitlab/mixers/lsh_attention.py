@@ -118,7 +118,7 @@ class LSHAttention(RecomputeDecoding, TokenMixer):
         self.v = nn.Linear(dim, dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        self.register_buffer("rotation_seed", torch.randint(0, 2**62, ()))
+        self.register_buffer("rotation_seed", torch.randint(0, 2**62, (), device="cpu"))  # as Performer's seed
         self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
         self.register_buffer("rotations", self.draw(0))
 
