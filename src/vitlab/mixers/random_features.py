@@ -22,11 +22,9 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> Tensor:
     Q from the QR decomposition of a Gaussian d x d matrix, each scaled to the norm of a Gaussian d-vector, so that
     every row has the marginal distribution of a Gaussian vector. Q's columns take the signs of R's diagonal: only
     then is Q uniformly (Haar) distributed, and the FAVOR+ estimate unbiased."""
-    blocks = []
-    for _ in range(math.ceil(m / d)):
-        q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
-        blocks.append((q * torch.diagonal(r).sign()).T)
-    rows = torch.cat(blocks)[:m]
+    gaussian = torch.randn(math.ceil(m / d), d, d, generator=generator, dtype=torch.float64)
+    q, r = torch.linalg.qr(gaussian)  # one decomposition per block of d directions
+    rows = (q * torch.diagonal(r, dim1=-2, dim2=-1).sign().unsqueeze(-2)).transpose(-2, -1).reshape(-1, d)[:m]
     norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (rows * norms).float()
 
