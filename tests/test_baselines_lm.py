@@ -114,3 +114,24 @@ def test_bench_runs_a_baseline_case():
         ]
     )
     assert "0.34x / 1.01x" in bench.table(rows, 1, 32, 1)  # Table 4's Performer beside the measured ratios
+
+
+@pytest.mark.slow
+def test_reformer_lm_under_ddp_matches_one_process(tmp_path):
+    """Reformer redraws its rotations every training forward: two gloo processes of 4 sequences draw the same
+    rotations as each other and as one process of 8 (seeded by the saved seed and the forward count), so the
+    runs end with the same weights and the same rotations."""
+    from test_distributed import assert_same_run, run_all, torchrun, vitlab_cmd
+    from vitlab.checkpoint import load_checkpoint
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)) * 8)
+    args = ["lm", "train", "--model", "tiny_reformer", "--data", str(text), "--seq-len", "32", "--steps", "3"]
+    args += ["--batch-size", "8", "--eval-every", "3", "--eval-symbols", "256", "--threads", "1", "--device", "cpu"]
+    args += ["--dropout", "0"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    logs = run_all(vitlab_cmd(*args, "--out", str(one)), torchrun(2, *args, "--out", str(two)))
+    assert "on 2 processes (DDP)" in logs[1]
+    a, b = load_checkpoint(one / "last.pt")["model"], load_checkpoint(two / "last.pt")["model"]
+    assert int(a["blocks.0.mixer.forwards"]) == 3
+    assert_same_run(a, b)
