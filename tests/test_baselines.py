@@ -295,3 +295,26 @@ def test_bad_options():
         from vitlab.mixers import SparseAttention
 
         SparseAttention(D, pattern="dilated")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", sorted(BASELINE_MIXERS))
+def test_baselines_on_cuda_match_the_cpu(kind):
+    """The same weights and draws give the same outputs and gradients on the GPU (fp32), and under bf16
+    autocast the output stays finite and close."""
+    torch.manual_seed(0)
+    causal = {} if kind == "lambda" else {"causal": True}
+    cpu = build(kind, D, defaults={"max_len": 40}, num_heads=H, **causal).eval()
+    gpu = build(kind, D, defaults={"max_len": 40}, num_heads=H, **causal).eval()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.cuda()
+    x = torch.randn(2, 40, D, requires_grad=True)
+    xg = x.detach().cuda().requires_grad_()
+    out, out_gpu = cpu(x), gpu(xg)
+    torch.testing.assert_close(out_gpu.cpu(), out, atol=1e-4, rtol=1e-4)
+    out.square().sum().backward()
+    out_gpu.square().sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), x.grad, atol=1e-3, rtol=1e-3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        low = gpu(xg)
+    assert torch.isfinite(low).all() and (low.float().cpu() - out).abs().max() < 0.1

@@ -34,13 +34,16 @@ def sparse_pattern(
     ``|i - j| < width`` or ``(i - j) mod width = 0``; positions counted after the ``num_prefix`` prefix tokens,
     which see and are seen by all; ``causal`` keeps j ≤ i."""
     pos = torch.arange(n, device=device)
-    offset = pos[:, None] - pos[None, :]
-    allowed = offset.abs() < width
-    if pattern == "strided":
-        allowed |= offset % width == 0
+    allowed = pattern_allows(pos[:, None] - pos[None, :], pattern, width)
     allowed[:num_prefix] = True
     allowed[:, :num_prefix] = True
-    return allowed & (offset >= 0) if causal else allowed
+    return allowed.tril() if causal else allowed
+
+
+def pattern_allows(offset: Tensor, pattern: str, width: int) -> Tensor:
+    """Whether the pattern lets a query see a key ``offset = i - j`` positions before it."""
+    allowed = offset.abs() < width
+    return allowed | (offset % width == 0) if pattern == "strided" else allowed
 
 
 class SparseAttention(Attention):
@@ -86,7 +89,7 @@ class SparseAttention(Attention):
         keys, values = state
         q, k, v = self.qkv_heads(x[:, None])
         keys[:, :, t : t + 1], values[:, :, t : t + 1] = k, v
-        row = sparse_pattern(t + 1, self.pattern, self.width, True, 0, x.device)[t:]
+        row = pattern_allows(t - torch.arange(t + 1, device=x.device), self.pattern, self.width)[None]
         out = F.scaled_dot_product_attention(
             q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=row, scale=self.scale
         )
@@ -166,4 +169,12 @@ class Synthesizer(TokenMixer):
         return self.proj(merge_heads(attn @ state[:, :, : t + 1]))[:, 0]
 
 
-__all__ = ["PATTERNS", "SYNTHESIZERS", "SparseAttention", "Synthesizer", "masking_bias", "sparse_pattern"]
+__all__ = [
+    "PATTERNS",
+    "SYNTHESIZERS",
+    "SparseAttention",
+    "Synthesizer",
+    "masking_bias",
+    "pattern_allows",
+    "sparse_pattern",
+]
