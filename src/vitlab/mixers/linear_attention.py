@@ -147,9 +147,13 @@ class Performer(LinearAttention):
     ``num_features`` m random directions per head (default ``d_h · ln d_h``, the paper's choice, at least d_h);
     ``redraw_every``: new features every that many training forwards (0: never), drawn from a generator seeded
     by the ``feature_seed`` buffer and the redraw count, so every process and every resumed run draws the same.
-    Evaluation and decoding use the current features. The key features are stabilised by the largest key
+    Evaluation and decoding use the current features; an activation recomputation replays the draw of the
+    forward pass (``recompute_buffers``, :mod:`vitlab.layers.recompute`). The key features are stabilised by the largest key
     logit of the sequence (a common factor of numerator and denominator, so it cancels).
     """
+
+    #: what a forward pass may change and a recomputation of it must see as before (the draw and its counter)
+    recompute_buffers = ("forwards", "projection")
 
     def __init__(
         self,

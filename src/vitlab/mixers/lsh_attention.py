@@ -93,6 +93,9 @@ class LSHAttention(RecomputeDecoding, TokenMixer):
     """Reformer's LSH self-attention (module docstring): ``buckets`` b (even) per round, ``rounds`` hash rounds,
     chunks of ``chunk_size`` sorted positions; the output ``proj(merge_h(·))``."""
 
+    #: what a forward pass may change and a recomputation of it must see as before (:mod:`vitlab.layers.recompute`)
+    recompute_buffers = ("forwards", "rotations")
+
     def __init__(
         self,
         dim: int,
