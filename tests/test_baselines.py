@@ -287,6 +287,8 @@ def test_every_baseline_trains_in_a_vision_model(kind):
 def test_bad_options():
     with pytest.raises(ValueError, match="pattern='local'"):
         build("local_attention", D, pattern="strided")
+    with pytest.raises(ValueError, match="num_features must be >= 1"):
+        build("performer", D, num_features=0)
     with pytest.raises(ValueError, match="buckets must be even"):
         build("lsh_attention", D, buckets=3)
     with pytest.raises(ValueError, match="unknown option"):

@@ -167,7 +167,7 @@ class Performer(LinearAttention):
     ) -> None:
         super().__init__(dim, num_heads, qkv_bias, proj_drop, causal)
         d = dim // num_heads
-        self.num_features = num_features or max(d, int(d * math.log(d)))
+        self.num_features = max(d, int(d * math.log(d))) if num_features is None else num_features
         if self.num_features < 1 or redraw_every < 0:
             raise ValueError(
                 f"Performer: num_features must be >= 1 and redraw_every >= 0, got {num_features}, {redraw_every}"
