@@ -303,7 +303,7 @@ def test_bad_options():
 @pytest.mark.parametrize("kind", sorted(BASELINE_MIXERS))
 def test_baselines_on_cuda_match_the_cpu(kind):
     """The same weights and draws give the same outputs and gradients on the GPU (fp32), and under bf16
-    autocast the output stays finite and close."""
+    autocast the output stays finite (and close, but for LSH)."""
     torch.manual_seed(0)
     causal = {} if kind == "lambda" else {"causal": True}
     cpu = build(kind, D, defaults={"max_len": 40}, num_heads=H, **causal).eval()
@@ -319,4 +319,6 @@ def test_baselines_on_cuda_match_the_cpu(kind):
     torch.testing.assert_close(xg.grad.cpu(), x.grad, atol=1e-3, rtol=1e-3)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         low = gpu(xg)
-    assert torch.isfinite(low).all() and (low.float().cpu() - out).abs().max() < 0.1
+    assert torch.isfinite(low).all()
+    if kind != "lsh_attention":  # rounded keys may hash to other buckets: other sets, another function
+        assert (low.float().cpu() - out).abs().max() < 0.1

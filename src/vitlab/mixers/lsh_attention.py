@@ -141,8 +141,12 @@ class LSHAttention(RecomputeDecoding, TokenMixer):
                 self.rotations.copy_(self.draw(int(self.forwards) // self.redraw_every))
             self.forwards += 1
         qk, v = split_heads(self.qk(x), self.num_heads), split_heads(self.v(x), self.num_heads)
-        out = lsh_attention(qk, v, self.rotations, self.chunk_size, self.causal, self.scale)
-        return self.proj_drop(self.proj(merge_heads(out))), {}
+        # the core in fp32 even under autocast: the self logit -1e5 is -inf in fp16, and a lone token's row with it
+        with torch.autocast(x.device.type, enabled=False):
+            dtype = v.dtype
+            wide = (qk.float(), v.float()) if dtype in (torch.float16, torch.bfloat16) else (qk, v)
+            out = lsh_attention(*wide, self.rotations, self.chunk_size, self.causal, self.scale)
+        return self.proj_drop(self.proj(merge_heads(out.to(dtype)))), {}
 
 
 __all__ = ["LSHAttention", "RecomputeDecoding", "lsh_attention", "lsh_buckets"]
