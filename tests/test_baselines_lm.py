@@ -160,3 +160,18 @@ def test_grad_checkpointing_replays_the_draws(name, mixer):
     for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=n)
     assert torch.equal(plain.state_dict()["blocks.0.mixer.forwards"], ckpt.state_dict()["blocks.0.mixer.forwards"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY)
+def test_every_baseline_trains_and_samples_from_the_cli(tmp_path, name):
+    from vitlab.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"abcdefgh" * 200)
+    out = tmp_path / "run"
+    args = ["lm", "train", "--model", name, "--data", str(text), "--seq-len", "16", "--batch-size", "8"]
+    assert main([*args, "--steps", "30", "--eval-every", "30", "--eval-symbols", "64", "--out", str(out)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["final"]["train_bits"] < 6.0
+    sample = tmp_path / "s.txt"
+    assert main(["lm", "sample", str(out / "last.pt"), "--length", "8", "--num", "2", "--out", str(sample)]) == 0
