@@ -322,3 +322,17 @@ def test_baselines_on_cuda_match_the_cpu(kind):
     assert torch.isfinite(low).all()
     if kind != "lsh_attention":  # rounded keys may hash to other buckets: other sets, another function
         assert (low.float().cpu() - out).abs().max() < 0.1
+
+
+def test_performer_causal_outputs_ignore_later_keys_of_any_size():
+    """A later key whose features dwarf the earlier ones (e^80 larger) must not rescale the earlier positions into
+    underflow: their outputs equal those of the forward on the prefix alone."""
+    torch.manual_seed(0)
+    m = build("performer", D, num_heads=H, causal=True, num_features=16).eval()
+    with torch.no_grad():
+        m.projection.mul_(4)  # wide directions: a key along one of them has a large exponent
+    x = torch.randn(1, 140, D) * 0.3
+    x[:, 70:] = torch.randn(1, 70, D) * 6  # later chunks: large keys
+    prefix = m(x[:, :70])
+    torch.testing.assert_close(m(x)[:, :70], prefix)
+    assert torch.isfinite(m(x)).all() and prefix.abs().amax() > 0

@@ -31,13 +31,21 @@ from .random_features import favor_features, orthogonal_gaussian, redraw_due
 CHUNK = 64  # positions per chunk of the causal form
 
 
-def linear_attention(fq: Tensor, fk: Tensor, v: Tensor, causal: bool, chunk: int = CHUNK) -> Tensor:
+def linear_attention(
+    fq: Tensor, fk: Tensor, v: Tensor, causal: bool, key_scale: Tensor | None = None, chunk: int = CHUNK
+) -> Tensor:
     """``φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / φ(q_i)ᵀ Σ_j φ(k_j)`` for features fq, fk (B, H, N, m) and values (B, H, N, d).
 
-    The features must be positive (both maps here are), so the denominator is too. ``causal``: j ≤ i, in
-    chunks of ``chunk`` positions (exclusive prefix sums of the chunks' ``φ(k)ᵀ v`` and ``φ(k)``, plus the
-    masked products inside each chunk)."""
+    The features must be positive (both maps here are), so the denominator is too. ``key_scale`` (B, H, N): the
+    log-scale each key's features are given at (φ(k_j) = fk_j · exp(key_scale_j); None: 0). The keys are brought
+    to a common scale, the largest of those they are summed with, so no factor exceeds 1. ``causal``: j ≤ i, in
+    chunks of ``chunk`` positions: the sums of ``φ(k)ᵀ v`` and ``φ(k)`` over the chunks before (each chunk at
+    its own largest scale, rescaled to the running largest: nothing a later chunk holds changes an earlier
+    chunk's scale), plus the masked products inside each chunk."""
+    if key_scale is None:
+        key_scale = fk.new_zeros(fk.shape[:-1])
     if not causal:
+        fk = fk * (key_scale - key_scale.amax(-1, keepdim=True)).exp().unsqueeze(-1)
         kv = fk.transpose(-2, -1) @ v  # (B, H, m, d)
         num = fq @ kv
         den = fq @ fk.sum(-2, keepdim=True).transpose(-2, -1)
@@ -46,13 +54,19 @@ def linear_attention(fq: Tensor, fk: Tensor, v: Tensor, causal: bool, chunk: int
     pad = -n % chunk
     if pad:
         fq, fk, v = (F.pad(t, (0, 0, 0, pad)) for t in (fq, fk, v))
+        key_scale = F.pad(key_scale, (0, pad), value=float("-inf"))  # padded keys weigh 0
     c = (n + pad) // chunk
     fq, fk, v = (t.reshape(b, h, c, chunk, t.shape[-1]) for t in (fq, fk, v))
-    kv = fk.transpose(-2, -1) @ v  # (B, H, c, m, d): each chunk's sum
-    kv_before = kv.cumsum(2) - kv  # sums over the chunks before
-    z = fk.sum(-2)  # (B, H, c, m)
-    z_before = z.cumsum(2) - z
-    scores = (fq @ fk.transpose(-2, -1)).tril()  # within the chunk, j ≤ i
+    scale = key_scale.reshape(b, h, c, chunk)
+    top = scale.amax(-1)  # (B, H, c): each chunk's largest scale
+    fk = fk * (scale - top.unsqueeze(-1)).exp().unsqueeze(-1)
+    running = top.cummax(-1).values  # the largest scale up to each chunk
+    earlier = torch.ones(c, c, dtype=torch.bool, device=fq.device).tril(-1)  # chunk s before chunk t
+    carry = (top.unsqueeze(-2) - running.unsqueeze(-1)).masked_fill(~earlier, float("-inf")).exp()  # (B, H, t, s)
+    kv_before = torch.einsum("bhts,bhsmd->bhtmd", carry, fk.transpose(-2, -1) @ v)
+    z_before = torch.einsum("bhts,bhsm->bhtm", carry, fk.sum(-2))
+    own = (top - running).exp()[..., None, None]  # the chunk's own keys at the running scale
+    scores = (fq @ fk.transpose(-2, -1)).tril() * own  # within the chunk, j ≤ i
     num = fq @ kv_before + scores @ v
     den = (fq @ z_before.unsqueeze(-1)).squeeze(-1) + scores.sum(-1)
     out = num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
@@ -95,9 +109,9 @@ class LinearAttention(TokenMixer):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_heads={self.num_heads}, causal={self.causal}"
 
-    def features(self, x: Tensor, is_query: bool) -> tuple[Tensor, Tensor]:
-        """φ(x) for queries or keys (B, H, N, d) and the log-scale it is returned at (0 here: no rescaling)."""
-        return F.elu(x) + 1, x.new_zeros((*x.shape[:2], 1))
+    def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """φ(x) of queries or keys (B, H, N, d) and the log-scale (B, H, N) it is returned at (0: none here)."""
+        return F.elu(x) + 1, x.new_zeros(x.shape[:-1])
 
     def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = self.qkv(x).chunk(3, -1)
@@ -110,13 +124,14 @@ class LinearAttention(TokenMixer):
             dtype = v.dtype
             if dtype in (torch.float16, torch.bfloat16):
                 q, k, v = q.float(), k.float(), v.float()
-            out = linear_attention(self.features(q, True)[0], self.features(k, False)[0], v, self.causal)
+            fk, key_scale = self.features(k)
+            out = linear_attention(self.features(q)[0], fk, v, self.causal, key_scale)
         return self.proj_drop(self.proj(merge_heads(out.to(dtype)))), {}
 
     def init_state(self, batch: int, max_len: int, like: Tensor) -> KernelSums:
         """Zero sums for ``batch`` sequences."""
         with torch.no_grad():
-            m = self.features(like.new_zeros(1, self.num_heads, 1, self.dim // self.num_heads), False)[0].shape[-1]
+            m = self.features(like.new_zeros(1, self.num_heads, 1, self.dim // self.num_heads))[0].shape[-1]
         d = self.dim // self.num_heads
         return KernelSums(
             like.new_zeros(batch, self.num_heads, m, d),
@@ -127,14 +142,14 @@ class LinearAttention(TokenMixer):
     def step(self, x: Tensor, t: int, state: KernelSums) -> Tensor:
         """Position t of the causal form: add φ(k_t) v_tᵀ and φ(k_t) to the sums, read them with φ(q_t)."""
         q, k, v = self.heads(x[:, None])  # (B, H, 1, d)
-        fk, shift = self.features(k, False)
+        fk, shift = self.features(k)
         new = torch.maximum(state.shift, shift)  # keep the sums at the larger scale (-inf before the first key)
         old = (state.shift - new).exp()
         fk = fk * (shift - new).exp().unsqueeze(-1)
         state.kv.mul_(old.unsqueeze(-1)).add_(fk.transpose(-2, -1) @ v)
         state.z.mul_(old).add_(fk[:, :, 0])
         state.shift.copy_(new)
-        fq = self.features(q, True)[0]
+        fq = self.features(q)[0]
         den = (fq @ state.z.unsqueeze(-1)).clamp_min(torch.finfo(fq.dtype).tiny)
         out = (fq @ state.kv) / den
         return self.proj(merge_heads(out))[:, 0]
@@ -148,8 +163,10 @@ class Performer(LinearAttention):
     ``redraw_every``: new features every that many training forwards (0: never), drawn from a generator seeded
     by the ``feature_seed`` buffer and the redraw count, so every process and every resumed run draws the same.
     Evaluation and decoding use the current features; an activation recomputation replays the draw of the
-    forward pass (``recompute_buffers``, :mod:`vitlab.layers.recompute`). The key features are stabilised by the largest key
-    logit of the sequence (a common factor of numerator and denominator, so it cancels).
+    forward pass (``recompute_buffers``, :mod:`vitlab.layers.recompute`). Each key's features come at the
+    log-scale of its largest exponent and :func:`linear_attention` sums them at the largest scale seen so far
+    (a common factor of numerator and denominator, so it cancels), never overflowing and, in the causal form,
+    never rescaled by a later chunk's keys.
     """
 
     #: what a forward pass may change and a recomputation of it must see as before (the draw and its counter)
@@ -186,8 +203,8 @@ class Performer(LinearAttention):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_features={self.num_features}, redraw_every={self.redraw_every}"
 
-    def features(self, x: Tensor, is_query: bool) -> tuple[Tensor, Tensor]:
-        return favor_features(x, self.projection.to(x.dtype), is_query)
+    def features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return favor_features(x, self.projection.to(x.dtype))
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.training:

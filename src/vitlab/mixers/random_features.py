@@ -29,20 +29,17 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> Tensor:
     return (rows * norms).float()
 
 
-def favor_features(x: Tensor, projection: Tensor, is_query: bool) -> tuple[Tensor, Tensor]:
+def favor_features(x: Tensor, projection: Tensor) -> tuple[Tensor, Tensor]:
     """FAVOR+ positive random features of queries or keys x (B, H, N, d) for directions ``projection`` (m, d).
 
     ``φ(x) = exp(ω·x̃ - |x̃|²/2) / √m`` with x̃ = x / d^(1/4), so that ``E[φ(q)·φ(k)] = exp(q·k/√d)`` (Performer,
-    Lemma 1). Returned as ``φ(x) · exp(-c)`` with the log-scale c (B, H, 1): the largest exponent of each query
-    row (B, H, N; it cancels in that row's ratio), or of all keys of the sequence (B, H, 1; it cancels across the
-    sums)."""
+    Lemma 1). Returned as ``φ(x) · exp(-c)`` with the log-scale c (B, H, N), the largest exponent of each row:
+    a query's cancels in its own ratio; the keys' are handed to :func:`~vitlab.mixers.linear_attention.
+    linear_attention`, which brings them to a common scale."""
     d = x.shape[-1]
     xs = x * d**-0.25
     logits = xs @ projection.T - (xs * xs).sum(-1, keepdim=True) / 2
-    if is_query:
-        shift = logits.amax(-1, keepdim=True).detach()
-        return (logits - shift).exp() / math.sqrt(projection.shape[0]), shift[..., 0]
-    shift = logits.detach().amax((-2, -1), keepdim=True)
+    shift = logits.detach().amax(-1, keepdim=True)
     return (logits - shift).exp() / math.sqrt(projection.shape[0]), shift[..., 0]
 
 
