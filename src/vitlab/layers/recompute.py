@@ -11,6 +11,10 @@ must not differ between the two runs:
   dropped: the module's own buffers keep the one update of the real forward pass. (Turning tracking off
   instead would change which tensors the operation saves, which the recomputation must reproduce.)
 
+* random draws a module makes from a counter it keeps (the Performer's features, Reformer's rotations: modules
+  naming those buffers in ``recompute_buffers``): the forward pass may advance the counter and redraw, so the
+  recomputation runs on copies of the buffers as they were before the forward pass, and draws what it drew.
+
 Anything a block returns besides its tokens (Refined-ViT's attention map handed to the next block, TNT's
 inner tokens) flows through the checkpoint like any other output, gradients included.
 """
@@ -47,6 +51,38 @@ def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
                 setattr(m, name, value)
 
 
+def _counted_draws(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    return [(m, m.recompute_buffers) for m in module.modules() if m.training and getattr(m, "recompute_buffers", ())]
+
+
+@contextlib.contextmanager
+def _snapshot_draws(module: nn.Module, snapshot: list) -> Iterator[None]:
+    """Before the forward pass: copies of the ``recompute_buffers`` of the block's training modules."""
+    snapshot[:] = [(m, {name: getattr(m, name).clone() for name in names}) for m, names in _counted_draws(module)]
+    yield
+
+
+@contextlib.contextmanager
+def _replay_draws(snapshot: list) -> Iterator[None]:
+    """During the recomputation: the buffers as they were before the forward pass (copies, then dropped)."""
+    kept = [(m, {name: getattr(m, name) for name in saved}) for m, saved in snapshot]
+    for m, saved in snapshot:
+        for name, value in saved.items():
+            setattr(m, name, value.clone())
+    try:
+        yield
+    finally:
+        for m, buffers in kept:
+            for name, value in buffers.items():
+                setattr(m, name, value)
+
+
+@contextlib.contextmanager
+def _recomputation(module: nn.Module, snapshot: list) -> Iterator[None]:
+    with _batchnorm_stats_frozen(module), _replay_draws(snapshot):
+        yield
+
+
 def recompute_active(enabled: bool) -> bool:
     """Recompute only when asked, when autograd records, and outside TorchScript tracing/scripting."""
     return enabled and torch.is_grad_enabled() and not (torch.jit.is_scripting() or torch.jit.is_tracing())
@@ -55,11 +91,12 @@ def recompute_active(enabled: bool) -> bool:
 def recomputed(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a call of ``module`` or of a function using it) under non-reentrant activation
     recomputation (``torch.utils.checkpoint``), with ``module``'s BatchNorm statistics updated once, not
-    again at the recomputation."""
+    again at the recomputation, and its counted random draws replayed (module docstring)."""
+    snapshot: list = []
     return checkpoint(
         fn,
         *args,
         use_reentrant=False,
-        context_fn=lambda: (contextlib.nullcontext(), _batchnorm_stats_frozen(module)),
+        context_fn=lambda: (_snapshot_draws(module, snapshot), _recomputation(module, snapshot)),
         **kwargs,
     )

@@ -14,6 +14,10 @@ GB/GPU counts the same things). ``--dtypes bf16`` runs the step under bf16 autoc
 gradient scaler, GPU only); ``--device cuda`` runs it on a GPU, timed with CUDA events, its memory the GPU
 allocator's peak - what was allocated before the model was built.
 
+``--baselines`` adds the efficient-attention baselines of AFT's Tables 2 and 4 (Linear Transformer, Performer,
+Reformer, Synthesizer, strided and local sparse attention: :data:`BASELINES`), each in its named config's
+mixer at the same L, d and ``--heads`` as the rest, so that one table compares them all.
+
 Ratios are taken against the Transformer of the same run and T, measured side by side. Targets
 (:mod:`vitlab.lm.targets`): AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step
 (paper: 12.8 / 30.4 GB = 0.42x, 1.67 / 1.36 it/s = 1.23x).
@@ -45,7 +49,7 @@ from ..measure.sweep import (
     write_json,
     write_text,
 )
-from .targets import PAPER, TARGET_T, judge, verdict_lines
+from .targets import PAPER, PAPER_ENWIK8, TARGET_T, judge, verdict_lines
 
 # benchmark model -> (named config, extra mixer options)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -55,6 +59,16 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "transformer": ("transformer_cifar", {}),
     "transformer_flash": ("transformer_cifar", {"attn_drop": 0.0}),
 }
+#: the efficient-attention baselines (``--baselines``): benchmark model -> (named config, extra mixer options)
+BASELINES: dict[str, tuple[str, dict[str, Any]]] = {
+    "linear_transformer": ("linear_transformer_enwik8", {}),
+    "performer": ("performer_enwik8", {}),
+    "reformer": ("reformer_enwik8", {}),
+    "synthesizer": ("synthesizer_enwik8", {}),
+    "sparse_strided": ("sparse_strided_cifar", {}),
+    "local_attention": ("image_transformer_local_cifar", {}),
+}
+MODELS.update(BASELINES)
 BASELINE = "transformer"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,6 +83,7 @@ def prepare_case(
     seed: int = 0,
     dtype: str = "fp32",
     device: str = "cpu",
+    heads: int = 2,
 ) -> Prepared:
     """Build the model, its AdamW optimizer and a batch of sub-pixel sequences on ``device``; return one
     training step (autocast to ``dtype`` unless fp32)."""
@@ -87,7 +102,8 @@ def prepare_case(
     before = current_rss_bytes()
     gpu_before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
     torch.manual_seed(seed)
-    lm = create_lm(name, depth=layers, dim=dim, max_len=T, dropout=dropout, mixer=(kind, {**opts, **extra}))
+    mixer = (kind, {**opts, **extra})
+    lm = create_lm(name, depth=layers, dim=dim, heads=heads, max_len=T, dropout=dropout, mixer=mixer)
     step = _step(lm.to(dev), torch.randint(0, 256, (batch, T), device=dev), dtype)
     info = {
         "params": sum(p.numel() for p in lm.parameters()),
@@ -130,6 +146,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="aft_local_rc: AFT-local with its core recomputed in the backward pass",
     )
     p.add_argument(
+        "--baselines",
+        action="store_true",
+        help=f"also the efficient-attention baselines of AFT's Tables 2 and 4: {', '.join(BASELINES)}",
+    )
+    p.add_argument(
+        "--heads", type=opt.positive_int, default=2, help="heads of every multi-head mixer (Table 2's Transformer: 2)"
+    )
+    p.add_argument(
         "--flash",
         action="store_true",
         help="also the Transformer without attention dropout (SDPA's flash kernel: no T x T maps stored)",
@@ -165,7 +189,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every model at every T, ``args.rounds`` times, each in a fresh process, one progress line each."""
-    models = list(dict.fromkeys([*args.models, *(["transformer_flash"] if args.flash else [])]))
+    extra = [*(["transformer_flash"] if args.flash else []), *(BASELINES if args.baselines else [])]
+    models = list(dict.fromkeys([*args.models, *extra]))
     if BASELINE not in models:
         models.append(BASELINE)
     # side by side: for each T, every model once per round
@@ -188,7 +213,7 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
 def measure_case(runner: CaseRunner, case: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One training step's time and memory (``mem_mb``): peak RSS - RSS before the model was built, or on a
     GPU the allocator's peak - what was allocated before the model was built."""
-    params = {**{k: v for k, v in case.items() if k != "round"}, "device": args.device}
+    params = {**{k: v for k, v in case.items() if k != "round"}, "device": args.device, "heads": args.heads}
     spec = CaseSpec(prepare_case, params, warmup=args.warmup, repeats=args.repeats, threads=args.threads or None)
     r = {**case, "loadavg_1m": os.getloadavg()[0], **with_wall_time(lambda: runner.run(spec))}
     if r["status"] == "ok":
@@ -268,8 +293,8 @@ def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        p = PAPER.get(r["model"])
-        paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p and r["T"] == TARGET_T else ""
+        p = PAPER.get(r["model"]) if r["T"] == TARGET_T else PAPER_ENWIK8.get(r["model"]) if r["T"] == 1024 else None
+        paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p else ""
         med = f" ({r['median_s']:.2f})" if r.get("median_s") else ""
         lines.append(
             f"| {r['model']} | {r['T']} | {r['dtype']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
@@ -303,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "settings": options(
-            args, ("tokens", "layers", "dim", "batch", "dtypes", "device", "warmup", "repeats", "rounds", "threads")
+            args,
+            ("tokens", "layers", "dim", "heads", "batch", "dtypes", "device", "warmup", "repeats", "rounds", "threads"),
         ),
         "machine": {**machine_info(args.threads), "loadavg_end": os.getloadavg()},
         "seconds": time.time() - start,

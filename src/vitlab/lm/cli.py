@@ -32,9 +32,9 @@ bias_dim = BiasDim()
 MODEL_FLAGS = {
     "dim": (opt.positive_int, "model width d"),
     "depth": (opt.Int(1, 1024), "number of blocks L"),
-    "heads": (opt.positive_int, "attention heads (Transformer baseline)"),
+    "heads": (opt.positive_int, "attention heads (Transformer and the multi-head baselines)"),
     "dropout": (opt.rate, "dropout (paper 0.1)"),
-    "window": (opt.positive_int, "AFT-local window s"),
+    "window": (opt.positive_int, "AFT-local window s, or the local_attention baseline's window"),
     "bias_dim": (bias_dim, "d' of the factorised AFT position bias, or 'full' for a T x T bias (Table 3)"),
     "max_len": (opt.positive_int, "position-table length (default: the data's sequence length)"),
     "channels": (opt.Choice(1, 3), "1: embedding/head shared across RGB (paper); 3: one per channel"),
@@ -45,7 +45,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     from .train import LMTrainConfig
 
     d = LMTrainConfig()
-    p.add_argument("--model", default=d.model, help="named LM config (see `vitlab lm list`)")
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="named LM config (see `vitlab lm list`): AFT, the Transformer, or a baseline (performer_enwik8, ...)",
+    )
     p.add_argument("--data", required=True, help="a text/byte file, or a CIFAR-10 batches folder (cifar10:<folder>)")
     p.add_argument("--out", default=None, help="output folder: last.pt, metrics.json (default runs/lm/<model>)")
     p.add_argument(
@@ -138,7 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     from .bench import add_arguments as bench_args
 
-    bench_args(sub.add_parser("bench", help="training step time and peak memory: AFT-local, AFT-simple, Transformer"))
+    bench_args(
+        sub.add_parser(
+            "bench",
+            help="training step time and peak memory: AFT-local, AFT-simple, Transformer (--baselines: and the "
+            "efficient-attention baselines)",
+        )
+    )
     sub.add_parser("list", help="the named LM configurations")
 
 

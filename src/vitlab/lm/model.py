@@ -31,16 +31,21 @@ from ..layers.recompute import recompute_active, recomputed
 from ..mixers import build
 from ..mixers.base import TokenLayout
 from ..registry import Registry
+from .baseline_configs import BASELINE_KINDS, BASELINE_ROWS
 
 MixerSpec = str | tuple[str, dict[str, Any]] | list
-KINDS = ("aft_local", "aft_simple", "aft_full", "attention")
+KINDS = ("aft_local", "aft_simple", "aft_full", "attention", *BASELINE_KINDS)
+#: the mixers the ``window`` / ``bias_dim`` overrides of :func:`lm_config` apply to
+OVERRIDE_KINDS = {"window": ("aft_local", "local_attention"), "bias_dim": ("aft_local", "aft_full")}
 
 
 def parse_mixer(mixer: MixerSpec) -> tuple[str, dict[str, Any]]:
     """``"aft_simple"`` or ``("aft_local", {"window": 256})`` -> (kind, options)."""
     kind, opts = (mixer, {}) if isinstance(mixer, str) else (mixer[0], dict(mixer[1]) if len(mixer) > 1 else {})
     if kind not in KINDS:
-        raise ValueError(f"unknown causal mixer {kind!r}; expected one of {', '.join(KINDS)}")
+        raise ValueError(
+            f"unknown causal mixer {kind!r} (or one with no causal form); expected one of {', '.join(KINDS)}"
+        )
     return kind, opts
 
 
@@ -66,7 +71,7 @@ class CausalLM(nn.Module):
         vocab_size: number of output symbols V; the embedding has V + 1 rows (the last is BOS).
         max_len: longest sequence (the learned position table and the AFT position biases).
         dim, depth, heads: width d, number of blocks L, heads of the attention baseline (AFT has none).
-        mixer: ``"aft_local" | "aft_simple" | "aft_full" | "attention"`` or ``(kind, options)``; options go
+        mixer: one of :data:`KINDS` (``"aft_local"``, ``"attention"``, ``"performer"``...) or ``(kind, options)``; options go
             to the mixer (e.g. ``{"window": 256, "bias_dim": 64}``). Every mixer is built causal.
         ffn_mult: FFN hidden width / d (paper: 4).
         dropout: embedding, residual and FFN dropout (paper: 0.1).
@@ -295,6 +300,7 @@ _ROWS: dict[str, tuple[dict[str, Any], str]] = {
     "tiny_aft_simple": ({**_TINY, "mixer": "aft_simple"}, "tests: AFT-simple"),
     "tiny_aft_full": ({**_TINY, "mixer": ("aft_full", {"bias_dim": 16})}, "tests: AFT-full"),
     "tiny_transformer": ({**_TINY, "heads": 2, "mixer": "attention"}, "tests: Transformer, 2 heads"),
+    **BASELINE_ROWS,
 }
 
 
@@ -311,13 +317,14 @@ def list_lms(pattern: str = "*") -> list[str]:
 def lm_config(name: str, **overrides: Any) -> dict[str, Any]:
     """The :class:`CausalLM` arguments of a named config, with ``overrides``.
 
-    Besides the constructor arguments, ``window`` and ``bias_dim`` override the mixer's options.
+    Besides the constructor arguments, ``window`` and ``bias_dim`` override the mixer's options (of the kinds in
+    :data:`OVERRIDE_KINDS`).
     """
     table_args = LMS.get(name)[0]
     kind, opts = parse_mixer(overrides.pop("mixer", table_args["mixer"]))
-    for key in ("window", "bias_dim"):
+    for key, kinds in OVERRIDE_KINDS.items():
         if key in overrides:
-            if kind not in ("aft_local", "aft_full") or (key == "window" and kind != "aft_local"):
+            if kind not in kinds:
                 raise ValueError(f"option {key} does not apply to the {kind} mixer")
             opts[key] = overrides.pop(key)
     return LMS.arguments(name, {**overrides, "mixer": (kind, opts)})[1]

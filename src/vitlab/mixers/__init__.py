@@ -20,8 +20,12 @@ from .attention_variants import (
 )
 from .base import TokenLayout, TokenMixer
 from .external import ExternalAttention, MultiHeadExternalAttention
+from .lambda_layer import LambdaLayer
+from .linear_attention import LinearAttention, Performer
+from .lsh_attention import LSHAttention
 from .reattention import ReAttention
 from .refiner import DistributedLocalAttention, RefinerAttention
+from .sparse_attention import SparseAttention, Synthesizer
 from .spatial_reduction import SpatialReductionAttention
 
 MIXERS: dict[str, type[TokenMixer]] = {
@@ -47,6 +51,26 @@ EXTRA_MIXERS: dict[str, type[TokenMixer]] = {
     # Twins PCPVT / CPVT-v2: keys and values from a spatially reduced grid
     "sr_attention": SpatialReductionAttention,
 }
+#: the efficient-attention baselines AFT's tables compare against (docs/models.md, "Baselines of the AFT paper");
+#: ``local_attention`` / ``strided_attention`` are :class:`SparseAttention` with its pattern preset, and
+#: ``synthesizer_dense`` / ``synthesizer_random`` :class:`Synthesizer` with its kind preset.
+BASELINE_MIXERS: dict[str, type[TokenMixer]] = {
+    "linear_attention": LinearAttention,
+    "performer": Performer,
+    "synthesizer_dense": Synthesizer,
+    "synthesizer_random": Synthesizer,
+    "local_attention": SparseAttention,
+    "strided_attention": SparseAttention,
+    "lsh_attention": LSHAttention,
+    "lambda": LambdaLayer,
+}
+#: the option each preset kind fixes
+PRESETS: dict[str, dict[str, str]] = {
+    "synthesizer_dense": {"synthesizer": "dense"},
+    "synthesizer_random": {"synthesizer": "random"},
+    "local_attention": {"pattern": "local"},
+    "strided_attention": {"pattern": "strided"},
+}
 
 
 def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMixer:
@@ -59,10 +83,14 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
     applied to it); an explicit ``num_heads > 1`` builds the official multi-head
     external attention (:class:`MultiHeadExternalAttention`).
     """
-    kinds = {**MIXERS, **EXTRA_MIXERS}
+    kinds = {**MIXERS, **EXTRA_MIXERS, **BASELINE_MIXERS}
     if kind not in kinds:
         raise unknown_name_error("mixer kind", kind, kinds)
     cls = kinds[kind]
+    preset = PRESETS.get(kind, {})
+    for key, value in preset.items():
+        if kw.get(key, value) != value:
+            raise ValueError(f"mixer {kind!r} is {key}={value!r}; for {key}={kw[key]!r} use its own kind")
     if kind == "external" and kw.get("num_heads", 1) > 1:
         cls = MultiHeadExternalAttention
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "dim")]
@@ -70,10 +98,11 @@ def build(kind: str, dim: int, *, defaults: dict | None = None, **kw) -> TokenMi
         accepted.remove("num_heads")
     kw = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **kw}
     check_options(f"mixer {kind!r}", kw, cls)
-    return cls(dim, **kw)
+    return cls(dim, **{**kw, **preset})
 
 
 __all__ = [
+    "BASELINE_MIXERS",
     "EXTRA_MIXERS",
     "MIXERS",
     "AFTConv",
@@ -85,12 +114,18 @@ __all__ = [
     "DoubleNormAttention",
     "DropAttention",
     "ExternalAttention",
+    "LSHAttention",
+    "LambdaLayer",
+    "LinearAttention",
     "MultiHeadExternalAttention",
     "PEGQKAttention",
+    "Performer",
     "ReAttention",
     "RefinerAttention",
     "RelPos2dAttention",
+    "SparseAttention",
     "SpatialReductionAttention",
+    "Synthesizer",
     "TemperatureAttention",
     "TokenLayout",
     "TokenMixer",

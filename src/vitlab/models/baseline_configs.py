@@ -1,0 +1,45 @@
+"""The Lambda baselines of AFT's Table 7 as named models: DeiT backbones with a lambda layer in every block.
+
+As AFT's comparison: |k| = 16, batch-normalised queries and values, relative position lambdas, no class token
+and no position table (the lambdas carry the positions), global average pooling. ``lambda_mini`` is the small
+CPU variant (patch 4, 32 px) for ``vitlab compare`` beside ``deit_mini``, ``aft_full_mini`` and
+``aft_conv_mini``. Any other baseline mixer goes into any model with ``mixer=`` (docs/models.md).
+"""
+
+from __future__ import annotations
+
+from .configs import DEIT_SIZES, MINI, vit
+from .registry import register
+
+LAMBDA = "Bello 2021, LambdaNetworks: Modeling Long-Range Interactions Without Attention"
+GAP_NO_TABLE = dict(class_token=False, global_pool="avg", pos_embed="none")
+
+_rows = []
+# top-1 and parameters: AFT paper Table 7 (DeiT training recipe, 224 px; 4.8M / 17.7M there)
+for size, top1 in (("tiny", 72.4), ("small", 80.0)):
+    dim, heads = DEIT_SIZES[size]
+    _rows.append(
+        vit(
+            f"lambda_{size}",
+            LAMBDA,
+            "AFT Table 7: lambda layers on DeiT, |k| = 16, GAP",
+            top1=top1,
+            notes=f"AFT Table 7: {top1} top-1, {4.8 if size == 'tiny' else 17.7}M parameters",
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+            **GAP_NO_TABLE,
+            mixer=("lambda", dict(key_dim=16, max_distance=13, prefix_embedding=False)),
+        )
+    )
+_rows.append(
+    vit(
+        "lambda_mini",
+        LAMBDA,
+        "vitlab: small lambda network (|k| = 16)",
+        **MINI,
+        **GAP_NO_TABLE,
+        mixer=("lambda", dict(key_dim=16, max_distance=7, prefix_embedding=False)),
+    )
+)
+register(*_rows)
