@@ -70,7 +70,7 @@ def local_value(t: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype: torch.dtype | None = None) -> dict:
     """Top-1 / top-5 accuracy (%), mean cross-entropy and throughput (img/s) over ``loader`` (the sums stay on
-    the device until the end: one synchronisation)."""
+    the device until the end: one synchronisation); ``skipped``: the unreadable images the loader left out."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top-1, top-5, n
@@ -92,7 +92,9 @@ def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype:
     seconds = time.perf_counter() - t0
     model.train(was_training)
     n = int(n)
-    return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
+    skipped = len(getattr(loader, "bad_files", ()))
+    return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds,
+            "skipped": skipped}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the loop, as named steps

@@ -234,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(
             f"{r['model']:20s} {r['img_size']:5d} {r['top1']:8.2f} {r['top5']:8.2f} {r['loss']:7.4f} "
-            f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images)"
+            f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images"
+            + (f", {r['skipped']} unreadable ones skipped)" if r.get("skipped") else ")")
         )
     if args.json:
         write_json_atomic(args.json, rows)

@@ -1,0 +1,114 @@
+"""WebDataset epochs are exact: every sample once per epoch over ranks and DataLoader workers (uneven shards,
+a shuffle buffer that never carries a sample into the next epoch), resumable; held-out shards named apart from
+the training ones. Each sample's ``.cls`` is its own number, so the labels a loader hands out are the keys."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitlab.data import create_loader, create_transform, open_source
+
+pytest.importorskip("webdataset")
+
+COUNTS = (7, 3, 11, 5, 9, 1, 4)  # uneven shards, 40 samples
+
+
+def _png(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), value % 256, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def write_numbered_shards(root: Path, counts=COUNTS, prefix: str = "train") -> str:
+    """Shards ``prefix-NNN.tar`` of ``counts`` samples whose class is their number; their brace pattern."""
+    root.mkdir(parents=True, exist_ok=True)
+    number = 0
+    for s, count in enumerate(counts):
+        with tarfile.open(root / f"{prefix}-{s:03d}.tar", "w") as tar:
+            for _ in range(count):
+                for ext, data in (("png", _png(number)), ("cls", str(number).encode())):
+                    info = tarfile.TarInfo(f"k{number:05d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                number += 1
+    return str(root / f"{prefix}-{{000..{len(counts) - 1:03d}}}.tar")
+
+
+def epoch_labels(source, rank: int, world: int, epoch: int, **kw) -> list[int]:
+    loader = create_loader(source, create_transform(8, True), 3, is_training=True, workers=2, seed=1, rank=rank,
+                           world_size=world, **kw)  # fmt: skip
+    loader.set_epoch(epoch)
+    return [int(v) for _, y in loader for v in y]
+
+
+def _rank_main(rank: int, world: int, port: int, pattern: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        source = open_source(f"wds:{pattern}", "train")
+        seen = [epoch_labels(source, rank, world, epoch, shuffle_buffer=5) for epoch in (0, 1)]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, seen)
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes with two workers each: ~45 s on the 2-core test machine
+def test_one_epoch_over_two_ranks_and_two_workers_shows_every_sample_once(tmp_path):
+    """2 ranks (gloo) x 2 DataLoader workers, 7 shards of 1 to 11 samples, a 5-sample shuffle buffer: each epoch
+    hands out each of the 40 keys exactly once, 20 per rank, in an order that changes with the epoch."""
+    pattern = write_numbered_shards(tmp_path / "shards")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "seen.pt"
+    torch.multiprocessing.spawn(_rank_main, args=(2, port, pattern, str(out)), nprocs=2, join=True)
+    gathered = torch.load(out)  # [rank][epoch] -> labels
+    for epoch in (0, 1):
+        keys = [k for rank in gathered for k in rank[epoch]]
+        assert Counter(keys) == Counter(range(40)), epoch
+        assert [len(rank[epoch]) for rank in gathered] == [20, 20]
+    assert gathered[0][0] != gathered[0][1]
+
+
+def test_exact_epochs_in_process_with_an_uneven_split_and_resume(tmp_path):
+    """One process playing 3 ranks: 40 samples give each rank 13 (the 40th waits for a later epoch, a different
+    one each epoch), never one twice; evaluation reads all 40 once over the ranks (13/13/14); a rank stopped after
+    two batches and resumed hands out exactly the rest; the buffer size is an option (0: off)."""
+    source = open_source(f"wds:{write_numbered_shards(tmp_path / 'shards')}", "train")
+    left_out = []
+    for epoch in (0, 1):
+        keys = [k for r in range(3) for k in epoch_labels(source, r, 3, epoch, shuffle_buffer=4)]
+        assert len(keys) == 39 and len(set(keys)) == 39
+        left_out.append(set(range(40)) - set(keys))
+    assert left_out[0] != left_out[1]
+    tf = create_transform(8)
+    evals = [[int(v) for _, y in create_loader(source, tf, 4, is_training=False, workers=2, rank=r, world_size=3)
+              for v in y] for r in range(3)]  # fmt: skip
+    assert sorted(k for e in evals for k in e) == list(range(40)) and [len(e) for e in evals] == [13, 13, 14]
+    kw = dict(is_training=True, workers=2, seed=1, rank=1, world_size=3, shuffle_buffer=4)
+    whole = epoch_labels(source, 1, 3, 0, shuffle_buffer=4)
+    first = create_loader(source, create_transform(8, True), 3, **kw)
+    taken = [int(v) for _, (_, y) in zip(range(2), first) for v in y]
+    resumed = create_loader(source, create_transform(8, True), 3, **kw)
+    resumed.load_state_dict(first.state_dict())
+    assert taken + [int(v) for _, y in resumed for v in y] == whole
+    plain = epoch_labels(source, 0, 1, 0, shuffle_buffer=0)
+    assert sorted(plain) == list(range(40)) and plain != epoch_labels(source, 0, 1, 0, shuffle_buffer=16)
+    with pytest.raises(ValueError, match="shuffle buffer"):
+        create_loader(source, create_transform(8, True), 3, is_training=True, shuffle_buffer=-1)
