@@ -4,6 +4,7 @@ the training ones. Each sample's ``.cls`` is its own number, so the labels a loa
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import socket
@@ -112,3 +113,46 @@ def test_exact_epochs_in_process_with_an_uneven_split_and_resume(tmp_path):
     assert sorted(plain) == list(range(40)) and plain != epoch_labels(source, 0, 1, 0, shuffle_buffer=16)
     with pytest.raises(ValueError, match="shuffle buffer"):
         create_loader(source, create_transform(8, True), 3, is_training=True, shuffle_buffer=-1)
+
+
+def test_a_pattern_is_never_its_own_held_out_set(tmp_path, capsys):
+    """A single brace pattern names training shards: asking it for held-out data (training, `data info --split
+    val`) is one line naming the fix; ``wds:train=...,val=...`` reads each split from its own shards (a brace
+    pattern's commas included); plain shards take their class count from --num-classes."""
+    from vitlab.cli import main
+    from vitlab.data.wds import split_patterns
+
+    train = write_numbered_shards(tmp_path / "s", (4, 4))
+    val = write_numbered_shards(tmp_path / "s", (3,), prefix="val")
+    with pytest.raises(ValueError, match=r"not held-out data.*wds:train=PATTERN,val=PATTERN"):
+        open_source(f"wds:{train}", "val")
+    assert main(["data", "info", f"wds:{train}", "--split", "val"]) != 0
+    assert "not held-out data" in capsys.readouterr().err
+    both = f"wds:train={tmp_path}/s/train-{{000,001}}.tar,val={val}"
+    assert split_patterns(both.split(":", 1)[1]) == {"train": f"{tmp_path}/s/train-{{000,001}}.tar", "val": val}
+    assert len(open_source(both, "train")) == 8 and len(open_source(both, "val")) == 3
+    with pytest.raises(ValueError, match="names no 'val' shards"):
+        open_source(f"wds:train={train}", "val")
+    with pytest.raises(ValueError, match="each split once"):
+        open_source(f"wds:train={train},train={val}", "train")
+    plain = open_source(both, "train")
+    with pytest.raises(ValueError, match="--num-classes"):
+        _ = plain.num_classes
+    assert plain.with_num_classes(8).num_classes == 8
+    assert main(["data", "info", both, "--split", "val"]) == 0
+    assert '"images": 3' in capsys.readouterr().out
+
+
+def test_training_on_plain_shards_evaluates_on_the_named_held_out_shards(tmp_path):
+    """`vitlab train --data wds:train=...,val=... --num-classes N` trains on one set and reports the other's size."""
+    from vitlab.train import TrainConfig, train
+
+    train_p = write_numbered_shards(tmp_path / "s", (6, 6))
+    val_p = write_numbered_shards(tmp_path / "s", (5,), prefix="val")
+    cfg = TrainConfig(model="deit_mini", model_args={"patch_size": 8, "depth": 1, "embed_dim": 16}, img_size=16,
+                      data=f"wds:train={train_p},val={val_p}", num_classes=12, out=str(tmp_path / "r"), epochs=1,
+                      batch_size=4, threads=1, progress=False, shuffle_buffer=3)  # fmt: skip
+    summary = train(cfg, lambda line: None)
+    assert summary["log"][-1]["val_n"] == 5 and summary["log"][-1]["val_skipped"] == 0
+    with pytest.raises(ValueError, match="--num-classes"):
+        train(dataclasses.replace(cfg, num_classes=None, out=str(tmp_path / "r2")), lambda line: None)

@@ -69,5 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
     src = open_source(args.spec, args.split)
     counts = src.class_counts() if hasattr(src, "class_counts") else None
-    print(json.dumps({"source": repr(src), "images": len(src), "classes": src.num_classes, "class_counts": counts}))
+    classes = None if getattr(src, "classes", ()) is None else src.num_classes  # plain shards: not known
+    print(json.dumps({"source": repr(src), "images": len(src), "classes": classes, "class_counts": counts}))
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,32 +110,75 @@ class ShardSource:
     @property
     def num_classes(self) -> int:
         if self.classes is None:
-            raise ValueError(f"shards {self.name} carry no class list ({MANIFEST}); pass num_classes explicitly")
+            raise ValueError(f"shards {self.name} carry no class list (no {MANIFEST} beside them); give the number "
+                             f"of classes with --num-classes, or write a {MANIFEST} (docs/data.md)")  # fmt: skip
         return len(self.classes)
+
+    def with_num_classes(self, n: int) -> ShardSource:
+        """Plain shards (no class list) given their number of classes; shards that list theirs must agree."""
+        if self.classes is not None and len(self.classes) != n:
+            raise ValueError(f"shards {self.name} list {len(self.classes)} classes in {MANIFEST}, not {n}")
+        if self.classes is None:
+            self.classes = [str(i) for i in range(n)]
+        return self
+
+
+SPLIT_FIX = "name the held-out shards too: wds:train=PATTERN,val=PATTERN (or a folder of `vitlab data shards`)"
+
+
+def split_patterns(spec_path: str) -> dict[str, str] | None:
+    """``train=PATTERN,val=PATTERN`` (either order; a brace pattern may hold commas) -> ``{split: pattern}``;
+    None for a folder or a single pattern."""
+    if not re.match(r"\s*(train|val)=", spec_path):
+        return None
+    parts = re.split(r",\s*(?=(?:train|val)=)", spec_path.strip())
+    out: dict[str, str] = {}
+    for part in parts:
+        name, _, pattern = part.partition("=")
+        if name in out or not pattern:
+            raise ValueError(
+                f"wds:{spec_path} must name each split once with its shards: wds:train=PATTERN,val=PATTERN"
+            )
+        out[name] = pattern
+    return out
 
 
 def open_shards(spec_path: str, split: str = "train") -> ShardSource:
-    """``wds:`` spec path -> :class:`ShardSource`: a folder holding ``shards.json`` (either split), or a brace
-    pattern of one split's shards (its manifest, if one sits beside them, supplies classes and counts)."""
+    """``wds:`` spec path -> :class:`ShardSource`: a folder holding ``shards.json`` (either split),
+    ``train=PATTERN,val=PATTERN`` (each split its own shards), or one brace pattern (the training shards, or
+    with ``split="all"`` data to evaluate as a whole; never the held-out part of a training run). A manifest
+    beside pattern shards supplies classes and counts."""
     path = Path(spec_path).expanduser()
     split = "val" if split == "test" else split
-    if path.is_dir():
-        manifest = path / MANIFEST
-        if not manifest.is_file():
-            raise FileNotFoundError(f"{path} holds no {MANIFEST}; write shards with `vitlab data shards` or give a "
-                                    "brace pattern of shard files, e.g. wds:/data/train-{000000..000009}.tar")  # fmt: skip
-        meta = _read_manifest(manifest)
-        if split not in meta["splits"]:
-            raise ValueError(f"{manifest} has no {split!r} split (it has {sorted(meta['splits'])})")
-        part = meta["splits"][split]
-        shards = [str(path / s) for s in part["shards"]]
-        missing = [s for s in shards if not Path(s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{len(missing)} shards listed in {manifest} do not exist (first: {missing[0]})")
-        return ShardSource(shards, [int(c) for c in part["counts"]], meta.get("classes"), f"{path.name}-{split}")
+    named = split_patterns(spec_path)
+    if named is not None:
+        if split not in named:
+            raise ValueError(f"wds:{spec_path} names no {split!r} shards; {SPLIT_FIX}")
+        spec_path, split = named[split], "all"
+    if path.is_dir() and named is None:
+        return _open_written(path, split)
+    if split == "val":
+        raise ValueError(f"wds:{spec_path} names one set of shards, trained on: it is not held-out data; {SPLIT_FIX}")
     shards = expand_pattern(spec_path)
     counts, classes = _counts_beside(shards)
     return ShardSource(shards, counts, classes, Path(shards[0]).stem)
+
+
+def _open_written(path: Path, split: str) -> ShardSource:
+    """One split of a folder written by ``vitlab data shards`` (its ``shards.json``)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{path} holds no {MANIFEST}; write shards with `vitlab data shards` or give a "
+                                "brace pattern of shard files, e.g. wds:/data/train-{000000..000009}.tar")  # fmt: skip
+    meta = _read_manifest(manifest)
+    if split not in meta["splits"]:
+        raise ValueError(f"{manifest} has no {split!r} split (it has {sorted(meta['splits'])})")
+    part = meta["splits"][split]
+    shards = [str(path / s) for s in part["shards"]]
+    missing = [s for s in shards if not Path(s).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} shards listed in {manifest} do not exist (first: {missing[0]})")
+    return ShardSource(shards, [int(c) for c in part["counts"]], meta.get("classes"), f"{path.name}-{split}")
 
 
 def _read_manifest(path: Path) -> dict:

@@ -44,6 +44,9 @@ HELP = {
     "reprob": "random erasing probability (per-pixel noise), e.g. 0.25",
     "aug_repeats": "repeated augmentation: each image this many times per epoch, on different processes (DeiT: 3)",
     "workers": "DataLoader worker processes per training process decoding folder:/wds: data",
+    "shuffle_buffer": "wds: data: each DataLoader worker shuffles its part of the epoch through a buffer of this "
+    "many samples (0: the stored order)",
+    "num_classes": "wds: shards without a shards.json: their number of classes (labels 0 .. N-1)",
     "crop_pct": "evaluation crop of folder:/wds: data: resize to img-size / CROP_PCT, centre crop (default: the model's)",
     "teacher": "distil from this teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file "
     "(needs --dist-token)",

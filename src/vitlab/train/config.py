@@ -64,6 +64,8 @@ class TrainConfig:
     reprob: float = 0.0  # random erasing probability (per-pixel noise)
     aug_repeats: int = 1  # repeated augmentation (DeiT: 3)
     workers: int = 0  # DataLoader workers per process decoding folder:/wds: data
+    shuffle_buffer: int = 2000  # wds: data: samples a DataLoader worker shuffles among (0: stored order)
+    num_classes: int | None = None  # wds: shards without a shards.json: their number of classes
     crop_pct: float | None = None  # evaluation crop of streaming data (default: the model's)
     teacher: str | None = None  # teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file
     teacher_img_size: int | None = None  # the teacher's input size (default: what its file says, else the data's)
@@ -168,6 +170,8 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "reprob": opt.probability,
     "aug_repeats": opt.Int(1, 64),
     "workers": opt.Int(0, 256),
+    "shuffle_buffer": opt.Int(0, 10**7),
+    "num_classes": opt.Int(1, 10**6),
     "crop_pct": opt.Float(0, 2, low_open=True),
     "teacher_img_size": opt.image_size,
     "distillation": opt.Choice("hard", "soft"),

@@ -273,7 +273,8 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
     """Held-out top-1/top-5 of the model (and of its EMA); a sharded model evaluates on every rank."""
     model = run.net.model if run.cfg.fsdp else run.net.raw  # FSDP's forward gathers the shards; the others whole
     ev = evaluate(model, run.data.val_loader, run.device, run.dtype)
-    row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
+    row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"],
+           "val_n": ev["n"], "val_skipped": ev["skipped"]}  # fmt: skip
     if run.ema is not None:
         ev_ema = evaluate(run.ema.module, run.data.val_loader, run.device, run.dtype)
         row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])

@@ -114,6 +114,8 @@ def _loaders(model: Any, trained: dict[str, Any], spec: DataSpec, sizes: list[in
 
     names = model.pretrained_cfg.get("label_names") if spec.kind == "folder" else None
     source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"], classes=names)
+    if getattr(source, "classes", ()) is None:  # plain shards: their classes are the model's
+        source = source.with_num_classes(model.num_classes)
     _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
     return [
         create_loader(source, _eval_transform(model, trained, source, s), batch_size, is_training=False,
@@ -138,9 +140,14 @@ def _eval_transform(model: Any, trained: dict[str, Any], source: Any, size: int)
 
 
 def _eval_split(spec: DataSpec, trained: dict[str, Any]) -> str:
-    """The held-out split of the run's own data, or a whole folder given with ``--data`` (ImageNet's val/)."""
+    """The held-out split of the run's own data, or a whole folder or shard pattern given with ``--data``
+    (ImageNet's val/)."""
     if spec.kind == "folder" and not _same_data(spec, trained.get("data")):
         return "val" if (Path(spec.path).expanduser() / "train").is_dir() else "all"
+    if spec.kind == "wds" and not _same_data(spec, trained.get("data")):
+        from ..data.wds import split_patterns
+
+        return "all" if split_patterns(spec.path) is None and not Path(spec.path).expanduser().is_dir() else "val"
     return "val"
 
 
