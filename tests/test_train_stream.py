@@ -343,7 +343,7 @@ def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tm
     tf = create_transform((24, 24), crop_mode="squash", crop_pct=1.0)
     with torch.no_grad():
         eager = top_k_maps(cnn(torch.stack([tf(f) for f in files])), 2)
-    written = np.stack([np.load(tmp_path / "maps" / f.relative_to(folder).with_suffix(".tl.npy")) for f in files])
+    written = np.stack([np.load(tmp_path / "maps" / f"{f.relative_to(folder)}.tl.npy") for f in files])
     assert written.shape == eager.shape == (80, 2, 2, 11, 11)
     eps = float(np.finfo(np.float16).eps)  # one float16 step of a probability <= 1 (float32 sums differ below it)
     np.testing.assert_allclose(written[:, 0], eager[:, 0], atol=eps, rtol=0)

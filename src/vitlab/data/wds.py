@@ -397,8 +397,8 @@ def write_shards(
 def _sample(src, i: int) -> dict:
     path, label = src.read(i)
     rel = src.files.path(i)
-    sample = {
-        "__key__": rel.rsplit(".", 1)[0].replace(".", "_"),
+    sample = {  # the key leads with the file's index: a.JPEG and a.png stay two samples
+        "__key__": f"{i:09d}_" + rel.replace(".", "_"),
         path.suffix.lower().lstrip("."): path.read_bytes(),
         "cls": str(label).encode(),
     }

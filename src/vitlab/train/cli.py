@@ -55,7 +55,7 @@ HELP = {
     "distill_alpha": "weight of the distillation term",
     "distill_tau": "temperature of soft distillation",
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
-    "token_label": "token labelling (LV-ViT): dense targets beside the images (<stem>.tl.npy, vitlab relabel), "
+    "token_label": "token labelling (LV-ViT): dense targets beside the images (<image name>.tl.npy, vitlab relabel), "
     "MixToken with --cutmix, the dense loss on the model's aux head",
     "token_label_weight": "weight of the dense token-labelling loss",
     "dense_root": "folder of the dense target files, laid out as the images (default: beside them)",
