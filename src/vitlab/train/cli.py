@@ -54,6 +54,8 @@ HELP = {
     "distillation": "hard (DeiT: the teacher's argmax) or soft (KL at temperature --distill-tau)",
     "distill_alpha": "weight of the distillation term",
     "distill_tau": "temperature of soft distillation",
+    "distill_reduction": "soft distillation's KL: deit (summed, divided by batch x classes, as DeiT's code) or "
+    "batchmean (divided by the batch only: classes times larger)",
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
     "token_label": "token labelling (LV-ViT): dense targets beside the images (<image name>.tl.npy, vitlab relabel), "
     "MixToken with --cutmix, the dense loss on the model's aux head",

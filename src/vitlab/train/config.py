@@ -72,6 +72,7 @@ class TrainConfig:
     distillation: str = "hard"  # "hard" (DeiT) or "soft" (KL at temperature distill_tau)
     distill_alpha: float = 0.5
     distill_tau: float = 1.0
+    distill_reduction: str = "deit"  # soft KL: "deit" (sum / (batch x classes), DeiT's code) or "batchmean"
     dist_token: bool = False
     token_label: bool = False  # LV-ViT token labelling: dense targets beside the images, MixToken, aux loss
     token_label_weight: float = 0.5  # weight of the dense aux loss
@@ -177,6 +178,7 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "distillation": opt.Choice("hard", "soft"),
     "distill_alpha": opt.probability,
     "distill_tau": opt.positive_float,
+    "distill_reduction": opt.Choice("deit", "batchmean"),
     "token_label_weight": opt.non_negative_float,
     "save_every": opt.non_negative_int,
     "eval_batch_size": opt.positive_int,
