@@ -3,6 +3,7 @@ and a rank that dies under torchrun."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -30,10 +31,8 @@ def test_a_kill_between_the_last_checkpoint_and_its_log_row_loses_nothing(tmp_pa
         real(folder, rows)
 
     monkeypatch.setattr(checkpointing, "write_log", die_on_the_last_row)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         train(cfg, lambda line: None)
-    except KeyboardInterrupt:
-        pass
     monkeypatch.setattr(checkpointing, "write_log", real)
     assert [r["epoch"] for r in json.loads((out / "log.json").read_text())] == [1]
     assert not (out / "summary.json").exists()
@@ -52,3 +51,50 @@ def test_a_kill_between_the_last_checkpoint_and_its_log_row_loses_nothing(tmp_pa
     except ValueError as e:
         assert "already trained 2 of 2 epochs" in str(e)
     assert torch.equal(load_checkpoint(out / "last.pt")["model"]["head.weight"], last["model"]["head.weight"])
+
+
+def _hung_peer(rank: int, port: int, out: str) -> None:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from vitlab.distributed import init_distributed, peer_failure
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      VITLAB_DIST_TIMEOUT="3")  # fmt: skip
+    init_distributed(torch.device("cpu"))
+    if rank == 1:  # stops answering (a hung or dead rank), then leaves
+        time.sleep(6)
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        message = "no error"
+    except RuntimeError as e:
+        message = peer_failure(e) or f"unrecognised: {e}"
+    with open(out, "w") as f:
+        f.write(message)
+    os._exit(0)
+
+
+def test_a_rank_that_stops_answering_ends_the_others_with_one_line(tmp_path, monkeypatch):
+    """Two gloo processes with VITLAB_DIST_TIMEOUT=3: rank 1 stops answering, rank 0's collective gives up
+    (instead of waiting forever) and the error reads as one line naming the timeout."""
+    import socket
+
+    import pytest
+
+    from vitlab.distributed import collective_timeout
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "message"
+    torch.multiprocessing.spawn(_hung_peer, args=(port, str(out)), nprocs=2, join=True)
+    message = out.read_text()
+    assert message.startswith("another process of this run stopped") and "\n" not in message, message
+    assert "VITLAB_DIST_TIMEOUT (3 s)" in message
+    assert "Timed out" in message  # the timeout ended the wait (rank 1 was still alive)
+    monkeypatch.setenv("VITLAB_DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="VITLAB_DIST_TIMEOUT"):
+        collective_timeout()

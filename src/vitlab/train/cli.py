@@ -204,7 +204,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import close_distributed
+    from ..distributed import close_distributed, peer_failure
     from .engine import train
 
     if args.config:
@@ -214,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     check_model_args(args)
     try:
         train(config_from_args(args))
+    except RuntimeError as e:
+        if (line := peer_failure(e)) is None:
+            raise
+        raise ValueError(line) from None
     finally:
         close_distributed()
     return 0
