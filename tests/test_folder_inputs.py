@@ -116,3 +116,44 @@ def test_relabel_gives_every_image_its_own_map_and_skips_unreadable_ones(tmp_pat
     assert maps == ["img0.jpg.tl.npy", "img0.jpg.tl.npy", "img0.png.tl.npy", "img1.jpg.tl.npy", "img1.jpg.tl.npy"]
     src = open_source(f"folder:{root}", "all")
     assert {src.dense_path(i).name for i in range(len(src))} >= {"img0.png.tl.npy", "img0.jpg.tl.npy"}
+
+
+def test_write_failures_are_one_line(tmp_path, capsys, monkeypatch):
+    """`vitlab data shards` past the file-size limit: one line, no half shard and no buffer flushed at exit; any
+    command whose write fails outside the atomic helpers (e.g. the run lock) too."""
+    import errno
+    import subprocess
+    import sys
+
+    root = make_folder(tmp_path / "src" / "train", per_class=4).parent
+    make_folder(root / "val", per_class=1)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
+            "from vitlab.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, "data", "shards", str(root), str(tmp_path / "w"),
+                          "--shard-size", "100"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "file-size limit" in out.stderr, out.stderr
+    assert not list((tmp_path / "w").glob("*.tar"))
+    import vitlab.rundir as rundir
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / ".vitlab.lock"))
+
+    monkeypatch.setattr(rundir.os, "pwrite", full)
+    capsys.readouterr()
+    assert cli_main(["data", "info", f"folder:{root}"]) == 0  # reads only
+    assert cli_main(["train", "--data", "mnist", "--train-limit", "64", "--epochs", "1", "--out",
+                     str(tmp_path / "run"), "--no-progress", "--threads", "1"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left" in err, err
+
+
+def test_bench_data_reference_pipeline_replaces_a_truncated_jpeg(tmp_path):
+    """The benchmark's reference pipeline meets a truncated JPEG: the next readable file takes its place."""
+    from vitlab.bench.data import ReferenceDataset
+
+    root = make_folder(tmp_path / "d")
+    (root / "a" / "img0.jpg").write_bytes(_jpeg(5)[:60])
+    src = open_source(f"folder:{root}", "all")
+    bad = next(i for i in range(len(src)) if src.path(i).name == "img0.jpg" and src.path(i).parent.name == "a")
+    x, label = ReferenceDataset(src, 8, src.mean, src.std)[bad]
+    assert x.shape == (3, 8, 8) and label == src.read(bad + 1)[1]

@@ -22,7 +22,9 @@ samples of the batches already handed out.
 
 from __future__ import annotations
 
+import io
 import itertools
+import tarfile
 import json
 import random
 import re
@@ -82,8 +84,6 @@ def image_member(sample: dict) -> str | None:
 
 def count_shard(path: str) -> int:
     """Samples in a shard from its tar headers alone (``tarfile`` seeks over the file contents)."""
-    import tarfile
-
     key = _webdataset().tariterators.base_plus_ext
     try:
         with tarfile.open(path, "r:") as tar:
@@ -363,7 +363,6 @@ def write_shards(
     from ..io import atomic_open, write_json_atomic
     from .sources import open_folder
 
-    wds = _webdataset()
     if shard_size < 1:
         raise ValueError(f"shard size must be >= 1, got {shard_size}")
     out = Path(out).expanduser()
@@ -383,15 +382,23 @@ def write_shards(
             name = f"{split}-{s:06d}.tar"
             part = order[first : first + shard_size]
             with atomic_open(out / name, "wb") as f:
-                writer = wds.TarWriter(f, encoder=False, mtime=0)
-                for i in part:
-                    writer.write(_sample(src, int(i)))
-                writer.close()
+                with tarfile.open(fileobj=f, mode="w") as tar:  # not a stream: a
+                    for i in part:  # failed write leaves no buffer behind to flush at exit
+                        _add_sample(tar, _sample(src, int(i)))
             names.append(name)
             counts.append(len(part))
         meta["splits"][split] = {"shards": names, "counts": counts}
     write_json_atomic(out / MANIFEST, meta)
     return meta
+
+
+def _add_sample(tar: tarfile.TarFile, sample: dict) -> None:
+    """The members ``<key>.<ext>`` of one sample, next to each other (WebDataset's layout)."""
+    key = sample.pop("__key__")
+    for ext, data in sample.items():
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size, info.mtime, info.mode = len(data), 0, 0o444
+        tar.addfile(info, io.BytesIO(data))
 
 
 def _sample(src, i: int) -> dict:
