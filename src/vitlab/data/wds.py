@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import io
 import itertools
-import tarfile
 import json
 import random
 import re
+import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -381,10 +381,10 @@ def write_shards(
         for s, first in enumerate(range(0, len(order), shard_size)):
             name = f"{split}-{s:06d}.tar"
             part = order[first : first + shard_size]
-            with atomic_open(out / name, "wb") as f:
-                with tarfile.open(fileobj=f, mode="w") as tar:  # not a stream: a
-                    for i in part:  # failed write leaves no buffer behind to flush at exit
-                        _add_sample(tar, _sample(src, int(i)))
+            # a plain (not stream) tar: a failed write leaves no buffer behind to flush at exit
+            with atomic_open(out / name, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+                for i in part:
+                    _add_sample(tar, _sample(src, int(i)))
             names.append(name)
             counts.append(len(part))
         meta["splits"][split] = {"shards": names, "counts": counts}
