@@ -98,3 +98,41 @@ def test_a_rank_that_stops_answering_ends_the_others_with_one_line(tmp_path, mon
     monkeypatch.setenv("VITLAB_DIST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="VITLAB_DIST_TIMEOUT"):
         collective_timeout()
+
+
+def test_friction_options_print_config_threads_crop_pct_and_folder_subsets(tmp_path, capsys, monkeypatch):
+    """--print-config prints the resolved recipe and flags and trains nothing; threads default to 1 when the
+    workers leave no spare core; `vitlab eval --crop-pct` sets the crop of streaming data; --train-limit takes a
+    seeded random subset of a folder (shards refuse it in one line)."""
+    import types
+
+    import numpy as np
+    from PIL import Image
+
+    import vitlab
+    from vitlab.cli import main as cli_main
+    from vitlab.data import open_source
+    from vitlab.train.data import open_data
+    from vitlab.train.evaluate import _eval_transform
+
+    out = tmp_path / "printed"
+    assert cli_main(["train", "--config", "deit_tiny", "--lr", "0.01", "--print-config", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == "deit_tiny_patch16_224" and printed["lr"] == 0.01 and printed["base_lr"] is None
+    assert printed["epochs"] == 300 and not out.exists()
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert TrainConfig(workers=2).auto_threads == 1 and TrainConfig().auto_threads == 2
+    assert TrainConfig(workers=2, threads=3).auto_threads == 3
+    for c in ("a", "b"):
+        (tmp_path / "f" / c).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray(np.full((12, 12, 3), 20 * i, np.uint8)).save(tmp_path / "f" / c / f"{i}.png")
+    folder = open_source(f"folder:{tmp_path / 'f'}", "all")
+    model = vitlab.create_model("deit_mini", img_size=16, patch_size=8, depth=1, embed_dim=16, num_classes=2)
+    tf = _eval_transform(model, {"trained": False}, folder, 16, crop_pct=0.5)
+    assert tf.crop.crop_pct == 0.5 and _eval_transform(model, {"trained": False}, folder, 16).crop.crop_pct != 0.5
+    run = types.SimpleNamespace(cfg=TrainConfig(data=f"folder:{tmp_path / 'f'}", train_limit=5, batch_size=2),
+                                world=types.SimpleNamespace(size=1))  # fmt: skip
+    open_data(run)
+    assert len(run.train_ds) == 5 and run.train_ds.num_classes == 2
+    assert {str(run.train_ds.path(i)) for i in range(5)} < {str(folder.path(i)) for i in range(12)}

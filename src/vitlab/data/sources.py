@@ -152,6 +152,12 @@ class FolderSource:
     def dense_path(self, i: int) -> Path:
         return dense_file((self.dense_root or self.root) / self.files.path(i))
 
+    def subset(self, indices) -> FolderSource:
+        """The files at ``indices`` (e.g. a seeded random subset for a quick run), same classes and root."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return FolderSource(self.root, self.files.subset(idx), self.classes, f"{self.name}[{len(idx)}]",
+                            self.dense_root, self.mean, self.std, dict(self.extra))  # fmt: skip
+
     def class_counts(self) -> list[int]:
         return np.bincount(self.files.labels, minlength=self.num_classes).tolist()
 

@@ -46,7 +46,7 @@ RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_roo
 RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
 RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
 RESUME_NOTED += ("base_lr", "reprob", "color_jitter", "crop_pct", "distillation", "distill_alpha", "distill_tau")
-RESUME_NOTED += ("token_label_weight", "auto_augment", "workers")
+RESUME_NOTED += ("token_label_weight", "auto_augment", "workers", "shuffle_buffer", "distill_reduction")
 
 
 class ResumeError(ValueError):

@@ -33,10 +33,10 @@ HELP = {
     "ema": "keep an EMA of the weights with this decay, e.g. 0.999 (0: off)",
     "amp": "autocast: auto = fp16 with a gradient scaler on GPU, off on CPU; bf16 on CPU or GPU",
     "seed": "seed of the initial weights, data order and augmentation",
-    "threads": "torch threads per process (0: torch's default)",
+    "threads": "torch threads per process (0: torch's default; default 2, 1 when --workers leave no spare core)",
     "img_size": "train at this input size (default: the data's)",
     "holdout": "held-out images of the embedded MNIST (default 1000)",
-    "train_limit": "train on a random N of the training images (quick runs)",
+    "train_limit": "train on a seeded random N of the training images (quick runs; in-memory data and folders)",
     "crop_padding": "random-crop padding in pixels (0: no crop)",
     "hflip": "horizontal flip probability (default 0 for digits, else 0.5)",
     "auto_augment": "RandAugment spec, e.g. rand-m9-n2-mstd0.5",
@@ -133,6 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     start.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or lines")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the options the run would use (recipe and flags resolved) as JSON and exit without training",
+    )
     add_device_argument(p)
 
 
@@ -212,6 +217,12 @@ def run(args: argparse.Namespace) -> int:
 
         apply_recipe(args)
     check_model_args(args)
+    if args.print_config:
+        import json
+
+        cfg = config_from_args(args)
+        print(json.dumps({**dataclasses.asdict(cfg), "threads": cfg.auto_threads}, indent=2, default=str))
+        return 0
     try:
         train(config_from_args(args))
     except RuntimeError as e:

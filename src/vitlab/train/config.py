@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -52,7 +53,7 @@ class TrainConfig:
     ema: float = 0.0  # EMA decay; 0 = no EMA
     amp: str = "auto"  # auto: fp16 + scaler on CUDA, off on CPU; bf16: autocast to bfloat16
     seed: int = 0
-    threads: int = 2  # torch.set_num_threads per process; 0 = torch's default
+    threads: int | None = None  # torch.set_num_threads per process; 0 = torch's default; None: auto_threads
     device: str = "auto"
     img_size: int | None = None  # default: the dataset's
     holdout: int | None = None  # held-out images of the embedded MNIST (default 1000)
@@ -96,6 +97,15 @@ class TrainConfig:
     def spec(self) -> DataSpec:
         """``data`` parsed (once per config; ``data`` itself stays the text checkpoints and run records keep)."""
         return DataSpec.parse(self.data)
+
+    @property
+    def auto_threads(self) -> int:
+        """The torch threads of a process when ``threads`` is not set: 2, fewer when DataLoader workers would
+        otherwise share the cores with them (2 threads and 2 workers on 2 cores ran 6-7x slower than 1 thread)."""
+        if self.threads is not None:
+            return self.threads
+        spare = (os.cpu_count() or 2) - self.workers
+        return max(1, min(2, spare)) if self.workers else 2
 
     @property
     def global_batch(self) -> int:

@@ -59,8 +59,9 @@ def open_data(run: Run) -> None:
         raise TrainingError("--token-label reads dense targets beside the images: use --data folder:... or wds:...")
     train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
     if cfg.train_limit:
-        if cfg.spec.streaming:
-            raise TrainingError("--train-limit applies to in-memory data; for a folder, generate a smaller one")
+        if cfg.spec.kind == "wds":
+            raise TrainingError("--train-limit picks files at random, which shards cannot; name fewer shards "
+                                "(wds:train=PATTERN,val=PATTERN) or use the folder")  # fmt: skip
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
         train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
     if cfg.batch_size > len(train_ds):
