@@ -136,3 +136,20 @@ def test_friction_options_print_config_threads_crop_pct_and_folder_subsets(tmp_p
     open_data(run)
     assert len(run.train_ds) == 5 and run.train_ds.num_classes == 2
     assert {str(run.train_ds.path(i)) for i in range(5)} < {str(folder.path(i)) for i in range(12)}
+
+
+def test_a_saved_config_with_a_huge_depth_is_one_line(tmp_path, capsys):
+    """A checkpoint whose recorded constructor options ask for 10^9 blocks: `vitlab eval` refuses in one line
+    instead of building it (which ran until killed)."""
+    import vitlab
+    from vitlab.checkpoint import save_checkpoint
+    from vitlab.cli import main as cli_main
+
+    kw = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1, embed_dim=16)
+    model = vitlab.create_model("deit_mini", **kw)
+    save_checkpoint({"model_name": "deit_mini", "model_kwargs": {**kw, "depth": 10**9}, "model": model.state_dict(),
+                     "epoch": 1, "config": {"data": "mnist"}}, tmp_path / "huge.pt")  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(["eval", str(tmp_path / "huge.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "depth=1000000000 is more than 1024 blocks" in err

@@ -162,7 +162,6 @@ SET_BY_TRAIN = {
     "drop_path_rate": "--drop-path",
     "dist_token": "--dist-token",
 }
-MAX_DEPTH = 1024  # a bound for blocks (the papers' deepest model has 32), so a typo cannot exhaust the memory
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -173,7 +172,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     import torch
 
     from ..models import build_model
-    from ..models.registry import MODELS
+    from ..models.registry import MAX_DEPTH, MODELS
     from ..options import check_keyword_values
 
     overrides = parse_model_args(args.model_args)
