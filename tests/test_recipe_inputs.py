@@ -48,7 +48,7 @@ def test_wrong_types_folders_and_binary_files_are_one_line(tmp_path, capsys):
     binary.write_bytes(b"\xff\xfe\x00model: x")
     assert "not UTF-8" in _refused(capsys, binary)
     (tmp_path / "folder.yaml").mkdir()
-    _refused(capsys, tmp_path / "folder.yaml")
+    assert "is a folder" in _refused(capsys, tmp_path / "folder.yaml")
 
 
 def test_a_distillation_recipe_needs_a_teacher(tmp_path, capsys):

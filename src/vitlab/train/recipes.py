@@ -44,6 +44,8 @@ def find_recipe(name: str) -> Path:
     path = Path(name).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"--config {name} is a folder; give a recipe file (.yaml, .yml or .toml) or a recipe name")
     if path.suffix in SUFFIXES or "/" in name:
         raise FileNotFoundError(f"--config {name}: no such recipe file")
     local = next((Path("recipes") / f"{name}{s}" for s in SUFFIXES if (Path("recipes") / f"{name}{s}").is_file()), None)
