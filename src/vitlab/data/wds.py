@@ -22,6 +22,7 @@ samples of the batches already handed out.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -276,9 +277,10 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _raw(self, epoch: int, worker: int) -> Iterator[dict]:
         for i, skip, take in self.pieces(epoch, *self.worker_span(worker)):
             path, got = self.source.shards[i], 0
-            for sample in itertools.islice(iter_shard(path), skip, skip + take):
-                got += 1
-                yield sample
+            with contextlib.closing(iter_shard(path)) as samples:  # the file closes when the part is read
+                for sample in itertools.islice(samples, skip, skip + take):
+                    got += 1
+                    yield sample
             if got < take:
                 raise ValueError(f"shard {path} holds fewer samples than the {self.source.counts[i]} listed for "
                                  f"it; re-write {MANIFEST} (or delete it to count the shards)")  # fmt: skip
