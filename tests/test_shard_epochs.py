@@ -30,14 +30,16 @@ def _png(value: int) -> bytes:
     return buf.getvalue()
 
 
-def write_numbered_shards(root: Path, counts=COUNTS, prefix: str = "train") -> str:
-    """Shards ``prefix-NNN.tar`` of ``counts`` samples whose class is their number; their brace pattern."""
+def write_numbered_shards(root: Path, counts=COUNTS, prefix: str = "train", bad: frozenset = frozenset()) -> str:
+    """Shards ``prefix-NNN.tar`` of ``counts`` samples whose class is their number (those in ``bad`` with bytes
+    that are no image); their brace pattern."""
     root.mkdir(parents=True, exist_ok=True)
     number = 0
     for s, count in enumerate(counts):
         with tarfile.open(root / f"{prefix}-{s:03d}.tar", "w") as tar:
             for _ in range(count):
-                for ext, data in (("png", _png(number)), ("cls", str(number).encode())):
+                image = b"not an image" if number in bad else _png(number)
+                for ext, data in (("png", image), ("cls", str(number).encode())):
                     info = tarfile.TarInfo(f"k{number:05d}.{ext}")
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
@@ -156,3 +158,18 @@ def test_training_on_plain_shards_evaluates_on_the_named_held_out_shards(tmp_pat
     assert summary["log"][-1]["val_n"] == 5 and summary["log"][-1]["val_skipped"] == 0
     with pytest.raises(ValueError, match="--num-classes"):
         train(dataclasses.replace(cfg, num_classes=None, out=str(tmp_path / "r2")), lambda line: None)
+
+
+def test_unreadable_samples_are_dropped_counted_and_a_wholly_unreadable_training_batch_stops(tmp_path):
+    """Evaluation drops and counts unreadable samples (never a substitute); a training batch with no readable
+    image stops the run in one line (a rank skipping a step would leave the other ranks waiting)."""
+    source = open_source(f"wds:{write_numbered_shards(tmp_path / 's', (6,), bad=frozenset({0, 1, 2}))}", "train")
+    loader = create_loader(source, create_transform(8), 2, is_training=False, max_bad_fraction=1.0)
+    with pytest.warns(UserWarning, match="unreadable image skipped"):
+        assert sorted(int(v) for _, y in loader for v in y) == [3, 4, 5]
+    assert len(loader.bad_files) == 3
+    train = create_loader(source, create_transform(8, True), 3, is_training=True, shuffle_buffer=0,
+                          max_bad_fraction=1.0)  # fmt: skip
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no image of a training batch") as e:
+        list(train)
+    assert "\n" not in str(e.value)

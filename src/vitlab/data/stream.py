@@ -291,8 +291,11 @@ class StreamLoader:
                 self.start += 1
                 if len(sb.labels):
                     yield self.finish(sb)
-                else:
-                    self._count_bad(sb.bad)
+                    continue
+                self._count_bad(sb.bad)
+                if getattr(self.dataset, "train", False):  # a rank skipping a step would stall the others
+                    raise ValueError(f"no image of a training batch can be decoded ({len(sb.bad)} unreadable, "
+                                     f"e.g. {sb.bad[0]}); repair or remove them")  # fmt: skip
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(_worker_message(e)) from None
 
