@@ -418,7 +418,7 @@ def test_dense_targets_through_the_loader(synth, tmp_path):
 
 def test_shards_written_from_a_folder_read_back_and_resume(synth, tmp_path):
     pytest.importorskip("webdataset")
-    from vitlab.data.wds import write_shards
+    from vitlab.data.shard_writer import write_shards
 
     meta = write_shards(synth, tmp_path / "shards", shard_size=5)
     assert [sum(v["counts"]) for v in meta["splits"].values()] == [24, 6]
@@ -447,7 +447,8 @@ def test_shard_streams_split_by_rank_and_worker_per_epoch_and_resume_on_every_ra
     with the epoch; a rank's loader stopped mid-epoch and resumed from its state gives that rank's remaining
     batches."""
     pytest.importorskip("webdataset")
-    from vitlab.data.wds import ShardStream, write_shards
+    from vitlab.data.shard_writer import write_shards
+    from vitlab.data.wds import ShardStream
 
     write_shards(synth, tmp_path / "shards", shard_size=3)  # 8 train shards
     train = open_source(f"wds:{tmp_path / 'shards'}", "train")

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
               f"in {time.perf_counter() - t0:.1f} s; use it as --data folder:{args.out}")  # fmt: skip
         return 0
     if args.action == "shards":
-        from .data.wds import write_shards
+        from .data.shard_writer import write_shards
 
         check_writable_folder(args.out, "OUT")
         meta = write_shards(args.src, args.out, shard_size=args.shard_size)
