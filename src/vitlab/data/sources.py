@@ -106,16 +106,17 @@ def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str]
             f"{root} lacks {len(missing)} of the {len(classes)} training classes ({missing[0]}, ...)", stacklevel=2
         )
     index = {c: i for i, c in enumerate(classes)}
-    paths, labels = [], []
+    paths, labels, empty = [], [], []
     for name in found:
         files = _image_files(root / name, name)
-        if not files and defines_classes:
-            raise ValueError(f"class folder {root / name} holds no images; add its images or remove the folder "
-                             "(an empty class would shift the class count and every later label)")  # fmt: skip
+        empty += [] if files else [name]
         paths += files
         labels += [index[name]] * len(files)
     if not paths:
         raise ValueError(f"image folder {root} has no images in class subfolders; expected {LAYOUT}")
+    if empty and defines_classes:
+        raise ValueError(f"class folder {root / empty[0]} holds no images ({len(empty)} empty in all); add their "
+                         "images or remove them (an empty class would shift the class count and later labels)")  # fmt: skip
     return classes, FileList(paths, labels)
 
 
