@@ -141,6 +141,10 @@ def test_a_pattern_is_never_its_own_held_out_set(tmp_path, capsys):
     with pytest.raises(ValueError, match="--num-classes"):
         _ = plain.num_classes
     assert plain.with_num_classes(8).num_classes == 8
+    with pytest.raises(ValueError, match=r"class 2 is outside the 2 classes") as e:  # the held-out labels: 0, 1, 2
+        list(create_loader(open_source(both, "val").with_num_classes(2), create_transform(8), 4, is_training=False,
+                           workers=1))  # fmt: skip
+    assert "\n" not in str(e.value)
     assert main(["data", "info", both, "--split", "val"]) == 0
     assert '"images": 3' in capsys.readouterr().out
 

@@ -308,9 +308,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         if key is None:
             raise UnreadableImage(f"{name}: sample has no image member")
         try:
-            return bytes(sample[key]), int(sample["cls"].decode().strip())
+            label = int(sample["cls"].decode().strip())
         except (KeyError, ValueError, UnicodeDecodeError):
             raise UnreadableImage(f"{name}: no integer .cls member") from None
+        classes = self.source.classes
+        if classes is not None and not 0 <= label < len(classes):  # else a wrong loss, or a crash on a GPU
+            raise ValueError(f"{name}: class {label} is outside the {len(classes)} classes of {self.source.name}; "
+                             "check --num-classes or the shards' shards.json")  # fmt: skip
+        return bytes(sample[key]), label
 
     def _dense(self, sample: dict, box):
         if self.dense_grid is None:
