@@ -418,7 +418,7 @@ def test_dense_targets_through_the_loader(synth, tmp_path):
 
 def test_shards_written_from_a_folder_read_back_and_resume(synth, tmp_path):
     pytest.importorskip("webdataset")
-    from vitlab.data.wds import write_shards
+    from vitlab.data.shard_writer import write_shards
 
     meta = write_shards(synth, tmp_path / "shards", shard_size=5)
     assert [sum(v["counts"]) for v in meta["splits"].values()] == [24, 6]
@@ -443,10 +443,12 @@ def test_shards_written_from_a_folder_read_back_and_resume(synth, tmp_path):
 
 
 def test_shard_streams_split_by_rank_and_worker_per_epoch_and_resume_on_every_rank(synth, tmp_path):
-    """Every epoch's first round hands each shard to exactly one (rank, worker), in an order that changes with the
-    epoch; a rank's loader stopped mid-epoch and resumed from its state gives that rank's remaining batches."""
+    """Every epoch hands each sample of each shard to exactly one (rank, worker), in a shard order that changes
+    with the epoch; a rank's loader stopped mid-epoch and resumed from its state gives that rank's remaining
+    batches."""
     pytest.importorskip("webdataset")
-    from vitlab.data.wds import ShardStream, write_shards
+    from vitlab.data.shard_writer import write_shards
+    from vitlab.data.wds import ShardStream
 
     write_shards(synth, tmp_path / "shards", shard_size=3)  # 8 train shards
     train = open_source(f"wds:{tmp_path / 'shards'}", "train")
@@ -454,9 +456,10 @@ def test_shard_streams_split_by_rank_and_worker_per_epoch_and_resume_on_every_ra
     streams = [ShardStream(train, tf.crop, tf.batch, batch_size=2, train=True, seed=3, rank=r, world_size=2,
                            workers=2) for r in range(2)]  # fmt: skip
     for epoch in (0, 1):
-        reads = [s._shards(epoch, w, 0) for s in streams for w in range(2)]
-        assert sorted(s for r in reads for s in r) == sorted(train.shards) and all(len(r) == 2 for r in reads)
-    assert [s._shards(0, w, 0) for s in streams for w in range(2)] != reads
+        reads = [(i, k) for s in streams for w in range(2) for i, skip, take in s.pieces(epoch, *s.worker_span(w))
+                 for k in range(skip, skip + take)]  # fmt: skip
+        assert sorted(reads) == [(i, k) for i in range(8) for k in range(3)]
+    assert streams[0].shard_order(0) != streams[0].shard_order(1)
     for rank in (0, 1):
         kw = dict(is_training=True, workers=2, seed=3, rank=rank, world_size=2, shuffle_buffer=4)
         full = create_loader(train, tf, 2, **kw)

@@ -408,3 +408,23 @@ def test_expressions_and_guards():
         assert check_guard(ok) is None, ok
     for bad in ("__import__('os').system('x')", "L['x'].__class__", "open('f')", "L['x'].size(0) == (lambda: 1)()"):
         assert check_guard(bad) is not None, bad
+
+
+def test_wrong_weights_and_oversized_archives_are_one_line_before_loading(program, tmp_path, monkeypatch):
+    """A weight with fewer bytes than its shape needs is named (not torch's deserialisation error); a member
+    that would inflate past the bound (a zip bomb) and a file larger than any teacher are refused unread."""
+    import vitlab.train.teacher_safety as safety
+
+    short = craft(program, tmp_path / "short.pt2", members={"data/weights/weight_0": b"\0" * 8})
+    with pytest.raises(TeacherError, match=r"'conv.weight' holds 8 bytes where its shape and dtype need 864"):
+        load_teacher(short, img_size=24)
+    bomb = tmp_path / "bomb.pt2"
+    with zipfile.ZipFile(program) as src, zipfile.ZipFile(bomb, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+        dst.writestr("good/extra", b"\0" * 2**22, compress_type=zipfile.ZIP_DEFLATED)  # 4 MiB -> ~4 KiB
+    with pytest.raises(TeacherError, match="would unpack to"):
+        load_teacher(bomb, img_size=24)
+    monkeypatch.setattr(safety, "MAX_TEACHER_BYTES", 1000)
+    with pytest.raises(TeacherError, match="more than any teacher"):
+        load_teacher(program, img_size=24)

@@ -281,11 +281,13 @@ def test_soft_and_hard_distillation_equal_deit_equations_for_exported_teachers(t
     naive_hard = 0.5 * F.cross_entropy(cls, y) + 0.5 * F.cross_entropy(dist, z_t.argmax(-1))
     torch.testing.assert_close(hard, naive_hard, rtol=1e-5, atol=1e-6)
     tau, alpha = 3.0, 0.7
-    soft = DistillationLoss(teacher, "soft", alpha, tau, 0.0)(x, out, y)
     p_t, log_p_s = (z_t / tau).softmax(-1), (dist.double() / tau).log_softmax(-1)
-    kl = (p_t * (p_t.log() - log_p_s)).sum(-1).mean()
-    naive_soft = (1 - alpha) * F.cross_entropy(cls.double(), y) + alpha * tau**2 * kl
-    torch.testing.assert_close(soft.double(), naive_soft, rtol=1e-5, atol=1e-6)
+    pointwise = p_t * (p_t.log() - log_p_s)  # (B, C): DeiT's code sums these and divides by B x C by default
+    for reduction, kl in (("deit", pointwise.sum() / pointwise.numel()), ("batchmean", pointwise.sum(-1).mean())):
+        soft = DistillationLoss(teacher, "soft", alpha, tau, 0.0, reduction)(x, out, y)
+        naive_soft = (1 - alpha) * F.cross_entropy(cls.double(), y) + alpha * tau**2 * kl
+        torch.testing.assert_close(soft.double(), naive_soft, rtol=1e-5, atol=1e-6)
+    assert DistillationLoss(teacher, "soft", alpha, tau).reduction == "deit"
     soft.backward()  # the student learns, the teacher does not
     assert student.head_dist.weight.grad is not None
     assert all(not p.requires_grad for p in teacher.parameters())
@@ -343,7 +345,7 @@ def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tm
     tf = create_transform((24, 24), crop_mode="squash", crop_pct=1.0)
     with torch.no_grad():
         eager = top_k_maps(cnn(torch.stack([tf(f) for f in files])), 2)
-    written = np.stack([np.load(tmp_path / "maps" / f.relative_to(folder).with_suffix(".tl.npy")) for f in files])
+    written = np.stack([np.load(tmp_path / "maps" / f"{f.relative_to(folder)}.tl.npy") for f in files])
     assert written.shape == eager.shape == (80, 2, 2, 11, 11)
     eps = float(np.finfo(np.float16).eps)  # one float16 step of a probability <= 1 (float32 sums differ below it)
     np.testing.assert_allclose(written[:, 0], eager[:, 0], atol=eps, rtol=0)

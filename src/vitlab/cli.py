@@ -115,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{args._prog}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write the atomic helpers do not wrap (a lock file, a stream): full disk, size limit
+        from .io import WRITE_ERRNOS
+
+        if args.debug or e.errno not in WRITE_ERRNOS:
+            raise
+        where = f" {os.fsdecode(e.filename)}" if e.filename else ""
+        print(f"{args._prog}: error: could not write{where}: {WRITE_ERRNOS[e.errno]}", file=sys.stderr)
+        return 2
     except (MemoryError, RuntimeError) as e:  # out of memory in any command: one line (others: a traceback)
         if args.debug or not is_out_of_memory(e):
             raise

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
               f"in {time.perf_counter() - t0:.1f} s; use it as --data folder:{args.out}")  # fmt: skip
         return 0
     if args.action == "shards":
-        from .data.wds import write_shards
+        from .data.shard_writer import write_shards
 
         check_writable_folder(args.out, "OUT")
         meta = write_shards(args.src, args.out, shard_size=args.shard_size)
@@ -69,5 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
     src = open_source(args.spec, args.split)
     counts = src.class_counts() if hasattr(src, "class_counts") else None
-    print(json.dumps({"source": repr(src), "images": len(src), "classes": src.num_classes, "class_counts": counts}))
+    classes = None if getattr(src, "classes", ()) is None else src.num_classes  # plain shards: not known
+    print(json.dumps({"source": repr(src), "images": len(src), "classes": classes, "class_counts": counts}))
     return 0

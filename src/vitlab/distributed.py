@@ -12,6 +12,11 @@ process group they form (NCCL on GPUs, gloo on the CPU). A model is then spread 
   backward only, so a model too large for one device trains on several. The model keeps its class; its
   parameters become ``DTensor`` shards.
 
+A process that dies or hangs must not leave the others waiting forever: ``torchrun`` stops the others when
+one of its workers exits, and every collective (and the process group's set-up) gives up after
+``VITLAB_DIST_TIMEOUT`` seconds (default 900: long enough for rank 0 to write a large checkpoint while the
+others wait at a barrier), raising an error that :func:`peer_failure` turns into one line.
+
 A sharded model is checkpointed through ``torch.distributed.checkpoint`` by :mod:`vitlab.checkpoint.sharded`
 (which uses this module, never the other way).
 """
@@ -49,15 +54,46 @@ def current_world() -> World:
     return World(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")))
 
 
+DEFAULT_TIMEOUT_S = 900
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for the other processes: ``VITLAB_DIST_TIMEOUT`` (default 900)."""
+    text = os.environ.get("VITLAB_DIST_TIMEOUT", "")
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"VITLAB_DIST_TIMEOUT must be a number of seconds > 0, got {text!r}")
+    return seconds
+
+
 def init_distributed(device: torch.device) -> World:
-    """Join the process group of a ``torchrun`` launch (NCCL for GPUs, gloo for the CPU); alone, nothing."""
+    """Join the process group of a ``torchrun`` launch (NCCL for GPUs, gloo for the CPU), every collective
+    bounded by :func:`collective_timeout`; alone, nothing."""
+    from datetime import timedelta
+
     world = current_world()
     if world.size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=collective_timeout())
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     return world
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """One line for an error of the process group (another process died, hung past the timeout, or the
+    connection broke); None for any other error."""
+    if not isinstance(e, dist.DistError) and not any(
+        w in str(e) for w in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting")
+    ):
+        return None
+    first = " ".join(str(e).strip().split("\n")[0].split())[:200]
+    return (f"another process of this run stopped or stopped answering ({first}); see its own error, and "
+            f"VITLAB_DIST_TIMEOUT ({collective_timeout():g} s) for how long a process waits")  # fmt: skip
 
 
 def close_distributed() -> None:

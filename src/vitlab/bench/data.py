@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,14 @@ class ReferenceDataset(torch.utils.data.Dataset):
         return len(self.source)
 
     def __getitem__(self, i: int):
+        for k in range(16):  # an unreadable file is replaced by the next one, as vitlab's training loader does
+            try:
+                return self._sample((i + k) % len(self))
+            except OSError:  # Pillow's truncated or unidentified image
+                continue
+        raise ValueError(f"16 files in a row from {self.source.path(i)} on cannot be decoded; repair or remove them")
+
+    def _sample(self, i: int):
         import numpy as np
         from PIL import Image
 
@@ -231,18 +240,18 @@ def replicate(src_root: Path, dst: Path, files: int) -> Path:
 
 
 def loader_memory(src_root: Path, work: Path) -> list[dict[str, int]]:
-    """Fresh-process probes at 2,000 and 20,000 files in the order A B B A; per size the lower reading of
-    each measure (what batches happen to be in flight adds noise of its own, never less memory)."""
+    """Fresh-process probes at 2,000 and 20,000 files in the order A B B A A B; per size the median of the
+    three readings of each measure (one reading alone swung 2x with the batches that happened to be in flight)."""
     roots = {n: replicate(src_root, work / f"mem{n}", n) for n in (2000, 20000)}
     readings: dict[int, list[dict[str, int]]] = {n: [] for n in roots}
-    for files in (2000, 20000, 20000, 2000):
+    for files in (2000, 20000, 20000, 2000, 2000, 20000):
         code = f"import json; from vitlab.bench.data import memory_probe; print(json.dumps(memory_probe({str(roots[files])!r})))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         readings[files].append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = readings[files][-1]
         print(f"  loader memory with {files} files: RSS {r['rss'] / 2**20:.0f} MiB, PSS {r['pss'] / 2**20:.0f} MiB "
               f"over {r['processes']} processes", flush=True)  # fmt: skip
-    return [{k: min(r[k] for r in rs) for k in rs[0]} for rs in readings.values()]
+    return [{k: statistics.median_low(r[k] for r in rs) for k in rs[0]} for rs in readings.values()]
 
 
 # --------------------------------------------------------------------------- the run

@@ -260,8 +260,9 @@ def create_loader(
     shuffle_buffer: int = 2000,
 ) -> BatchLoader | StreamLoader:
     """The loader of ``source`` (see the module docstring). Training shuffles, drops the last short batch and
-    with ``repeats > 1`` uses repeated augmentation; evaluation visits every sample exactly once over the
-    ranks. ``dense_grid`` (the patch grid) turns on dense token-label targets; ``mix`` runs on the main
+    with ``repeats > 1`` uses repeated augmentation (shards: every sample once per epoch, the last batch short,
+    through a ``shuffle_buffer`` of samples; see :mod:`vitlab.data.wds`); evaluation visits every sample exactly
+    once over the ranks. ``dense_grid`` (the patch grid) turns on dense token-label targets; ``mix`` runs on the main
     process (MixupCutmix, or MixToken with dense targets). ``transform_on_device`` runs the batch stage where
     the batch is consumed (default; workers send uint8), else in the workers."""
     drop_last = is_training if drop_last is None else drop_last

@@ -8,8 +8,12 @@ into every worker page by page, as reference counts are touched), so the loader'
 the dataset. Validation labels follow the training classes *by name*: a val class train does not have is an
 error (the labels would silently shift otherwise), a val folder lacking some classes is fine.
 
-Dense token-label targets (see :mod:`vitlab.data.tokenlabel`) are read per image from ``<image stem>.tl.npy``
-beside the image, or from ``<dense_root>/<class>/<stem>.tl.npy``.
+Only regular files are listed (a named pipe or a device among the images would block a reader forever); a
+class folder without images is an error (the class count and every later label would shift silently).
+
+Dense token-label targets (see :mod:`vitlab.data.tokenlabel`) are read per image from ``<image name>.tl.npy``
+beside the image (``a.JPEG.tl.npy``: the whole name, so ``a.JPEG`` and ``a.png`` have maps of their own), or
+from ``<dense_root>/<class>/<image name>.tl.npy``.
 """
 
 from __future__ import annotations
@@ -58,14 +62,26 @@ def _class_dirs(root: Path) -> list[str]:
 
 
 def _image_files(folder: Path, prefix: str) -> list[str]:
-    """Image files under ``folder`` (recursively), as paths relative to the split root, sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        rel = os.path.relpath(dirpath, folder)
-        base = prefix if rel == "." else f"{prefix}/{rel}"
-        out += [f"{base}/{f}" for f in sorted(filenames) if os.path.splitext(f)[1].lower() in IMAGE_EXTS]
+    """Regular image files under ``folder`` (recursively), as paths relative to the split root, sorted.
+    ``DirEntry.is_file`` is False for pipes, sockets and devices (and follows symlinks to regular files)."""
+    out, dirs = [], []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                dirs.append(e.name)
+            elif e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_EXTS:
+                out.append(f"{prefix}/{e.name}")
+    out.sort()
+    for d in sorted(dirs):
+        out += _image_files(folder / d, f"{prefix}/{d}")
     return out
+
+
+def dense_file(image: Path) -> Path:
+    """Where the dense token-label maps of ``image`` live: ``<image name>.tl.npy`` beside it."""
+    return image.with_name(image.name + DENSE_SUFFIX)
 
 
 def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str], FileList]:
@@ -74,6 +90,7 @@ def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str]
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist; expected {LAYOUT}")
     found = _class_dirs(root)
+    defines_classes = classes is None
     if classes is None:
         classes = found
     unknown = sorted(set(found) - set(classes))
@@ -89,13 +106,17 @@ def scan_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str]
             f"{root} lacks {len(missing)} of the {len(classes)} training classes ({missing[0]}, ...)", stacklevel=2
         )
     index = {c: i for i, c in enumerate(classes)}
-    paths, labels = [], []
+    paths, labels, empty = [], [], []
     for name in found:
         files = _image_files(root / name, name)
+        empty += [] if files else [name]
         paths += files
         labels += [index[name]] * len(files)
     if not paths:
         raise ValueError(f"image folder {root} has no images in class subfolders; expected {LAYOUT}")
+    if empty and defines_classes:
+        raise ValueError(f"class folder {root / empty[0]} holds no images ({len(empty)} empty in all); add their "
+                         "images or remove them (an empty class would shift the class count and later labels)")  # fmt: skip
     return classes, FileList(paths, labels)
 
 
@@ -130,9 +151,13 @@ class FolderSource:
         return self.path(i), int(self.files.labels[i])
 
     def dense_path(self, i: int) -> Path:
-        rel = self.files.path(i)
-        base = (self.dense_root or self.root) / rel
-        return base.with_name(base.name.rsplit(".", 1)[0] + DENSE_SUFFIX)
+        return dense_file((self.dense_root or self.root) / self.files.path(i))
+
+    def subset(self, indices) -> FolderSource:
+        """The files at ``indices`` (e.g. a seeded random subset for a quick run), same classes and root."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return FolderSource(self.root, self.files.subset(idx), self.classes, f"{self.name}[{len(idx)}]",
+                            self.dense_root, self.mean, self.std, dict(self.extra))  # fmt: skip
 
     def class_counts(self) -> list[int]:
         return np.bincount(self.files.labels, minlength=self.num_classes).tolist()

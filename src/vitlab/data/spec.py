@@ -95,7 +95,12 @@ class DataSpec:
             data_dir(self.path, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
         elif self.kind == "folder":
             data_dir(self.path, "image", "one subfolder of images per class", FOLDER_FIX)
-        elif self.kind == "wds" and "{" not in self.path and not Path(self.path).expanduser().is_file():
+        elif (
+            self.kind == "wds"
+            and "{" not in self.path
+            and "=" not in self.path
+            and not Path(self.path).expanduser().is_file()
+        ):
             data_dir(self.path, "shard", "shards.json and the shards `vitlab data shards` writes", WDS_FIX)
         return self
 

@@ -16,8 +16,10 @@ contains does not depend on the number of workers or on which worker made it, an
 uninterrupted run's batches bit for bit. Workers are seeded from a loader-private generator, so creating
 them never draws from the training process's RNG.
 
-A file that cannot be decoded is replaced by the next readable index (same seed), its path warned once and
-counted; past ``max_bad_fraction`` of the dataset the run stops with one line naming the count.
+A file that cannot be decoded is warned once with its path and counted; in training it is replaced by the
+next readable index (same seed), so that every rank's batch keeps its size; in evaluation it is skipped, never
+replaced (a replacement would be counted twice): the loader's ``bad_files`` says how many. Past
+``max_bad_fraction`` of the dataset the run stops with one line naming the count.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class MapStream(torch.utils.data.Dataset):
         for i, (_, label), result in zip(plan.indices, files, loaded):
             if isinstance(result, UnreadableImage):
                 bad.append(str(result))
-                samples.append(self.substitute(int(i), derive_seed(plan.seed, int(i)), bad))
+                if self.crop.train:  # evaluation skips it: a substitute would be counted twice
+                    samples.append(self.substitute(int(i), derive_seed(plan.seed, int(i)), bad))
             else:
                 samples.append((result[0], label, self._dense(int(i), result[1])))
         transform = None if self.transform_on_device else self.batch_transform
@@ -129,7 +132,10 @@ class MapStream(torch.utils.data.Dataset):
 
 
 def collate(samples: list, seed: int, batch_transform, bad: tuple[str, ...] = ()) -> StreamBatch:
-    """Stack per-sample results into a :class:`StreamBatch`, applying the batch stage when given."""
+    """Stack per-sample results into a :class:`StreamBatch`, applying the batch stage when given (none: an
+    empty batch, every file of it unreadable, which the loader counts and skips)."""
+    if not samples:
+        return StreamBatch(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.long), None, bad, seed)
     images = torch.stack([s[0] for s in samples])
     labels = torch.tensor([s[1] for s in samples], dtype=torch.long)
     dense = None
@@ -283,7 +289,13 @@ class StreamLoader:
         try:
             for sb in self._dataloader():
                 self.start += 1
-                yield self.finish(sb)
+                if len(sb.labels):
+                    yield self.finish(sb)
+                    continue
+                self._count_bad(sb.bad)
+                if getattr(self.dataset, "train", False):  # a rank skipping a step would stall the others
+                    raise ValueError(f"no image of a training batch can be decoded ({len(sb.bad)} unreadable, "
+                                     f"e.g. {sb.bad[0]}); repair or remove them")  # fmt: skip
         except (ValueError, FileNotFoundError) as e:
             raise type(e)(_worker_message(e)) from None
 

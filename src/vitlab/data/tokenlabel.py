@@ -4,7 +4,7 @@ follow the image's crop exactly, and MixToken.
 Format of a dense target file (what a relabelling teacher writes per image, as the TokenLabeling code does):
 ``float16 (2, k, Hm, Wm)``, ``[0]`` the top-k class scores and ``[1]`` their class indices on an
 ``Hm x Wm`` grid over the *whole* image (cell ``(i, j)`` covers rows ``[i H/Hm, (i+1) H/Hm)``), stored as
-``<image stem>.tl.npy`` beside the image or as the ``tl.npy`` member of a WebDataset sample.
+``<image name>.tl.npy`` beside the image or as the ``tl.npy`` member of a WebDataset sample.
 
 Cropping (:func:`crop_dense`): the score of class ``c`` at output cell ``(i, j)`` of the patch grid is the
 bilinear interpolation of the dense map ``S_c`` at the cell's centre mapped through the image's crop box

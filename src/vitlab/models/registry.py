@@ -166,6 +166,9 @@ def check_overlay(overlay: dict[str, Any] | None) -> dict[str, Any]:
     return overlay
 
 
+MAX_DEPTH = 1024  # a bound for blocks (the papers' deepest model has 32), so a typo cannot exhaust the memory
+
+
 def build_model(
     name: str,
     pretrained_cfg_overlay: dict[str, Any] | None = None,
@@ -185,6 +188,10 @@ def build_model(
     """
     overlay = check_overlay(pretrained_cfg_overlay)
     cfg = get_config(name)
+    depth = overrides.get("depth")
+    if isinstance(depth, int) and depth > MAX_DEPTH:  # from a command line, a saved config or a checkpoint
+        raise ValueError(f"{name}: depth={depth} is more than {MAX_DEPTH} blocks (a typo, or a damaged saved "
+                         "configuration); building it would exhaust the memory")  # fmt: skip
     model = MODELS.create(name, **overrides)
     describe(model, cfg, overrides, overlay)
     return FeatureGetter(model, out_indices) if features_only else model

@@ -47,7 +47,7 @@ RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_roo
 RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
 RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
 RESUME_NOTED += ("base_lr", "reprob", "color_jitter", "crop_pct", "distillation", "distill_alpha", "distill_tau")
-RESUME_NOTED += ("token_label_weight", "auto_augment", "workers")
+RESUME_NOTED += ("token_label_weight", "auto_augment", "workers", "shuffle_buffer", "distill_reduction")
 
 
 class ResumeError(ValueError):
@@ -83,13 +83,25 @@ def check_resume(ckpt: dict[str, Any], cfg: TrainConfig, log: Callable[[str], No
             f"cannot resume from {ckpt['path']}: it was trained with {', '.join(bad)}; rerun with the same "
             "options or start afresh in another --out (or with --force)"
         )
-    if ckpt["epoch"] >= cfg.epochs:
+    done = ckpt["epoch"] >= cfg.epochs
+    if done and (ckpt["epoch"] > cfg.epochs or run_is_complete(Path(cfg.out), ckpt["epoch"])):
         raise ResumeError(
             f"{ckpt['path']} has already trained {ckpt['epoch']} of {cfg.epochs} epochs; pass --epochs > {ckpt['epoch']} to continue"
         )
+    if done:  # killed after the last checkpoint, before its log row or the summary: complete them, train nothing
+        log(f"note: all {cfg.epochs} epochs were trained; completing the log and summary from {ckpt['path']}")
     changed = [f"{k} {old[k]!r} -> {getattr(cfg, k)!r}" for k in RESUME_NOTED if k in old and old[k] != getattr(cfg, k)]
     if changed:
         log(f"note: resuming with changed options ({', '.join(changed)}): not the run that was started")
+
+
+def run_is_complete(out: Path, epochs: int) -> bool:
+    """Whether ``out`` holds the summary and the log row of the last epoch (what a finished run writes last)."""
+    try:
+        rows = json.loads((out / "log.json").read_text())
+        return (out / "summary.json").is_file() and any(r.get("epoch") == epochs for r in rows)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def restore(ctx: Context, ckpt: dict[str, Any], model: nn.Module, opt: Optimization, ema: ModelEma | None) -> Progress:
@@ -133,6 +145,9 @@ def restore_log(ctx: Context, ckpt: dict[str, Any], epoch: int, step: int) -> li
     if rows != on_disk:
         write_log(ctx.out, rows)
         ctx.log(f"note: {log_file} lacked rows the checkpoint carries ({len(on_disk)} of {len(rows)}); restored")
+        top = [r.get("val_top1", -1.0) for r in rows]
+        if not ckpt.get("tally") and rows and rows[-1]["epoch"] == epoch and top[-1] > max(top[:-1], default=-1.0):
+            copy_atomic(Path(ckpt["path"]), ctx.out / "best.pt")  # the kill may have come before best.pt's copy
     if dropped := ctx.steps.trim(step):
         ctx.log(f"note: dropped {dropped} rows of steps after the checkpoint from {ctx.steps.path}")
     return rows

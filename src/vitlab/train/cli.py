@@ -33,10 +33,10 @@ HELP = {
     "ema": "keep an EMA of the weights with this decay, e.g. 0.999 (0: off)",
     "amp": "autocast: auto = fp16 with a gradient scaler on GPU, off on CPU; bf16 on CPU or GPU",
     "seed": "seed of the initial weights, data order and augmentation",
-    "threads": "torch threads per process (0: torch's default)",
+    "threads": "torch threads per process (0: torch's default; default 2, 1 when --workers leave no spare core)",
     "img_size": "train at this input size (default: the data's)",
     "holdout": "held-out images of the embedded MNIST (default 1000)",
-    "train_limit": "train on a random N of the training images (quick runs)",
+    "train_limit": "train on a seeded random N of the training images (quick runs; in-memory data and folders)",
     "crop_padding": "random-crop padding in pixels (0: no crop)",
     "hflip": "horizontal flip probability (default 0 for digits, else 0.5)",
     "auto_augment": "RandAugment spec, e.g. rand-m9-n2-mstd0.5",
@@ -44,6 +44,9 @@ HELP = {
     "reprob": "random erasing probability (per-pixel noise), e.g. 0.25",
     "aug_repeats": "repeated augmentation: each image this many times per epoch, on different processes (DeiT: 3)",
     "workers": "DataLoader worker processes per training process decoding folder:/wds: data",
+    "shuffle_buffer": "wds: data: each DataLoader worker shuffles its part of the epoch through a buffer of this "
+    "many samples (0: the stored order)",
+    "num_classes": "wds: shards without a shards.json: their number of classes (labels 0 .. N-1)",
     "crop_pct": "evaluation crop of folder:/wds: data: resize to img-size / CROP_PCT, centre crop (default: the model's)",
     "teacher": "distil from this teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file "
     "(needs --dist-token)",
@@ -51,8 +54,10 @@ HELP = {
     "distillation": "hard (DeiT: the teacher's argmax) or soft (KL at temperature --distill-tau)",
     "distill_alpha": "weight of the distillation term",
     "distill_tau": "temperature of soft distillation",
+    "distill_reduction": "soft distillation's KL: deit (summed, divided by batch x classes, as DeiT's code) or "
+    "batchmean (divided by the batch only: classes times larger)",
     "dist_token": "add DeiT's distillation token and head (ViT-family models)",
-    "token_label": "token labelling (LV-ViT): dense targets beside the images (<stem>.tl.npy, vitlab relabel), "
+    "token_label": "token labelling (LV-ViT): dense targets beside the images (<image name>.tl.npy, vitlab relabel), "
     "MixToken with --cutmix, the dense loss on the model's aux head",
     "token_label_weight": "weight of the dense token-labelling loss",
     "dense_root": "folder of the dense target files, laid out as the images (default: beside them)",
@@ -128,6 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     start.add_argument("--force", action="store_true", help="start over even if OUT already holds a run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar or lines")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the options the run would use (recipe and flags resolved) as JSON and exit without training",
+    )
     add_device_argument(p)
 
 
@@ -152,7 +162,6 @@ SET_BY_TRAIN = {
     "drop_path_rate": "--drop-path",
     "dist_token": "--dist-token",
 }
-MAX_DEPTH = 1024  # a bound for blocks (the papers' deepest model has 32), so a typo cannot exhaust the memory
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -163,7 +172,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     import torch
 
     from ..models import build_model
-    from ..models.registry import MODELS
+    from ..models.registry import MAX_DEPTH, MODELS
     from ..options import check_keyword_values
 
     overrides = parse_model_args(args.model_args)
@@ -199,7 +208,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..distributed import close_distributed
+    from ..distributed import close_distributed, peer_failure
     from .engine import train
 
     if args.config:
@@ -207,8 +216,18 @@ def run(args: argparse.Namespace) -> int:
 
         apply_recipe(args)
     check_model_args(args)
+    if args.print_config:
+        import json
+
+        cfg = config_from_args(args)
+        print(json.dumps({**dataclasses.asdict(cfg), "threads": cfg.auto_threads}, indent=2, default=str))
+        return 0
     try:
         train(config_from_args(args))
+    except RuntimeError as e:
+        if (line := peer_failure(e)) is None:
+            raise
+        raise ValueError(line) from None
     finally:
         close_distributed()
     return 0

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -53,7 +54,7 @@ class TrainConfig:
     ema: float = 0.0  # EMA decay; 0 = no EMA
     amp: str = "auto"  # auto: fp16 + scaler on CUDA, off on CPU; bf16: autocast to bfloat16
     seed: int = 0
-    threads: int = 2  # torch.set_num_threads per process; 0 = torch's default
+    threads: int | None = None  # torch.set_num_threads per process; 0 = torch's default; None: auto_threads
     device: str = "auto"
     img_size: int | None = None  # default: the dataset's
     holdout: int | None = None  # held-out images of the embedded MNIST (default 1000)
@@ -65,12 +66,15 @@ class TrainConfig:
     reprob: float = 0.0  # random erasing probability (per-pixel noise)
     aug_repeats: int = 1  # repeated augmentation (DeiT: 3)
     workers: int = 0  # DataLoader workers per process decoding folder:/wds: data
+    shuffle_buffer: int = 2000  # wds: data: samples a DataLoader worker shuffles among (0: stored order)
+    num_classes: int | None = None  # wds: shards without a shards.json: their number of classes
     crop_pct: float | None = None  # evaluation crop of streaming data (default: the model's)
     teacher: str | None = None  # teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file
     teacher_img_size: int | None = None  # the teacher's input size (default: what its file says, else the data's)
     distillation: str = "hard"  # "hard" (DeiT) or "soft" (KL at temperature distill_tau)
     distill_alpha: float = 0.5
     distill_tau: float = 1.0
+    distill_reduction: str = "deit"  # soft KL: "deit" (sum / (batch x classes), DeiT's code) or "batchmean"
     dist_token: bool = False
     token_label: bool = False  # LV-ViT token labelling: dense targets beside the images, MixToken, aux loss
     token_label_weight: float = 0.5  # weight of the dense aux loss
@@ -94,6 +98,15 @@ class TrainConfig:
     def spec(self) -> DataSpec:
         """``data`` parsed (once per config; ``data`` itself stays the text checkpoints and run records keep)."""
         return DataSpec.parse(self.data)
+
+    @property
+    def auto_threads(self) -> int:
+        """The torch threads of a process when ``threads`` is not set: 2, fewer when DataLoader workers would
+        otherwise share the cores with them (2 threads and 2 workers on 2 cores ran 6-7x slower than 1 thread)."""
+        if self.threads is not None:
+            return self.threads
+        spare = (os.cpu_count() or 2) - self.workers
+        return max(1, min(2, spare)) if self.workers else 2
 
     @property
     def global_batch(self) -> int:
@@ -172,11 +185,14 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "reprob": opt.probability,
     "aug_repeats": opt.Int(1, 64),
     "workers": opt.Int(0, 256),
+    "shuffle_buffer": opt.Int(0, 10**7),
+    "num_classes": opt.Int(1, 10**6),
     "crop_pct": opt.Float(0, 2, low_open=True),
     "teacher_img_size": opt.image_size,
     "distillation": opt.Choice("hard", "soft"),
     "distill_alpha": opt.probability,
     "distill_tau": opt.positive_float,
+    "distill_reduction": opt.Choice("deit", "batchmean"),
     "token_label_weight": opt.non_negative_float,
     "save_every": opt.non_negative_int,
     "eval_batch_size": opt.positive_int,

@@ -35,14 +35,19 @@ def load_data(cfg: TrainConfig, split: str):
     """One split of the run's data (``train`` or ``test``, the held-out part): a streaming source (file or shard
     list only) or an in-memory set, from the data factory."""
     try:
-        return open_source(cfg.spec, "val" if split == "test" else split, holdout=cfg.holdout, seed=0,
-                           dense_root=cfg.dense_root)  # fmt: skip
+        source = open_source(cfg.spec, "val" if split == "test" else split, holdout=cfg.holdout, seed=0,
+                             dense_root=cfg.dense_root)  # fmt: skip
     except ImportError as e:
         raise TrainingError(str(e)) from None
     except (EOFError, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise
         raise TrainingError(f"cannot read dataset {cfg.data!r} ({e}); check or re-create its files") from None
+    if cfg.num_classes is not None:
+        if not hasattr(source, "with_num_classes"):
+            raise TrainingError(f"--num-classes is for wds: shards without a shards.json; {cfg.data} has its own")
+        source = source.with_num_classes(cfg.num_classes)
+    return source
 
 
 def open_data(run: Run) -> None:
@@ -54,8 +59,9 @@ def open_data(run: Run) -> None:
         raise TrainingError("--token-label reads dense targets beside the images: use --data folder:... or wds:...")
     train_ds, val_ds = load_data(cfg, "train"), load_data(cfg, "test")
     if cfg.train_limit:
-        if cfg.spec.streaming:
-            raise TrainingError("--train-limit applies to in-memory data; for a folder, generate a smaller one")
+        if cfg.spec.kind == "wds":
+            raise TrainingError("--train-limit picks files at random, which shards cannot; name fewer shards "
+                                "(wds:train=PATTERN,val=PATTERN) or use the folder")  # fmt: skip
         pick = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(cfg.seed))[: cfg.train_limit]
         train_ds = train_ds.subset(pick.sort().values)  # a seeded random subset (the data may be sorted by class)
     if cfg.batch_size > len(train_ds):
@@ -104,6 +110,7 @@ def build_loaders(run: Run) -> None:
     grid = patch_grid((run.kwargs["img_size"],) * 2, run.raw.patch_embed.patch_size[0]) if cfg.token_label else None
     run.loader = create_loader(run.train_ds, train_tf, run.per_rank, is_training=True, repeats=cfg.aug_repeats,
                                workers=cfg.workers, dense_grid=grid, mix=batch_mix(run, grid is not None),
+                               shuffle_buffer=cfg.shuffle_buffer,
                                seed=cfg.seed, rank=world.rank, world_size=world.size, device=run.device)  # fmt: skip
     run.val_loader = create_loader(run.val_ds, eval_tf, cfg.eval_batch_size, is_training=False, workers=cfg.workers,
                                    device=run.device)  # fmt: skip

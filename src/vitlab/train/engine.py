@@ -71,7 +71,7 @@ def local_value(t: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype: torch.dtype | None = None) -> dict:
     """Top-1 / top-5 accuracy (%), mean cross-entropy and throughput (img/s) over ``loader`` (the sums stay on
-    the device until the end: one synchronisation)."""
+    the device until the end: one synchronisation); ``skipped``: the unreadable images the loader left out."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, device=device, dtype=torch.float64)  # loss, top-1, top-5, n
@@ -93,7 +93,9 @@ def evaluate(model: nn.Module, loader: BatchLoader, device: torch.device, dtype:
     seconds = time.perf_counter() - t0
     model.train(was_training)
     n = int(n)
-    return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds}
+    skipped = len(getattr(loader, "bad_files", ()))
+    return {"loss": loss / n, "top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": n, "img_s": n / seconds,
+            "skipped": skipped}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the loop, as named steps
@@ -275,7 +277,8 @@ def evaluate_epoch(run: Run) -> dict[str, Any]:
         return task.evaluate(run)
     model = run.net.model if run.cfg.fsdp else run.net.raw  # FSDP's forward gathers the shards; the others whole
     ev = evaluate(model, run.data.val_loader, run.device, run.dtype)
-    row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"]}
+    row = {"val_loss": ev["loss"], "val_top1": ev["top1"], "val_top5": ev["top5"], "eval_img_s": ev["img_s"],
+           "val_n": ev["n"], "val_skipped": ev["skipped"]}  # fmt: skip
     if run.ema is not None:
         ev_ema = evaluate(run.ema.module, run.data.val_loader, run.device, run.dtype)
         row.update(ema_top1=ev_ema["top1"], ema_top5=ev_ema["top5"])

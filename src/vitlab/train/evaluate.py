@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="dataset spec (default: the one the checkpoint was trained on; required otherwise)",
     )
+    p.add_argument(
+        "--crop-pct",
+        type=opt.Float(0, 2, low_open=True),
+        default=None,
+        help="evaluation crop of folder:/wds: data: resize the shorter side to size / CROP_PCT, centre crop "
+        "(default: the model's)",
+    )
     p.add_argument("--model", default=None, help="check that the checkpoint holds this model")
     p.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
     p.add_argument("--batch-size", type=opt.positive_int, default=256, help="evaluation batch size (default 256)")
@@ -107,30 +114,36 @@ def load_for_eval(
 
 
 def _loaders(model: Any, trained: dict[str, Any], spec: DataSpec, sizes: list[int], batch_size: int, workers: int,
-             dev) -> list:  # fmt: skip
+             dev, crop_pct: float | None = None) -> list:  # fmt: skip
     """One evaluation loader per input size, through ``vitlab.data``'s one road (``open_source`` ->
     ``create_transform`` -> ``create_loader``; a ``folder:`` spec streams)."""
     from ..data import create_loader, open_source
 
     names = model.pretrained_cfg.get("label_names") if spec.kind == "folder" else None
     source = open_source(spec, _eval_split(spec, trained), holdout=trained["holdout"], classes=names)
+    if getattr(source, "classes", ()) is None:  # plain shards: their classes are the model's
+        source = source.with_num_classes(model.num_classes)
     _check_data(spec, source.num_classes, getattr(source, "in_chans", model.in_chans), model)
     return [
-        create_loader(source, _eval_transform(model, trained, source, s), batch_size, is_training=False,
+        create_loader(source, _eval_transform(model, trained, source, s, crop_pct), batch_size, is_training=False,
                       workers=workers, device=dev)
         for s in sizes
     ]  # fmt: skip
 
 
-def _eval_transform(model: Any, trained: dict[str, Any], source: Any, size: int):
+def _eval_transform(model: Any, trained: dict[str, Any], source: Any, size: int, crop_pct: float | None = None):
     """A `vitlab train` checkpoint of in-memory data is evaluated as its training evaluated (the held-out images
     resized whole, the normalisation of its training data); one trained on streaming data, and other weights,
     as their official code does, with the model's data configuration (``resolve_data_config``: resize the
-    shorter side to size / crop_pct, centre crop, the model's mean/std)."""
+    shorter side to size / crop_pct, centre crop, the model's mean/std; ``crop_pct`` overrides the model's)."""
     from ..data import ImageDataset, create_transform, resolve_data_config
     from .data import whole_image
 
     data_cfg = resolve_data_config(model)
+    if crop_pct is not None:
+        if isinstance(source, ImageDataset):
+            raise ValueError("--crop-pct sets the crop of folder:/wds: data; in-memory sets are resized whole")
+        data_cfg["crop_pct"] = crop_pct
     if trained["trained"] and isinstance(source, ImageDataset):
         recorded = "data" in model.pretrained_cfg  # older checkpoints: the statistics of the data evaluated on
         return whole_image(size, *((data_cfg["mean"], data_cfg["std"]) if recorded else (source.mean, source.std)))
@@ -138,9 +151,14 @@ def _eval_transform(model: Any, trained: dict[str, Any], source: Any, size: int)
 
 
 def _eval_split(spec: DataSpec, trained: dict[str, Any]) -> str:
-    """The held-out split of the run's own data, or a whole folder given with ``--data`` (ImageNet's val/)."""
+    """The held-out split of the run's own data, or a whole folder or shard pattern given with ``--data``
+    (ImageNet's val/)."""
     if spec.kind == "folder" and not _same_data(spec, trained.get("data")):
         return "val" if (Path(spec.path).expanduser() / "train").is_dir() else "all"
+    if spec.kind == "wds" and not _same_data(spec, trained.get("data")):
+        from ..data.wds import split_patterns
+
+        return "all" if split_patterns(spec.path) is None and not Path(spec.path).expanduser().is_dir() else "val"
     return "val"
 
 
@@ -171,8 +189,10 @@ def evaluate_checkpoint(
     threads: int = 2,
     weights: str | Path | None = None,
     workers: int = 0,
+    crop_pct: float | None = None,
 ) -> list[dict[str, Any]]:
-    """One result row per input size: ``{model, img_size, top1, top5, loss, n, img_s}``."""
+    """One result row per input size: ``{model, img_size, top1, top5, loss, n, skipped, img_s}`` (``skipped``:
+    unreadable images left out); ``crop_pct`` overrides the model's evaluation crop of streaming data."""
     import torch
 
     from ..device import amp_dtype
@@ -197,7 +217,7 @@ def evaluate_checkpoint(
     dtype = amp_dtype(amp, dev)
     weights_used = ("ema" if ema else "model") if trained["trained"] else model.meta.get("weights", "")
     rows = []
-    for size, loader in zip(sizes, _loaders(model, trained, spec, sizes, batch_size, workers, dev)):
+    for size, loader in zip(sizes, _loaders(model, trained, spec, sizes, batch_size, workers, dev, crop_pct)):
         try:
             res = evaluate(model, loader, dev, dtype)
         except ValueError as e:
@@ -229,12 +249,14 @@ def run(args: argparse.Namespace) -> int:
         args.threads,
         args.weights,
         args.workers,
+        args.crop_pct,
     )
     print(f"{'model':20s} {'size':>5s} {'top-1 %':>8s} {'top-5 %':>8s} {'loss':>7s} {'img/s':>8s}  (trained at)")
     for r in rows:
         print(
             f"{r['model']:20s} {r['img_size']:5d} {r['top1']:8.2f} {r['top5']:8.2f} {r['loss']:7.4f} "
-            f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images)"
+            f"{r['img_s']:8.0f}  ({r['trained_at']}px, {r['n']} images"
+            + (f", {r['skipped']} unreadable ones skipped)" if r.get("skipped") else ")")
         )
     if args.json:
         write_json_atomic(args.json, rows)

@@ -32,7 +32,8 @@ def make_criterion(cfg: TrainConfig, model: nn.Module, in_chans: int, device: to
         from .distill import DistillationLoss, load_teacher
 
         teacher = load_teacher(cfg.teacher, device, cfg.teacher_img_size)
-        loss = DistillationLoss(teacher, cfg.distillation, cfg.distill_alpha, cfg.distill_tau, cfg.smoothing)
+        loss = DistillationLoss(teacher, cfg.distillation, cfg.distill_alpha, cfg.distill_tau, cfg.smoothing,
+                                cfg.distill_reduction)  # fmt: skip
         loss.check_student(model, in_chans)
         model.distilled_training = True
         return loss

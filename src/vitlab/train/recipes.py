@@ -4,8 +4,10 @@ A recipe is a YAML or TOML mapping of ``vitlab train`` options (the names of :cl
 ``model_args`` a mapping of constructor overrides) plus a ``reference`` mapping saying what the paper reports
 for it (``paper``, ``top1``, ``source``, ``notes``: documentation, not options). Options given on the command
 line override the file's; ``--lr`` on the command line also drops the file's ``base_lr`` (an absolute learning
-rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key is
-one line naming it.
+rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key, a
+key given twice (YAML would keep the last silently; TOML refuses it too), more than ``MAX_ALIASES`` YAML aliases
+(a few nested aliases expand into billions of values), and a distillation recipe run without ``--teacher`` are
+each one line.
 
 The papers' recipes ship inside the package (``vitlab/recipes/*.yaml``, package data read through
 ``importlib.resources``), so an installed wheel has them; a bare name is looked up in ``./recipes`` first (a
@@ -26,6 +28,8 @@ from .config import OPTION_CHECKS, TrainConfig
 SUFFIXES = (".yaml", ".yml", ".toml")
 REFERENCE_KEYS = ("paper", "top1", "source", "notes")
 NOT_IN_RECIPES = {"recipe", "resume", "force"}  # how a run starts is said on the command line
+DISTILLATION_KEYS = ("distillation", "distill_alpha", "distill_tau", "dist_token")
+MAX_ALIASES = 16  # YAML aliases per file: enough to share a few blocks; k aliases expand to at most ~3^(k/3) values
 
 
 def shipped_recipes() -> dict[str, Path]:
@@ -40,6 +44,8 @@ def find_recipe(name: str) -> Path:
     path = Path(name).expanduser()
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"--config {name} is a folder; give a recipe file (.yaml, .yml or .toml) or a recipe name")
     if path.suffix in SUFFIXES or "/" in name:
         raise FileNotFoundError(f"--config {name}: no such recipe file")
     local = next((Path("recipes") / f"{name}{s}" for s in SUFFIXES if (Path("recipes") / f"{name}{s}").is_file()), None)
@@ -55,14 +61,19 @@ def read_recipe(path: Path) -> dict[str, Any]:
     and ``vitlab study``'s one reader."""
     if path.suffix.lower() not in SUFFIXES:
         raise ValueError(f"recipe {path}: use a .yaml, .yml or .toml file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"recipe {path}: not UTF-8 text; save it as a UTF-8 YAML or TOML file") from None
+    except IsADirectoryError:
+        raise ValueError(f"recipe {path} is a folder; give a .yaml, .yml or .toml file") from None
     toml = path.suffix.lower() == ".toml"
     if not toml:
         from ..extras import require
 
         yaml = require("yaml", "reading YAML recipes", "recipes")  # a missing PyYAML says so, not "not valid"
     try:
-        data = tomllib.loads(text) if toml else yaml.safe_load(text)
+        data = tomllib.loads(text) if toml else yaml.load(text, Loader=_strict_loader(yaml))  # a SafeLoader
     except (tomllib.TOMLDecodeError, ValueError) as e:
         raise ValueError(
             f"recipe {path}: not valid {path.suffix[1:].upper()} ({' '.join(str(e).split())[:160]})"
@@ -72,6 +83,33 @@ def read_recipe(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path}: must be a mapping of option names to values")
     return data
+
+
+def _strict_loader(yaml):
+    """PyYAML's safe loader that refuses a mapping key given twice and more than ``MAX_ALIASES`` aliases."""
+
+    class StrictLoader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_ALIASES:
+                    raise ValueError(f"more than {MAX_ALIASES} aliases (*name); write the values out")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            seen: set = set()
+            for k, _ in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
+                    if k.value in seen:
+                        raise ValueError(
+                            f"key {k.value!r} is given twice (again on line {k.start_mark.line + 1}); keep one"
+                        )
+                    seen.add(k.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def check_value(path: Path, key: str, value: Any) -> None:
@@ -118,4 +156,9 @@ def apply_recipe(args: argparse.Namespace) -> None:
         args.base_lr = None
     if "out" not in given and "out" not in values:
         args.out = f"runs/train/{path.stem}"
+    if any(k in values for k in DISTILLATION_KEYS) and not getattr(args, "teacher", None):
+        raise ValueError(
+            f"recipe {path} distils from a teacher ({', '.join(k for k in DISTILLATION_KEYS if k in values)}) but "
+            "none is given; pass --teacher FILE (a vitlab checkpoint, a .pt2 or a TorchScript file)"
+        )
     args.recipe = str(path)

@@ -5,15 +5,17 @@ vector per location: a vitlab model per patch token (its token-labelling head wh
 classifier applied to every patch token), an exported program or TorchScript file whatever dense output it
 returns, ``(B, N, C)`` tokens on a square grid or ``(B, C, H, W)`` maps (e.g. a CNN without its global pool).
 The scores are turned into probabilities (softmax over the classes) and the top ``k`` kept:
-``float16 (2, k, Hm, Wm)``, scores then class indices, written as ``<image stem>.tl.npy`` beside the image
-(or under ``--out`` in the same layout): the format the loader crops with each image's box
-(:mod:`vitlab.data.tokenlabel`).
+``float16 (2, k, Hm, Wm)``, scores then class indices, written as ``<image name>.tl.npy`` beside the image
+(``a.JPEG.tl.npy``: two images never share a map) or under ``--out`` in the same layout: the format the loader
+crops with each image's box (:mod:`vitlab.data.tokenlabel`). The images are the ones training reads (regular
+files of the class folders); one that cannot be decoded is skipped, warned and counted, as training does.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,9 +102,12 @@ def image_files(folder: Path) -> list[Path]:
 
 
 def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int | None = None,
-            out: str | Path | None = None, batch_size: int = 64, device: str = "auto") -> int:  # fmt: skip
-    """Write the dense maps of every image of ``folder``; returns how many were written."""
+            out: str | Path | None = None, batch_size: int = 64, device: str = "auto") -> tuple[int, list[str]]:  # fmt: skip
+    """Write the dense maps of every image of ``folder``; returns how many were written and the unreadable
+    images skipped (each also warned)."""
     from ..data import create_transform
+    from ..data.decode import UnreadableImage
+    from ..data.sources import dense_file
     from ..io import atomic_open
 
     folder, dev = Path(folder).expanduser(), resolve_device(device)
@@ -110,22 +115,32 @@ def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int
         raise FileNotFoundError(f"image folder {folder} does not exist")
     teacher, size = load_dense_teacher(teacher_path, img_size, dev)
     tf = create_transform(size, crop_mode="squash", crop_pct=1.0)  # the whole image: the map covers all of it
-    files = image_files(folder)
+    files, written, skipped = image_files(folder), 0, []
     for start in range(0, len(files), batch_size):
-        chunk = files[start : start + batch_size]
-        x = torch.stack([tf(f) for f in chunk]).to(dev)
-        maps = top_k_maps(dense_scores(teacher.predict(x)).cpu(), top_k)  # chunked as the teacher's batch allows
-        for f, m in zip(chunk, maps):
-            target = (Path(out) / f.relative_to(folder)) if out else f
+        images, targets = [], []
+        for f in files[start : start + batch_size]:
+            try:
+                images.append(tf(f))
+            except UnreadableImage as e:
+                skipped.append(str(e))
+                warnings.warn(f"unreadable image skipped ({len(skipped)} so far): {e}", stacklevel=2)
+                continue
+            targets.append(dense_file(Path(out) / f.relative_to(folder) if out else f))
+        if not images:
+            continue
+        maps = top_k_maps(dense_scores(teacher.predict(torch.stack(images).to(dev))).cpu(), top_k)
+        for target, m in zip(targets, maps):  # predict chunks as the teacher's batch allows
             target.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_open(target.with_name(target.name.rsplit(".", 1)[0] + ".tl.npy"), "wb") as fh:
+            with atomic_open(target, "wb") as fh:
                 np.save(fh, m, allow_pickle=False)
-    return len(files)
+        written += len(targets)
+    return written, skipped
 
 
 def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    n = relabel(args.teacher, args.folder, args.top_k, args.img_size, args.out, args.batch_size, args.device)
-    print(f"wrote {n} dense maps (top-{args.top_k}) for {args.folder}")
+    n, skipped = relabel(args.teacher, args.folder, args.top_k, args.img_size, args.out, args.batch_size, args.device)
+    unreadable = f"; {len(skipped)} unreadable images skipped" if skipped else ""
+    print(f"wrote {n} dense maps (top-{args.top_k}) for {args.folder}{unreadable}")
     return 0

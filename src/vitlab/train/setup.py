@@ -36,8 +36,8 @@ from .tasks import task_hooks
 
 def setup(cfg: TrainConfig, log: Callable[[str], None], world: World, device: torch.device, t_start: float) -> Run:
     """Resume checkpoint, data, model, loaders, optimization and progress; the model spread over the processes."""
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    if cfg.auto_threads > 0:
+        torch.set_num_threads(cfg.auto_threads)
     ctx = Context(
         cfg,
         log if world.main else (lambda line: None),

@@ -141,6 +141,8 @@ FREE_TEXT = frozenset({"as_string", "as_strings", "torch_version"})
 #: JSON keys left out of the copy torch deserialises: free text no teacher needs
 DROPPED = ("metadata",)
 MAX_EXPRESSION = 2000
+MAX_TEACHER_BYTES = 32 * 2**30  # far above any teacher (RegNetY-16GF: 0.3 GB); a device or sparse file stops here
+MAX_UNPACK_RATIO = 64  # torch stores members uncompressed: a member inflating more than this is a zip bomb
 
 
 def refuse(path: Path, why: str) -> TeacherError:
@@ -269,8 +271,9 @@ def check_program(model: Any) -> str | None:
     return None
 
 
-def check_payload_config(config: Any, prefix: str) -> str | None:
-    """Why a weights or constants config is refused: every entry must be raw tensor bytes (no pickle)."""
+def check_payload_config(config: Any, prefix: str, stored: dict[str, bytes] | None = None) -> str | None:
+    """Why a weights or constants config is refused: every entry must be raw tensor bytes (no pickle), and
+    (``stored``: the members by file name) hold at least the bytes its shape, strides and dtype address."""
     entries = config.get("config") if isinstance(config, dict) else None
     if not isinstance(entries, dict):
         return "its weights or constants table is not valid"
@@ -279,7 +282,47 @@ def check_payload_config(config: Any, prefix: str) -> str | None:
             return f"{fqn!r} is stored as a pickle, not as tensor bytes"
         if not re.fullmatch(prefix + r"\d+", str(meta.get("path_name", ""))):
             return f"{fqn!r} is stored as {meta.get('path_name')!r}, not as a tensor"
+        need = _tensor_bytes(meta["tensor_meta"])
+        have = len(stored.get(meta["path_name"], b"")) if stored is not None else None
+        if need is not None and have is not None and have < need:
+            return f"{fqn!r} holds {have} bytes where its shape and dtype need {need} (damaged or edited weights)"
     return None
+
+
+def _tensor_bytes(meta: Any) -> int | None:
+    """The bytes a serialised tensor's storage must hold (None: sizes not plain integers, or an unknown dtype)."""
+    try:
+        from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE as dtypes
+
+        sizes = [int(s["as_int"]) for s in meta["sizes"]]
+        strides = [int(s["as_int"]) for s in meta["strides"]]
+        offset = int(meta.get("storage_offset", {}).get("as_int", 0))
+        item = dtypes[meta["dtype"]].itemsize
+    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if any(s == 0 for s in sizes):
+        return 0
+    return (offset + sum((n - 1) * st for n, st in zip(sizes, strides)) + 1) * item
+
+
+def read_bounded(path: Path) -> bytes:
+    """The bytes of a teacher file, at most :data:`MAX_TEACHER_BYTES` (a larger file is one line, unread)."""
+    size = path.stat().st_size
+    if size > MAX_TEACHER_BYTES:
+        raise TeacherError(f"cannot read teacher {path}: {size / 2**30:.1f} GiB is more than any teacher "
+                           f"({MAX_TEACHER_BYTES / 2**30:.0f} GiB at most)")  # fmt: skip
+    return path.read_bytes()
+
+
+def check_unpacked_sizes(path: Path, z: zipfile.ZipFile) -> None:
+    """Refuse an archive whose members would inflate past :data:`MAX_TEACHER_BYTES` or :data:`MAX_UNPACK_RATIO`
+    times their stored size, before any is read (the declared sizes bound what zipfile inflates)."""
+    infos = z.infolist()
+    total = sum(i.file_size for i in infos)
+    bomb = next((i for i in infos if i.file_size > MAX_UNPACK_RATIO * max(i.compress_size, 1024)), None)
+    if total > MAX_TEACHER_BYTES or bomb is not None:
+        raise refuse(path, f"its members would unpack to {total / 2**20:.0f} MiB"
+                           + (f" ({bomb.filename} {bomb.file_size // max(bomb.compress_size, 1)}x its size)" if bomb else ""))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- .pt2 programs
@@ -288,7 +331,10 @@ def _members(path: Path, data: bytes) -> dict[str, bytes]:
     one plain program: one line)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            check_unpacked_sizes(path, z)
             entries = {info.filename: z.read(info) for info in z.infolist() if not info.is_dir()}
+    except TeacherError:
+        raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError) as e:
         raise TeacherError(
             f"cannot read teacher {path}: not a torch.export program (not a complete zip archive: {one_line(str(e), 80)}); "
@@ -357,7 +403,9 @@ def checked_export_archive(path: Path, data: bytes) -> bytes:
         why = "models/model.json is nested too deeply"
     for name, prefix in (("data/weights/model_weights_config.json", "weight_"),
                          ("data/constants/model_constants_config.json", "tensor_")):  # fmt: skip
-        why = why or check_payload_config(_json(path, members, name), prefix)
+        folder = name.rsplit("/", 1)[0] + "/"
+        stored = {k[len(folder) :]: v for k, v in members.items() if k.startswith(folder)}
+        why = why or check_payload_config(_json(path, members, name), prefix, stored)
     if why:
         raise refuse(path, why)
     if "data/sample_inputs/model.pt" in members:
@@ -471,7 +519,7 @@ def read_export(path: Path) -> tuple[Any, nn.Module]:
     """The ``ExportedProgram`` in ``path``, deserialised from a checked copy (module docstring), and its module."""
     from ..ops import onednn  # noqa: F401 -- registers PACKAGE_OPS, which torch resolves by name
 
-    archive = checked_export_archive(path, path.read_bytes())  # read once: what is loaded is what was checked
+    archive = checked_export_archive(path, read_bounded(path))  # read once: what is loaded is what was checked
     try:
         with no_pickled_code(path), quiet_torch_logs():
             program = torch.export.load(io.BytesIO(archive))
@@ -495,8 +543,11 @@ def _check_script_archive(path: Path, data: bytes) -> None:
     the pickles (their own ``__setstate__`` runs)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
+            check_unpacked_sizes(path, z)
             # every entry, duplicates included: the C++ reader may take another of two same-named ones
             entries = [(i.filename, z.read(i)) for i in z.infolist() if i.filename.endswith((".py", ".pkl"))]
+    except TeacherError:
+        raise
     except Exception as e:
         raise TeacherError(
             f"cannot read teacher {path}: a damaged TorchScript archive ({one_line(str(e), 80)})"
@@ -542,7 +593,7 @@ class ScriptTeacher(nn.Module):
 
 def read_torchscript(path: Path) -> ScriptTeacher:
     """The TorchScript module in ``path``, loaded after the archive check, its forward checked before it runs."""
-    data = path.read_bytes()
+    data = read_bounded(path)
     _check_script_archive(path, data)
     try:
         with quiet_torch_logs():

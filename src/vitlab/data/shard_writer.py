@@ -1,0 +1,73 @@
+"""Writing an ImageNet-layout folder as WebDataset shards (``vitlab data shards``), read back by
+:mod:`vitlab.data.wds`."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from .wds import MANIFEST
+
+
+def write_shards(
+    src_root: str | Path, out: str | Path, *, shard_size: int = 1000, splits: tuple[str, ...] = ("train", "val")
+) -> dict:
+    """Write an ImageNet-layout folder as WebDataset shards ``OUT/<split>-NNNNNN.tar`` (image bytes unchanged,
+    ``.cls``, ``.tl.npy`` where a token-label file sits beside the image) and ``OUT/shards.json``. Samples go
+    into the shards in a seeded random order so that a shard holds a mix of classes."""
+    from ..io import atomic_open, write_json_atomic
+    from .sources import open_folder
+
+    if shard_size < 1:
+        raise ValueError(f"shard size must be >= 1, got {shard_size}")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    meta: dict = {"format": "webdataset", "splits": {}}
+    for split in splits:
+        try:
+            src = open_folder(src_root, split)
+        except FileNotFoundError:
+            if split == "train":
+                raise
+            continue
+        meta["classes"] = src.classes
+        order = np.random.default_rng(0).permutation(len(src))
+        names, counts = [], []
+        for s, first in enumerate(range(0, len(order), shard_size)):
+            name = f"{split}-{s:06d}.tar"
+            part = order[first : first + shard_size]
+            # a plain (not stream) tar: a failed write leaves no buffer behind to flush at exit
+            with atomic_open(out / name, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+                for i in part:
+                    _add_sample(tar, _sample(src, int(i)))
+            names.append(name)
+            counts.append(len(part))
+        meta["splits"][split] = {"shards": names, "counts": counts}
+    write_json_atomic(out / MANIFEST, meta)
+    return meta
+
+
+def _add_sample(tar: tarfile.TarFile, sample: dict) -> None:
+    """The members ``<key>.<ext>`` of one sample, next to each other (WebDataset's layout)."""
+    key = sample.pop("__key__")
+    for ext, data in sample.items():
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size, info.mtime, info.mode = len(data), 0, 0o444
+        tar.addfile(info, io.BytesIO(data))
+
+
+def _sample(src, i: int) -> dict:
+    path, label = src.read(i)
+    rel = src.files.path(i)
+    sample = {  # the key leads with the file's index: a.JPEG and a.png stay two samples
+        "__key__": f"{i:09d}_" + rel.replace(".", "_"),
+        path.suffix.lower().lstrip("."): path.read_bytes(),
+        "cls": str(label).encode(),
+    }
+    dense = src.dense_path(i)
+    if dense.is_file():
+        sample["tl.npy"] = dense.read_bytes()
+    return sample

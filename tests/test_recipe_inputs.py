@@ -1,0 +1,63 @@
+"""Recipe files as users and attackers write them: each mistake is one line before any work."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vitlab.cli import main as cli_main
+from vitlab.train.recipes import MAX_ALIASES, apply_recipe, load_recipe, shipped_recipes
+
+
+def _refused(capsys, recipe: Path, *extra: str) -> str:
+    capsys.readouterr()
+    assert cli_main(["train", "--config", str(recipe), "--epochs", "1", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_key_given_twice_is_refused_in_yaml_and_toml(tmp_path, capsys):
+    yaml_file = tmp_path / "dup.yaml"
+    yaml_file.write_text("model: deit_mini\nmodel_args: {depth: 1, depth: 2}\n")
+    assert "key 'depth' is given twice" in _refused(capsys, yaml_file)
+    yaml_file.write_text("model: deit_mini\nlr: 0.1\nlr: 0.2\n")
+    assert "key 'lr' is given twice (again on line 3)" in _refused(capsys, yaml_file)
+    toml_file = tmp_path / "dup.toml"
+    toml_file.write_text("lr = 0.1\nlr = 0.2\n")
+    assert "not valid TOML" in _refused(capsys, toml_file)
+
+
+def test_an_alias_expansion_bomb_is_refused_at_once(tmp_path, capsys):
+    """Nine levels of nine aliases each (9^9 values if expanded): refused while reading, by the alias count."""
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("model_args:\n" + "".join(f"  {line}\n" for line in lines))
+    assert f"more than {MAX_ALIASES} aliases" in _refused(capsys, bomb)
+    few = tmp_path / "few.yaml"
+    few.write_text("mixup: &m 0.8\ncutmix: *m\n")  # a few aliases are fine
+    assert load_recipe(str(few))[1] == {"mixup": 0.8, "cutmix": 0.8}
+
+
+def test_wrong_types_folders_and_binary_files_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "int.yaml"
+    bad.write_text("data: 3\n")
+    assert "dataset spec is text" in _refused(capsys, bad)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model: x")
+    assert "not UTF-8" in _refused(capsys, binary)
+    (tmp_path / "folder.yaml").mkdir()
+    assert "is a folder" in _refused(capsys, tmp_path / "folder.yaml")
+
+
+def test_a_distillation_recipe_needs_a_teacher(tmp_path, capsys):
+    """deit_tiny_distilled without --teacher would train without distillation: refused, naming the option; every
+    shipped recipe still loads."""
+    err = _refused(capsys, shipped_recipes()["deit_tiny_distilled"])
+    assert "distils from a teacher" in err and "--teacher" in err
+    args = argparse.Namespace(config="deit_tiny_distilled", model_args=[], teacher="teacher.pt2", given={"teacher"})
+    apply_recipe(args)
+    assert args.distillation == "hard"
+    for name in shipped_recipes():
+        load_recipe(name)
