@@ -40,10 +40,12 @@ SHAPES = [  # shape, token_dim: (B, N, S) single head, (B, N, heads, S) EAMLP, (
 ]
 
 
-@pytest.fixture(params=[4096, 16], ids=["one-tile", "many-tiles"])
+@pytest.fixture(params=[(4096, 1024), (16, 4), (16, 8)], ids=["one-tile", "two-chunks", "four-chunks"])
 def tile(request, monkeypatch):
-    """The default tile, and one so small that every program walks the tokens in blocks of one or two rows."""
-    monkeypatch.setattr(tdn, "_TILE", request.param)
+    """The default tile, and tiles of one or two token rows with the tokens of a column split into chunks of
+    several (or one) tiles, whose partial column sums are combined."""
+    monkeypatch.setattr(tdn, "_TILE", request.param[0])
+    monkeypatch.setattr(tdn, "_TARGET_PROGRAMS", request.param[1])
 
 
 @pytest.mark.parametrize("shape, token_dim", SHAPES)

@@ -114,7 +114,7 @@ def test_half_precision_and_autocast_take_the_kernels():
     assert triton_takes(a.bfloat16(), 4) and can_fuse(a.half(), bn)
     with torch.autocast(a.device.type, dtype=torch.bfloat16):
         assert can_fuse(a.bfloat16(), bn)
-    assert not triton_takes(a.double(), 4) and not triton_takes(a, 129)
+    assert not triton_takes(a.double(), 4) and not triton_takes(a, 65)
     with fast_paths(False):
         assert not can_fuse(a, bn)
 

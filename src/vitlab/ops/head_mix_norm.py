@@ -36,7 +36,7 @@ from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
 #: the most heads (in or out) the Triton kernels' tiles hold (:mod:`.triton_head_mix`)
-TRITON_MAX_HEADS = 128
+TRITON_MAX_HEADS = 64
 
 
 def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
