@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from .head_mix_norm import BatchNormTerms, running_momentum, token_rows
+from .head_mix_terms import BatchNormTerms, running_momentum, token_rows
 
 _BLOCK_L = 64  # map elements (rows of the heads-last view) per tile
 _MAX_PROGRAMS = 1024  # programs of a moments pass: the partial sums stay small (programs x C1 x C2 floats)
