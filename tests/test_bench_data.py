@@ -17,6 +17,9 @@ def test_bottleneck_names_the_slower_side_with_the_most_workers():
     ]
     doc = {"options": {"workers": [1, 16]}, "throughput": rows, "steps": steps}
     fp32, bf16 = bottleneck(doc)
-    assert "fp32: the step (the loader keeps up): loader 1500 img/s with 16 workers, step 1000 img/s" in fp32
-    assert "bf16: the loader, short by 75 %" in bf16
+    assert (
+        "fp32, vitlab+recipe: the step (the loader keeps up): loader 1500 img/s with 16 workers, step 1000 img/s"
+        in fp32
+    )
+    assert "bf16, vitlab+recipe: the loader, short by 75 %" in bf16
     assert bottleneck({**doc, "steps": []}) == []

@@ -15,7 +15,9 @@ Rounds interleave the pipelines (A B, then B A) so that load from other processe
 ``--device cuda``: the vitlab pipelines run their batch stage (RandAugment, normalisation, random erasing) on the
 GPU, as a GPU training run does (the workers decode and crop, and send uint8); the training step is timed on the
 GPU (CUDA events), beside its share of the GPU's GEMM rate in the same dtype; the report says which side is the
-bottleneck: the loader at the most workers measured, or the step.
+bottleneck: the loader at the most workers measured, or the step. Where torchvision's nvJPEG decoder is importable,
+one more pipeline, ``gpu-decode+recipe``, has the workers only read the files and their headers and decodes, cuts
+and augments on the GPU (:mod:`vitlab.data.device_decode`).
 Memory: a fresh process builds the loader (2 workers) over 2,000 and over 20,000 files (hard links of the
 generated images: the loader's memory depends on the file count, not on the pixels), runs a few batches and
 reports the resident (RSS) and proportional (PSS) memory of itself plus its workers.
@@ -43,6 +45,8 @@ from ..measure.machine import machine_info
 from ..measure.sweep import csv_list, write_json, write_text
 
 PIPELINES = ("reference", "vitlab", "vitlab+recipe")
+GPU_DECODE = "gpu-decode+recipe"  # on a GPU with nvJPEG: decode, crop and the recipe's batch stage on the device
+RECIPE_PIPELINES = ("vitlab+recipe", GPU_DECODE)
 STEP_MODELS = ("deit_tiny_patch16_224", "deit_small_patch16_224")
 
 
@@ -118,6 +122,13 @@ class ReferenceDataset(torch.utils.data.Dataset):
         return (x - self.mean) / self.std, label
 
 
+def pipelines(device: str) -> tuple[str, ...]:
+    """The pipelines measured: :data:`PIPELINES`, and :data:`GPU_DECODE` on a GPU where nvJPEG is importable."""
+    from ..data.device_decode import device_decode_available
+
+    return PIPELINES + ((GPU_DECODE,) if device_decode_available(device) else ())
+
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -128,9 +139,13 @@ def _loader(pipeline: str, source, args, workers: int):
         ds = ReferenceDataset(source, args.img_size, source.mean, source.std)
         return torch.utils.data.DataLoader(ds, args.batch_size, shuffle=True, num_workers=workers, drop_last=True,
                                            persistent_workers=workers > 0)  # fmt: skip
-    recipe = pipeline == "vitlab+recipe"
+    recipe = pipeline in RECIPE_PIPELINES
     tf = create_transform(args.img_size, True, color_jitter=None, auto_augment="rand-m9-mstd0.5-inc1" if recipe else None,
                           re_prob=0.25 if recipe else 0.0)  # fmt: skip
+    if pipeline == GPU_DECODE:
+        from ..data.device_decode import DeviceDecodeLoader
+
+        return DeviceDecodeLoader(source, tf, args.batch_size, workers, args.device)
     device = None if args.device == "cpu" else args.device  # the batch stage where the step runs (a GPU)
     return create_loader(source, tf, args.batch_size, is_training=True, workers=workers, decoder=args.decoder,
                          device=device)  # fmt: skip
@@ -160,13 +175,14 @@ def throughput(source, args) -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # the main process as one worker (DataLoader workers run one thread)
     try:
         for workers in args.workers:
-            loaders = {p: _loader(p, source, args, workers) for p in PIPELINES}
-            rates: dict[str, list[float]] = {p: [] for p in PIPELINES}
+            names = pipelines(args.device)
+            loaders = {p: _loader(p, source, args, workers) for p in names}
+            rates: dict[str, list[float]] = {p: [] for p in names}
             for r in range(args.rounds):
-                for p in PIPELINES if r % 2 == 0 else PIPELINES[::-1]:
+                for p in names if r % 2 == 0 else names[::-1]:
                     rates[p].append(images_per_second(loaders[p], args.batches))
                     print(f"  workers={workers} round {r + 1} {p:<14} {rates[p][-1]:7.1f} img/s", flush=True)
-            for p in PIPELINES:
+            for p in names:
                 rows.append({"pipeline": p, "workers": workers, "img_s": max(rates[p]), "rounds": rates[p]})
             del loaders
     finally:
@@ -209,15 +225,18 @@ def gemm_share(model_name: str, batch: int, img_size: int, seconds: float, dtype
 
 
 def bottleneck(doc: dict[str, Any]) -> list[str]:
-    """Which side limits training: the DeiT recipe's loader at the most workers measured against each step."""
+    """Which side limits training: each loader of DeiT's recipe (CPU decode; GPU decode where measured) at the
+    most workers measured against each step."""
     most = max(doc["options"]["workers"])
-    loader = max(r["img_s"] for r in doc["throughput"] if r["pipeline"] == "vitlab+recipe" and r["workers"] == most)
+    loaders = {r["pipeline"]: r["img_s"] for r in doc["throughput"]
+               if r["pipeline"] in RECIPE_PIPELINES and r["workers"] == most}  # fmt: skip
     lines = []
     for s in doc.get("steps", []):
-        short = 1 - loader / s["img_s"]
-        verdict = f"the loader, short by {100 * short:.0f} %" if short > 0 else "the step (the loader keeps up)"
-        lines.append(f"bottleneck {s['model']} {s['dtype']}: {verdict}: loader {loader:.0f} img/s with {most} "
-                     f"workers, step {s['img_s']:.0f} img/s")  # fmt: skip
+        for name, loader in loaders.items():
+            short = 1 - loader / s["img_s"]
+            verdict = f"the loader, short by {100 * short:.0f} %" if short > 0 else "the step (the loader keeps up)"
+            lines.append(f"bottleneck {s['model']} {s['dtype']}, {name}: {verdict}: loader {loader:.0f} img/s "
+                         f"with {most} workers, step {s['img_s']:.0f} img/s")  # fmt: skip
     return lines
 
 
@@ -305,12 +324,13 @@ def _dataset(args, work: Path) -> Path:
 
 
 def report_text(doc: dict[str, Any]) -> str:
+    names = list(dict.fromkeys(r["pipeline"] for r in doc["throughput"]))
     lines = [f"vitlab bench-data: decode + training transform at {doc['img_size']} px ({doc['images']} images, "
-             f"load {doc['loadavg']})", "", f"{'workers':>7}  " + "  ".join(f"{p:>14}" for p in PIPELINES)
+             f"load {doc['loadavg']})", "", f"{'workers':>7}  " + "  ".join(f"{p:>14}" for p in names)
              + "   vitlab/reference"]  # fmt: skip
     for w in doc["options"]["workers"]:
         rate = {r["pipeline"]: r["img_s"] for r in doc["throughput"] if r["workers"] == w}
-        cells = "  ".join(f"{rate[p]:>10.1f} i/s" for p in PIPELINES)
+        cells = "  ".join(f"{rate[p]:>10.1f} i/s" for p in names)
         lines.append(f"{w:>7}  {cells}   {rate['vitlab'] / rate['reference']:.2f}x")
     for s in doc.get("steps", []):
         share = f" ({100 * s['gemm_share']:.0f} % of the GEMM rate)" if "gemm_share" in s else ""
