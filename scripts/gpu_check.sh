@@ -49,8 +49,9 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
     --dtypes fp32,bf16 --layers 24 --batch 4 --warmup 2 --repeats 5 --out "$WORK/lm"
 
 # ---- the map kernels, the model pairs and the loader on the GPU ------------------------------------------------
-#   triton_maps   (~1 min)  the Triton map kernels on CUDA against the float64 equations and the plain modules,
-#                           and the SDPA dispatch of the models that need no map;
+#   triton_maps   (~2-3 min, most of it Triton compiling each tile size the tests ask for) the Triton map kernels
+#                           on CUDA against the float64 equations and the plain modules, and the SDPA dispatch
+#                           of the models that need no map;
 #   maps_fast     (~1.5 min) DeepViT-S and Refined-ViT-S bf16 training, batch 64, with the fast paths (the Triton
 #                           kernels) and without (VITLAB_FAST_PATHS=0): what the kernels buy; share of the GEMM rate;
 #   peers_fp32, peers_bf16 (~4 min each), peers_compiled (~6 min): the model pairs of peer_bench (median of two
@@ -59,9 +60,9 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 #                           carried with the tree; skipped with a note without it;
 #   data_bench    (~1.5 min) vitlab bench-data with 16 workers at 224 px, DeiT's recipe, the DeiT-S step on the GPU
 #                           beside it, and which side is the bottleneck.
-# An 8-minute run: STEPS="triton_maps maps_fast peers_bf16 data_bench"; then STEPS="peers_fp32" and
-# STEPS="peers_compiled" as runs of their own.
-TAIL=25 step triton_maps 120 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
+# Runs of about 8 minutes each: STEPS="triton_maps maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
+# STEPS="peers_compiled".
+TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
     tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
     tests/test_mixnorm.py tests/test_external.py
 
