@@ -55,13 +55,15 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 #   maps_fast     (~1.5 min) DeepViT-S and Refined-ViT-S bf16 training, batch 64, with the fast paths (the Triton
 #                           kernels) and without (VITLAB_FAST_PATHS=0): what the kernels buy; share of the GEMM rate;
 #   peers_fp32, peers_bf16 (~4 min each), peers_compiled (~6 min): the model pairs of peer_bench (median of two
-#                           A/B rounds, one GPU), fp32 with TF32 off, bf16 autocast, bf16 compiled on both sides.
+#                           A/B rounds, one GPU), fp32 with TF32 off, bf16 autocast, bf16 compiled on both sides;
+#   peers_rest_bf16 (~4 min): the other pairs in bf16 (DeiT-Ti, ViT-S vs vit-pytorch, TNT-S vs the official
+#                           code, DeepViT-16B vs the official code and vit-pytorch, EAMLP-7).
 #                           They need the .peers folder (peer_bench, the reference sources, the vit-pytorch wheel)
 #                           carried with the tree; skipped with a note without it;
 #   data_bench    (~1.5 min) vitlab bench-data with 16 workers at 224 px, DeiT's recipe, the DeiT-S step on the GPU
 #                           beside it, and which side is the bottleneck.
 # Runs of about 8 minutes each: STEPS="triton_maps maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
-# STEPS="peers_compiled".
+# STEPS="peers_compiled", STEPS="peers_rest_bf16".
 TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
     tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
     tests/test_mixnorm.py tests/test_external.py
@@ -91,6 +93,9 @@ TAIL=20 step maps_fast 150 bash -c maps_fast
 TAIL=20 step peers_fp32 300 bash -c 'peers peers_fp32 --dtype fp32'
 TAIL=20 step peers_bf16 300 bash -c 'peers peers_bf16 --dtype bf16'
 TAIL=20 step peers_compiled 420 bash -c 'peers peers_compiled --dtype bf16 --compile'
+TAIL=20 step peers_rest_bf16 300 bash -c 'peers peers_rest_bf16 --dtype bf16 --cases timm:deit_tiny_patch16_224 \
+    vit-pytorch:ViT-S official:tnt_s_patch16_224 official:deepvit_patch16_224_re_attn_16b vit-pytorch:DeepViT-16b \
+    official:EAMLP_7'
 
 step data_bench 120 "$PY" -m vitlab bench-data --images 2000 --workers 16 --batch-size 256 --batches 8 --rounds 1 \
     --step-models deit_small_patch16_224 --step-batch 256 --device cuda --no-memory --out "$OUT/bench_data"
