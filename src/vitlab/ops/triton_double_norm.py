@@ -140,7 +140,7 @@ class _Geometry(NamedTuple):
         return _Geometry(p, t, q, s, block_t, block_s, rows, triton.cdiv(t, rows))
 
     def columns(self, x: Tensor, g: Tensor | None, lse: Tensor | None, n: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The column pass: (max, sum of exp) per chunk and slot, or (Σ_t u per chunk and slot, unused)."""
+        """The column pass: (sum of exp(x - max), max) per chunk and slot, or (Σ_t u per chunk and slot, unused)."""
         part = torch.empty(2, self.p * self.q, self.chunks, self.s, device=x.device, dtype=torch.float32)
         grad = g is not None
         g, lse, n = (g, lse, n) if grad else (x, x, x)  # unread without GRAD
