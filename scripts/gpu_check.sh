@@ -52,6 +52,8 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 #   triton_maps   (~2-3 min, most of it Triton compiling each tile size the tests ask for) the Triton map kernels
 #                           on CUDA against the float64 equations and the plain modules, and the SDPA dispatch
 #                           of the models that need no map;
+#   maps_kernels  (~1 min)  each map chain alone (benchmarks/triton_maps.py), bf16 and fp32, forward + backward,
+#                           kernels against the plain operations, and the kernels' GB/s of the least traffic;
 #   maps_fast     (~1.5 min) DeepViT-S and Refined-ViT-S bf16 training, batch 64, with the fast paths (the Triton
 #                           kernels) and without (VITLAB_FAST_PATHS=0): what the kernels buy; share of the GEMM rate;
 #   peers_fp32, peers_bf16 (~4 min each), peers_compiled (~6 min): the model pairs of peer_bench (median of two
@@ -62,11 +64,17 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 #                           carried with the tree; skipped with a note without it;
 #   data_bench    (~1.5 min) vitlab bench-data with 16 workers at 224 px, DeiT's recipe, the DeiT-S step on the GPU
 #                           beside it, and which side is the bottleneck.
-# Runs of about 8 minutes each: STEPS="triton_maps maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
+# Runs of about 8 minutes each: STEPS="triton_maps maps_kernels maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
 # STEPS="peers_compiled", STEPS="peers_rest_bf16".
 TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
     tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
     tests/test_mixnorm.py tests/test_external.py
+
+maps_kernels() {
+    for dtype in bf16 fp32; do
+        "$PY" benchmarks/triton_maps.py --dtype "$dtype" --out "$OUT_ABS/maps_kernels_$dtype.json" || return
+    done
+}
 
 maps_fast() {  # the map models' bf16 training step with the fast paths on, then off
     for fast in 1 0; do
@@ -88,7 +96,8 @@ peers() {  # peers NAME [peer_bench options...]: the model pairs, two A/B rounds
 }
 OUT_ABS=$(realpath -m "$OUT")
 export PY WORK OUT_ABS
-export -f maps_fast peers  # timeout runs commands, not functions: each step runs them in a bash of its own
+export -f maps_kernels maps_fast peers  # timeout runs commands, not functions: each step runs them in a bash of its own
+TAIL=12 step maps_kernels 120 bash -c maps_kernels
 TAIL=20 step maps_fast 150 bash -c maps_fast
 TAIL=20 step peers_fp32 300 bash -c 'peers peers_fp32 --dtype fp32'
 TAIL=20 step peers_bf16 300 bash -c 'peers peers_bf16 --dtype bf16'
