@@ -147,3 +147,25 @@ def test_module_training_steps_equal_the_plain_path_and_the_switch_turns_the_ker
             results.append([out, *grads, *stats])
         for fast, plain, exact in zip(*results, strict=True):
             assert rel_err(fast, exact) < max(1e-5, 10 * rel_err(plain, exact))
+
+
+def test_under_autocast_the_kernels_agree_with_the_plain_modules_to_bf16_rounding(monkeypatch):
+    """Re-attention in a bf16 autocast region (the GPU training setting): the kernels take the bf16 maps with the
+    fp32 parameters; outputs and gradients agree with the plain modules under autocast to bf16's rounding, both
+    measured against the float64 module."""
+    taken = []
+    real = thm.head_mix_batchnorm_triton
+    monkeypatch.setattr(thm, "head_mix_batchnorm_triton", lambda a, *r, **k: taken.append(a.dtype) or real(a, *r, **k))
+    torch.manual_seed(4)
+    model = ReAttention(32, num_heads=4, transform_scale=True).to(DEVICE).train()
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    results = []
+    for enabled, dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float64)):
+        twin = copy.deepcopy(model).to(torch.float64 if dtype == torch.float64 else torch.float32)
+        with fast_paths(enabled), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype != torch.float64):
+            out = twin(x.to(torch.float64) if dtype == torch.float64 else x)
+        out.float().square().sum().backward()
+        results.append([out, twin.reatten_matrix.weight.grad, twin.qkv.weight.grad, twin.var_norm.running_var])
+    assert taken == [torch.bfloat16]
+    for fast, plain, exact in zip(*results, strict=True):
+        assert rel_err(fast, exact) < max(2e-2, 2 * rel_err(plain, exact))
