@@ -129,3 +129,22 @@ def test_unsupported_layouts_take_the_plain_path():
     assert not tdn.supports(logits, -1, -2)
     out = double_normalize(logits, token_dim=-1, memory_dim=-2)
     torch.testing.assert_close(out.double(), naive(logits, -1, -2, 1e-9), rtol=2e-6, atol=1e-9)
+
+
+def test_eamlp_under_autocast_takes_the_kernel_with_bf16_logits(monkeypatch):
+    """EAMLP's attention in a bf16 autocast region: the kernel normalises the bf16 logits itself (no fp32 copy) and
+    the output is as close to the float64 module as the plain path's."""
+    taken = []
+    real = tdn.double_normalize_triton
+    monkeypatch.setattr(tdn, "double_normalize_triton", lambda x, *a, **k: taken.append(x.dtype) or real(x, *a, **k))
+    torch.manual_seed(5)
+    mixer = MultiHeadExternalAttention(16, num_heads=2, coef=2).to(DEVICE)
+    x = torch.randn(2, 7, 16, device=DEVICE)
+    outs = []
+    for enabled, low in ((True, True), (False, True), (False, False)):
+        with fast_paths(enabled), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=low):
+            outs.append(mixer.double()(x.double()) if not low else mixer.float()(x))
+    fast, plain, exact = (o.double() for o in outs)
+    assert taken == [torch.bfloat16]
+    err = (fast - exact).abs().max() / exact.abs().max()
+    assert err < max(2e-2, 2 * (plain - exact).abs().max() / exact.abs().max())
