@@ -68,7 +68,7 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 # STEPS="peers_compiled", STEPS="peers_rest_bf16".
 TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
     tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
-    tests/test_mixnorm.py tests/test_external.py
+    tests/test_mixnorm.py tests/test_external.py tests/test_attention_map_precision.py tests/test_device_decode.py
 
 maps_kernels() {
     for dtype in bf16 fp32; do

@@ -104,3 +104,11 @@ def test_loader_yields_augmented_batches_the_same_for_the_same_seed(tmp_path):
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.shape == (4,)
     assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, x3)
     assert -3 < x.mean() < 3  # normalised by the recipe's batch stage
+
+
+def test_resampling_in_float_as_on_a_gpu_is_within_a_level_of_the_uint8_path(monkeypatch):
+    """On a GPU the crops are resampled in float32 and rounded back: within one level of the CPU's uint8 kernel."""
+    uint8 = dd.decode_crops(FILES, SIZES, SPEC, torch.Generator().manual_seed(5), "cpu", jpeg=pillow_jpeg)
+    monkeypatch.setattr(dd, "resampled_as", lambda pixels: pixels.float())
+    float_path = dd.decode_crops(FILES, SIZES, SPEC, torch.Generator().manual_seed(5), "cpu", jpeg=pillow_jpeg)
+    assert float_path.dtype == torch.uint8 and (float_path.int() - uint8.int()).abs().max() <= 1

@@ -95,8 +95,15 @@ def decode_crops(
     crops = []
     for pixels, size, box in zip(_decode_all(files, dev, spec.channels, jpeg), sizes, boxes, strict=True):
         scale = (pixels.shape[1] / size[0], pixels.shape[2] / size[1])
-        crops.append(crop_resize_pixels(pixels, scale, box, spec)[0])
+        crop = crop_resize_pixels(resampled_as(pixels), scale, box, spec)[0]
+        crops.append(crop.round_().clamp_(0, 255).to(torch.uint8) if crop.is_floating_point() else crop)
     return torch.stack(crops)
+
+
+def resampled_as(pixels: Tensor) -> Tensor:
+    """The pixels in the type the device resamples: uint8 on the CPU (its antialiased uint8 kernels), float32 on
+    a GPU (whose antialiased interpolation takes floating images; rounded back to uint8 after the resample)."""
+    return pixels if pixels.device.type == "cpu" else pixels.float()
 
 
 class HeaderDataset(torch.utils.data.Dataset):
