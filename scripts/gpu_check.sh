@@ -10,7 +10,8 @@
 # Runs vitlab from src/ with the python that holds a CUDA build of torch (PYTHON, default python3); writes one
 # log per step and the benchmarks' JSON to OUT (default runs/gpu_check). VITLAB_SHARED, if set, is the folder
 # with the reference vectors and data sets the tests read (golden/, data/). STEPS picks steps by name (default
-# all: "cuda_tests bench_fp32 bench_bf16 lm_bench suite").
+# all: "cuda_tests bench_fp32 bench_bf16 lm_bench suite" and the map/peer/loader steps of the block below, which
+# says how long each takes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -47,9 +48,71 @@ step bench_bf16 150 "$PY" -m vitlab bench deit_small_patch16_224 --device cuda -
 step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models aft_local transformer --flash \
     --dtypes fp32,bf16 --layers 24 --batch 4 --warmup 2 --repeats 5 --out "$WORK/lm"
 
+# ---- the map kernels, the model pairs and the loader on the GPU ------------------------------------------------
+#   triton_maps   (~2-3 min, most of it Triton compiling each tile size the tests ask for) the Triton map kernels
+#                           on CUDA against the float64 equations and the plain modules, and the SDPA dispatch
+#                           of the models that need no map;
+#   maps_kernels  (~1 min)  each map chain alone (benchmarks/triton_maps.py), bf16 and fp32, forward + backward,
+#                           kernels against the plain operations, and the kernels' GB/s of the least traffic;
+#   maps_fast     (~1.5 min) DeepViT-S and Refined-ViT-S bf16 training, batch 64, with the fast paths (the Triton
+#                           kernels) and without (VITLAB_FAST_PATHS=0): what the kernels buy; share of the GEMM rate;
+#   peers_fp32, peers_bf16 (~4 min each), peers_compiled (~6 min): the model pairs of peer_bench (median of two
+#                           A/B rounds, one GPU), fp32 with TF32 off, bf16 autocast, bf16 compiled on both sides;
+#   peers_rest_bf16 (~4 min): the other pairs in bf16 (DeiT-Ti, ViT-S vs vit-pytorch, TNT-S vs the official
+#                           code, DeepViT-16B vs the official code and vit-pytorch, EAMLP-7).
+#                           They need the .peers folder (peer_bench, the reference sources, the vit-pytorch wheel)
+#                           carried with the tree; skipped with a note without it;
+#   data_bench    (~1.5 min) vitlab bench-data with 16 workers at 224 px, DeiT's recipe, the DeiT-S step on the GPU
+#                           beside it, and which side is the bottleneck.
+# Runs of about 8 minutes each: STEPS="triton_maps maps_kernels maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
+# STEPS="peers_compiled", STEPS="peers_rest_bf16".
+TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
+    tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
+    tests/test_mixnorm.py tests/test_external.py tests/test_attention_map_precision.py tests/test_device_decode.py
+
+maps_kernels() {
+    for dtype in bf16 fp32; do
+        "$PY" benchmarks/triton_maps.py --dtype "$dtype" --out "$OUT_ABS/maps_kernels_$dtype.json" || return
+    done
+}
+
+maps_fast() {  # the map models' bf16 training step with the fast paths on, then off
+    for fast in 1 0; do
+        VITLAB_FAST_PATHS=$fast "$PY" -m vitlab bench deepvit_s refiner_vit_s --device cuda --batch 64 --modes train \
+            --dtypes bf16 --repeats 10 --warmup 3 --no-memory --out "$WORK/maps_fast$fast" || return
+    done
+}
+
+peers() {  # peers NAME [peer_bench options...]: the model pairs, two A/B rounds, JSON into OUT
+    local name=$1
+    shift
+    if [ ! -f .peers/peer_bench/peer_bench.py ]; then
+        echo "skipped: no .peers folder (peer_bench, refs, wheels) carried with the tree"
+        return 0
+    fi
+    "$PY" -m pip install --no-index --no-deps -q .peers/wheels/*.whl || return
+    (cd .peers/peer_bench && PEERS_REFS=../refs "$PY" peer_bench.py --device cuda --pair --rounds 2 --suite models \
+        --vitlab-src ../../src --out "$OUT_ABS/$name.json" "$@")
+}
+OUT_ABS=$(realpath -m "$OUT")
+export PY WORK OUT_ABS
+export -f maps_kernels maps_fast peers  # timeout runs commands, not functions: each step runs them in a bash of its own
+TAIL=12 step maps_kernels 120 bash -c maps_kernels
+TAIL=20 step maps_fast 150 bash -c maps_fast
+TAIL=20 step peers_fp32 300 bash -c 'peers peers_fp32 --dtype fp32'
+TAIL=20 step peers_bf16 300 bash -c 'peers peers_bf16 --dtype bf16'
+TAIL=20 step peers_compiled 420 bash -c 'peers peers_compiled --dtype bf16 --compile'
+TAIL=20 step peers_rest_bf16 300 bash -c 'peers peers_rest_bf16 --dtype bf16 --cases timm:deit_tiny_patch16_224 \
+    vit-pytorch:ViT-S official:tnt_s_patch16_224 official:deepvit_patch16_224_re_attn_16b vit-pytorch:DeepViT-16b \
+    official:EAMLP_7'
+
+step data_bench 120 "$PY" -m vitlab bench-data --images 2000 --workers 16 --batch-size 256 --batches 8 --rounds 1 \
+    --step-models deit_small_patch16_224 --step-batch 256 --device cuda --no-memory --out "$OUT/bench_data"
+# ---- end of the map kernels, model pairs and loader block -------------------------------------------------------
+
 TAIL=30 step suite "${SUITE_SECONDS:-100}" "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -m "not slow" \
     -n "${SUITE_WORKERS:-8}" --ignore tests/test_cuda.py
-for f in fp32/bench.json bf16/bench.json lm/lm_bench.json; do  # the figures, whole
+for f in fp32/bench.json bf16/bench.json lm/lm_bench.json maps_fast1/bench.json maps_fast0/bench.json; do  # the figures, whole
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/${f%%/*}_${f##*/}"
 done
 rm -rf "$WORK"

@@ -11,6 +11,13 @@ Pipelines, each per worker count (0 = in the main process, one torch thread like
 - ``vitlab+recipe``: DeiT's full transform (adds RandAugment rand-m9-mstd0.5-inc1 and random erasing 0.25).
 
 Rounds interleave the pipelines (A B, then B A) so that load from other processes hits both alike.
+
+``--device cuda``: the vitlab pipelines run their batch stage (RandAugment, normalisation, random erasing) on the
+GPU, as a GPU training run does (the workers decode and crop, and send uint8); the training step is timed on the
+GPU (CUDA events), beside its share of the GPU's GEMM rate in the same dtype; the report says which side is the
+bottleneck: the loader at the most workers measured, or the step. Where torchvision's nvJPEG decoder is importable,
+one more pipeline, ``gpu-decode+recipe``, has the workers only read the files and their headers and decodes, cuts
+and augments on the GPU (:mod:`vitlab.data.device_decode`).
 Memory: a fresh process builds the loader (2 workers) over 2,000 and over 20,000 files (hard links of the
 generated images: the loader's memory depends on the file count, not on the pixels), runs a few batches and
 reports the resident (RSS) and proportional (PSS) memory of itself plus its workers.
@@ -34,10 +41,13 @@ from typing import Any
 import torch
 
 from .. import options as opt
+from ..device import add_device_argument, resolve_device, time_call
 from ..measure.machine import machine_info
 from ..measure.sweep import csv_list, write_json, write_text
 
 PIPELINES = ("reference", "vitlab", "vitlab+recipe")
+GPU_DECODE = "gpu-decode+recipe"  # on a GPU with nvJPEG: decode, crop and the recipe's batch stage on the device
+RECIPE_PIPELINES = ("vitlab+recipe", GPU_DECODE)
 STEP_MODELS = ("deit_tiny_patch16_224", "deit_small_patch16_224")
 
 
@@ -59,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--step-batch", type=opt.positive_int, default=32, help="batch of the training step timing (default 32)"
     )
     p.add_argument("--no-step", action="store_true", help="skip the training step timing")
+    add_device_argument(p, default="cpu")  # where the batch stage and the training step run
     p.add_argument("--no-memory", action="store_true", help="skip the loader memory measurement")
     p.add_argument("--out", default="runs/bench-data", help="folder for report.json and report.txt")
 
@@ -120,6 +131,13 @@ class ReferenceDataset(torch.utils.data.Dataset):
         return (x - self.mean) / self.std, label
 
 
+def pipelines(device: str) -> tuple[str, ...]:
+    """The pipelines measured: :data:`PIPELINES`, and :data:`GPU_DECODE` on a GPU where nvJPEG is importable."""
+    from ..data.device_decode import device_decode_available
+
+    return PIPELINES + ((GPU_DECODE,) if device_decode_available(device) else ())
+
+
 # --------------------------------------------------------------------------- measuring
 
 
@@ -130,10 +148,16 @@ def _loader(pipeline: str, source, args, workers: int):
         ds = ReferenceDataset(source, args.img_size, source.mean, source.std)
         return torch.utils.data.DataLoader(ds, args.batch_size, shuffle=True, num_workers=workers, drop_last=True,
                                            persistent_workers=workers > 0)  # fmt: skip
-    recipe = pipeline == "vitlab+recipe"
+    recipe = pipeline in RECIPE_PIPELINES
     tf = create_transform(args.img_size, True, color_jitter=None, auto_augment="rand-m9-mstd0.5-inc1" if recipe else None,
                           re_prob=0.25 if recipe else 0.0)  # fmt: skip
-    return create_loader(source, tf, args.batch_size, is_training=True, workers=workers, decoder=args.decoder)
+    if pipeline == GPU_DECODE:
+        from ..data.device_decode import DeviceDecodeLoader
+
+        return DeviceDecodeLoader(source, tf, args.batch_size, workers, args.device)
+    device = None if args.device == "cpu" else args.device  # the batch stage where the step runs (a GPU)
+    return create_loader(source, tf, args.batch_size, is_training=True, workers=workers, decoder=args.decoder,
+                         device=device)  # fmt: skip
 
 
 def images_per_second(loader, batches: int) -> float:
@@ -144,7 +168,10 @@ def images_per_second(loader, batches: int) -> float:
     next(it)
     n, t0 = 0, time.perf_counter()
     for _ in range(batches):
-        n += len(next(it)[0])
+        x = next(it)[0]
+        n += len(x)
+    if x.is_cuda:  # the batch stage's kernels, not their launch
+        torch.cuda.synchronize(x.device)
     rate = n / (time.perf_counter() - t0)
     del it
     return rate
@@ -157,13 +184,14 @@ def throughput(source, args) -> list[dict[str, Any]]:
     torch.set_num_threads(1)  # the main process as one worker (DataLoader workers run one thread)
     try:
         for workers in args.workers:
-            loaders = {p: _loader(p, source, args, workers) for p in PIPELINES}
-            rates: dict[str, list[float]] = {p: [] for p in PIPELINES}
+            names = pipelines(args.device)
+            loaders = {p: _loader(p, source, args, workers) for p in names}
+            rates: dict[str, list[float]] = {p: [] for p in names}
             for r in range(args.rounds):
-                for p in PIPELINES if r % 2 == 0 else PIPELINES[::-1]:
+                for p in names if r % 2 == 0 else names[::-1]:
                     rates[p].append(images_per_second(loaders[p], args.batches))
                     print(f"  workers={workers} round {r + 1} {p:<14} {rates[p][-1]:7.1f} img/s", flush=True)
-            for p in PIPELINES:
+            for p in names:
                 rows.append({"pipeline": p, "workers": workers, "img_s": max(rates[p]), "rounds": rates[p]})
             del loaders
     finally:
@@ -171,23 +199,54 @@ def throughput(source, args) -> list[dict[str, Any]]:
     return rows
 
 
-def step_time(model_name: str, batch: int, img_size: int, dtype: str, steps: int = 3) -> float:
-    """Median seconds of one AdamW training step (forward, backward, update) at ``batch`` x ``img_size``."""
+def step_time(model_name: str, batch: int, img_size: int, dtype: str, steps: int = 3, device: str = "cpu") -> float:
+    """Median seconds of one AdamW training step (forward, backward, update) at ``batch`` x ``img_size`` on
+    ``device`` (CUDA events on a GPU)."""
     from ..models import build_model
 
-    model = build_model(model_name, img_size=img_size)
+    dev = torch.device(device)
+    model = build_model(model_name, img_size=img_size).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = torch.randn(batch, 3, img_size, img_size), torch.randint(0, 1000, (batch,))
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+    x = torch.randn(batch, 3, img_size, img_size, device=dev)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step() -> None:
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dtype == "bf16"):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+
+    times = [time_call(step, dev) for _ in range(steps + 1)]
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def gemm_share(model_name: str, batch: int, img_size: int, seconds: float, dtype: str, device: str) -> float:
+    """The step's share of the device's GEMM rate in ``dtype``: 3 x the forward pass's model FLOPs (forward and
+    backward) / ``seconds`` / the measured rate (:mod:`vitlab.measure.gemm`)."""
+    from ..measure.flops import count_flops
+    from ..measure.gemm import measure_gemm
+    from ..models import build_model
+
+    flops = count_flops(build_model(model_name, img_size=img_size).train(), (3, img_size, img_size), batch)
+    rate = measure_gemm(dtype, device=device, min_time=1.0).flops_per_s
+    return 3 * 2 * flops.macs / seconds / rate
+
+
+def bottleneck(doc: dict[str, Any]) -> list[str]:
+    """Which side limits training: each loader of DeiT's recipe (CPU decode; GPU decode where measured) at the
+    most workers measured against each step."""
+    most = max(doc["options"]["workers"])
+    loaders = {r["pipeline"]: r["img_s"] for r in doc["throughput"]
+               if r["pipeline"] in RECIPE_PIPELINES and r["workers"] == most}  # fmt: skip
+    lines = []
+    for s in doc.get("steps", []):
+        for name, loader in loaders.items():
+            short = 1 - loader / s["img_s"]
+            verdict = f"the loader, short by {100 * short:.0f} %" if short > 0 else "the step (the loader keeps up)"
+            lines.append(f"bottleneck {s['model']} {s['dtype']}, {name}: {verdict}: loader {loader:.0f} img/s "
+                         f"with {most} workers, step {s['img_s']:.0f} img/s")  # fmt: skip
+    return lines
 
 
 def _tree_memory(pid: int) -> dict[str, int]:
@@ -274,16 +333,20 @@ def _dataset(args, work: Path) -> Path:
 
 
 def report_text(doc: dict[str, Any]) -> str:
+    names = list(dict.fromkeys(r["pipeline"] for r in doc["throughput"]))
     lines = [f"vitlab bench-data: decode + training transform at {doc['img_size']} px ({doc['images']} images, "
-             f"load {doc['loadavg']})", "", f"{'workers':>7}  " + "  ".join(f"{p:>14}" for p in PIPELINES)
+             f"load {doc['loadavg']})", "", f"{'workers':>7}  " + "  ".join(f"{p:>14}" for p in names)
              + "   vitlab/reference"]  # fmt: skip
     for w in doc["options"]["workers"]:
         rate = {r["pipeline"]: r["img_s"] for r in doc["throughput"] if r["workers"] == w}
-        cells = "  ".join(f"{rate[p]:>10.1f} i/s" for p in PIPELINES)
+        cells = "  ".join(f"{rate[p]:>10.1f} i/s" for p in names)
         lines.append(f"{w:>7}  {cells}   {rate['vitlab'] / rate['reference']:.2f}x")
     for s in doc.get("steps", []):
-        lines.append(f"step {s['model']} {s['dtype']} batch {s['batch']}: {s['seconds']:.3f} s = "
-                     f"{s['img_s']:.1f} img/s -> {s['workers_needed']:.2f} vitlab workers")  # fmt: skip
+        share = f" ({100 * s['gemm_share']:.0f} % of the GEMM rate)" if "gemm_share" in s else ""
+        lines.append(f"step {s['model']} {s['dtype']} batch {s['batch']} on {s.get('device', 'cpu')}: "
+                     f"{s['seconds']:.3f} s = {s['img_s']:.1f} img/s{share} -> {s['workers_needed']:.2f} vitlab "
+                     "workers")  # fmt: skip
+    lines += bottleneck(doc)
     for m in doc.get("memory", []):
         lines.append(f"memory {m['files']} files: RSS {m['rss'] / 2**20:.0f} MiB, PSS {m['pss'] / 2**20:.0f} MiB")
     if len(doc.get("memory", [])) == 2:
@@ -297,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data import open_source
     from ..io import check_writable_folder
 
+    args.device = str(resolve_device(args.device))  # a GPU that is not there: one line, before any work
     out = check_writable_folder(args.out)
     with tempfile.TemporaryDirectory(prefix="vitlab-bench-data-") as tmp:
         root = _dataset(args, Path(tmp))
@@ -310,10 +374,14 @@ def run(args: argparse.Namespace) -> int:
             doc["steps"] = []
             for model in args.step_models:
                 for dtype in ("fp32", "bf16"):
-                    sec = step_time(model, args.step_batch, args.img_size, dtype)
+                    sec = step_time(model, args.step_batch, args.img_size, dtype, device=args.device)
                     img_s = args.step_batch / sec
                     doc["steps"].append({"model": model, "dtype": dtype, "batch": args.step_batch, "seconds": sec,
-                                         "img_s": img_s, "workers_needed": img_s / per_worker})  # fmt: skip
+                                         "img_s": img_s, "workers_needed": img_s / per_worker,
+                                         "device": args.device})  # fmt: skip
+                    if torch.device(args.device).type == "cuda":
+                        share = gemm_share(model, args.step_batch, args.img_size, sec, dtype, args.device)
+                        doc["steps"][-1]["gemm_share"] = share
                     print(f"  step {model} {dtype}: {sec:.3f} s ({img_s:.1f} img/s)", flush=True)
         if not args.no_memory:
             doc["memory"] = loader_memory(root, Path(tmp))

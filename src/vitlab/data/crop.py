@@ -35,8 +35,14 @@ def crop_resize(img: Decoded, box: Box, spec: CropSpec) -> tuple[Tensor, Box]:
     At a decoded scale below 1 the box edges are rounded to whole decoded pixels (at most half a decoded
     pixel); the box actually used, in original coordinates, is returned for dense targets to follow.
     """
-    x = torch.from_numpy(np.ascontiguousarray(img.pixels)).permute(2, 0, 1)[None]
-    sy, sx = img.scale
+    x = torch.from_numpy(np.ascontiguousarray(img.pixels)).permute(2, 0, 1)
+    return crop_resize_pixels(x, img.scale, box, spec)
+
+
+def crop_resize_pixels(x: Tensor, scale: tuple[float, float], box: Box, spec: CropSpec) -> tuple[Tensor, Box]:
+    """:func:`crop_resize` of pixels ``uint8 (C, H', W')`` on any device, decoded at ``scale = (H'/H, W'/W)``."""
+    x = x[None]
+    sy, sx = scale
     top, left = round(box.top * sy), round(box.left * sx)
     bottom, right = round((box.top + box.height) * sy), round((box.left + box.width) * sx)
     top, left = min(max(top, 0), x.shape[2] - 1), min(max(left, 0), x.shape[3] - 1)

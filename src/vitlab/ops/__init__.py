@@ -8,7 +8,9 @@ The mixers (:mod:`vitlab.mixers`) read as their papers' equations and call the o
   :mod:`.aft_conv` and :mod:`.aft_simple` (closed-form backward passes) and the decoding states;
 * :mod:`.double_norm` -- external attention's double normalisation;
 * :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner;
-* :mod:`.fold` -- BatchNorm folded into a convolution in eval mode.
+* :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;
+* :mod:`.triton_double_norm`, :mod:`.triton_head_mix` -- the map chains of external attention, re-attention and
+  the refiner as Triton kernels on a GPU (:mod:`.triton_support` says where they run).
 
 Every fast path computes the same function as the plain operations (the tests hold them equal), and
 ``set_fast_paths(False)`` (or ``VITLAB_FAST_PATHS=0``) turns them all off. :func:`decisions` reports what the

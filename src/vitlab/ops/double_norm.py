@@ -4,7 +4,9 @@ The map over the memory slots is a softmax over the tokens, then an ℓ1 normali
 autograd the composite keeps both intermediate maps and its backward pass runs PyTorch's softmax over a middle axis,
 whose strided kernels are the slowest part of external attention at long sequences; :class:`_DoubleNormalize`
 saves only the output and the ℓ1 norms and reduces over whole axes as laid out. A fast path
-(:mod:`vitlab.ops.switch`): eager mode only, the composite otherwise.
+(:mod:`vitlab.ops.switch`): eager mode only, the composite otherwise. Where Triton kernels run
+(:func:`~.triton_support.triton_runs_on`: CUDA tensors, any of fp32/bf16/fp16), both passes run as one kernel each
+(:mod:`.triton_double_norm`), which never stores an fp32 map.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .switch import eager_fast_path, fast_paths_enabled
+from .triton_support import triton_runs_on
 
 
 class _DoubleNormalize(torch.autograd.Function):
@@ -55,9 +58,16 @@ def double_normalize(
     Stable for any logits: the softmax subtracts the per-slot max over tokens, and
     ``eps > 0`` keeps a token that no slot attends to at 0 instead of 0/0. Half
     precision is normalised in fp32 and returned in the input dtype. ``inplace``
-    (inference, no autograd) overwrites ``logits`` and normalises in place (a fast path: off with the switch). fp32/fp64 otherwise run through
-    :class:`_DoubleNormalize` (same values, a backward pass with fewer and faster passes over the map).
+    (inference, no autograd) overwrites ``logits`` and normalises in place (a fast path: off with the switch).
+    Where Triton runs (CUDA), one kernel per pass in any of fp32/bf16/fp16 (:mod:`.triton_double_norm`); on the
+    CPU fp32/fp64 run through :class:`_DoubleNormalize` (same values, a backward pass with fewer and faster passes
+    over the map).
     """
+    if triton_runs_on(logits):  # triton is importable here; imported late, as it is an optional dependency
+        from .triton_double_norm import double_normalize_triton, supports
+
+        if supports(logits, token_dim, memory_dim):
+            return double_normalize_triton(logits, token_dim, eps, inplace)
     low = logits.dtype in (torch.float16, torch.bfloat16)
     if not low and not inplace and eager_fast_path():
         return _DoubleNormalize.apply(logits, token_dim, memory_dim, eps)

@@ -30,7 +30,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .head_mix_terms import BatchNormTerms, running_momentum, token_rows
 from .switch import fast_paths_enabled
+from .triton_support import triton_runs_on
+
+#: the most heads (in or out) the Triton kernels' tiles hold (:mod:`.triton_head_mix`)
+TRITON_MAX_HEADS = 64
 
 
 def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
@@ -38,26 +43,30 @@ def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
     return bn.training or bn.running_mean is None
 
 
-def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
-    """Whether :func:`head_mix_batchnorm` applies: the fast paths on, autograd records, the BatchNorm uses batch statistics, and the
-    maps are fp32/fp64 outside autocast (under autocast the plain modules pick their own precisions). Also under
-    ``torch.compile``, which traces the function's forward and closed-form backward into its graph (no graph
-    break; the compiled step saves what this function saves)."""
+def triton_takes(attn: Tensor, heads_out: int) -> bool:
+    """Whether the Triton kernels (:mod:`.triton_head_mix`) take these maps: where Triton runs (CUDA), fp32, bf16
+    or fp16 maps (under autocast or not), at most :data:`TRITON_MAX_HEADS` heads in and out."""
     return (
-        fast_paths_enabled()
-        and torch.is_grad_enabled()
-        and uses_batch_stats(bn)
-        and attn.dtype in (torch.float32, torch.float64)
-        and attn.device.type in ("cpu", "cuda")  # before the autocast query, which rejects e.g. "meta"
-        and not torch.is_autocast_enabled(attn.device.type)
+        attn.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and max(attn.shape[1], heads_out) <= TRITON_MAX_HEADS
+        and attn.numel() < 2**31  # int32 offsets in the kernels
+        and triton_runs_on(attn)
     )
 
 
-def token_rows(maps: Tensor) -> Tensor:
-    """Maps (B, C, N, N) as a (B, N·N, C) view (no copy for the standard layout or channels-last): every head
-    mix below is a batched product on this view, with the transposes passed to BLAS rather than copied."""
-    b, c, n, m = maps.shape
-    return maps.permute(0, 2, 3, 1).reshape(b, n * m, c)
+def can_fuse(attn: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether :func:`head_mix_batchnorm` applies: the fast paths on, autograd records, the BatchNorm uses batch
+    statistics, and either the Triton kernels take the maps (:func:`triton_takes`) or the maps are fp32/fp64
+    outside autocast (under autocast the plain modules pick their own precisions). The closed-form function also
+    runs under ``torch.compile``, which traces its forward and backward into its graph (no graph break; the
+    compiled step saves what this function saves)."""
+    if not (fast_paths_enabled() and torch.is_grad_enabled() and uses_batch_stats(bn)):
+        return False
+    if attn.device.type not in ("cpu", "cuda"):  # before the autocast query, which rejects e.g. "meta"
+        return False
+    if triton_takes(attn, bn.num_features):
+        return True
+    return attn.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(attn.device.type)
 
 
 def mix_heads(weight: Tensor, rows: Tensor, heads_last: bool, out: Tensor | None = None, alpha: float = 1.0) -> Tensor:
@@ -75,14 +84,6 @@ def mix_heads(weight: Tensor, rows: Tensor, heads_last: bool, out: Tensor | None
 def as_maps(t: Tensor, n: int, heads_last: bool) -> Tensor:
     """:func:`mix_heads`'s result as maps (B, G, N, N): channels-last strides when ``heads_last``."""
     return t.view(t.shape[0], n, n, -1).permute(0, 3, 1, 2) if heads_last else t.view(t.shape[0], -1, n, n)
-
-
-def _momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
-    """The running-statistics factor of this call, as ``nn.BatchNorm`` computes it (counting the batch)."""
-    if not (bn.training and bn.track_running_stats and bn.num_batches_tracked is not None):
-        return 0.0 if bn.momentum is None else bn.momentum
-    bn.num_batches_tracked.add_(1)
-    return 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
 
 
 class _HeadMixBatchNorm(torch.autograd.Function):
@@ -103,30 +104,23 @@ class _HeadMixBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, weight, w_eff, mean, rstd = ctx.saved_tensors
-        has_bias, has_gamma, has_beta = ctx.has
         shape, rows_in = ctx.layout
         count = rows.shape[0] * rows.shape[1]
         g = token_rows(grad)  # (B, L, G)
         s = g.sum((0, 1))  # (G,)
         p = torch.bmm(g.transpose(1, 2), rows).sum(0)  # (G, H)
-        m1 = s / count
-        m2 = rstd * ((weight * p).sum(1) - mean * s) / count  # mean of g·x̂ (mean: of W A)
-        kappa = w_eff * rstd
-        slope = kappa * rstd * m2  # dY = κ g − slope ⊙ (W A) + shift
-        shift = slope * mean - kappa * m1
+        terms = BatchNormTerms.of(weight, w_eff, mean, rstd, s, p, count)
         grad_a = grad_w = None
         if ctx.needs_input_grad[0]:  # in the input's layout
-            wt = weight.t()
-            grad_a = mix_heads(wt * kappa, g, rows_in)
-            mix_heads((wt * slope) @ weight, rows, rows_in, out=grad_a, alpha=-1.0)
-            grad_a = as_maps(grad_a.add_((wt @ shift).view((1, 1, -1) if rows_in else (1, -1, 1))), shape[-1], rows_in)
+            on_g, on_a, const = terms.input_grad_mix(weight)
+            grad_a = mix_heads(on_g, g, rows_in)
+            mix_heads(on_a, rows, rows_in, out=grad_a, alpha=-1.0)
+            grad_a = as_maps(grad_a.add_(const.view((1, 1, -1) if rows_in else (1, -1, 1))), shape[-1], rows_in)
         if ctx.needs_input_grad[1]:
             q = torch.bmm(rows.transpose(1, 2), rows).sum(0)  # (H, H)
-            grad_w = kappa[:, None] * p - slope[:, None] * (weight @ q) + shift[:, None] * rows.sum((0, 1))
-        grad_bias = torch.zeros_like(mean) if has_bias and ctx.needs_input_grad[2] else None
-        grad_gamma = ctx.scale * count * m2 if has_gamma and ctx.needs_input_grad[3] else None
-        grad_beta = ctx.scale * s if has_beta and ctx.needs_input_grad[4] else None
-        return grad_a, grad_w, grad_bias, grad_gamma, grad_beta, None, None, None, None, None, None
+            grad_w = terms.weight_grad(weight, p, q, rows.sum((0, 1)))
+        affine = terms.affine_grads(ctx.has, ctx.needs_input_grad, ctx.scale, count)
+        return grad_a, grad_w, *affine, None, None, None, None, None, None
 
 
 def head_mix_batchnorm(
@@ -140,7 +134,11 @@ def head_mix_batchnorm(
     (G, H, 1, 1)) and a BatchNorm with batch statistics (:func:`can_fuse`): the same values and running-statistics
     update as the modules, with the lean backward pass of this module's docstring. The result has channels-last
     strides when ``heads_last`` (what a following depth-wise conv reads fastest), else the standard layout; the
-    input may be in either."""
+    input may be in either. Where Triton runs, the kernels of :mod:`.triton_head_mix` (any of fp32/bf16/fp16)."""
+    if triton_takes(attn, mix.out_channels):  # imported late: triton is an optional dependency
+        from .triton_head_mix import head_mix_batchnorm_triton
+
+        return head_mix_batchnorm_triton(attn, mix, bn, scale, heads_last)
     return _HeadMixBatchNorm.apply(
         attn,
         mix.weight[:, :, 0, 0],
@@ -149,7 +147,7 @@ def head_mix_batchnorm(
         bn.bias,
         bn.running_mean if bn.track_running_stats else None,
         bn.running_var if bn.track_running_stats else None,
-        _momentum(bn),
+        running_momentum(bn),
         bn.eps,
         float(scale),
         heads_last,
