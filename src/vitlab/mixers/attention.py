@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.linear import fused_linear
+from ..ops.softmax import softmax_keeping_dtype
 from ..ops.switch import eager_fast_path
 from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, merge_heads
 
@@ -23,8 +24,8 @@ def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias
 
     Half-precision logits: the plain path normalises an fp32 copy and rounds the result, and its backward pass
     keeps that fp32 map (under CUDA autocast ``softmax`` runs in fp32 too). The fast path (eager, the switch on)
-    calls the softmax kernel that sums in fp32 and writes the map once in the logits' dtype (``aten._softmax``
-    without ``half_to_float``, which autocast leaves alone): the same values to one rounding, and the backward
+    calls the softmax kernel that sums in fp32 and writes the map once in the logits' dtype
+    (:func:`~vitlab.ops.softmax.softmax_keeping_dtype`): the same values to one rounding, and the backward
     pass keeps a half-precision map, a third of the plain path's map bytes. The maps of re-attention and the
     refiner are the largest tensors those models keep.
     """
@@ -38,7 +39,7 @@ def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias
     # half-precision logits are normalised in fp32, as SDPA's kernels do
     low = logits.dtype in (torch.float16, torch.bfloat16)
     if low and eager_fast_path():  # fp32 sums, one rounding to the logits' dtype, and no fp32 map kept
-        return torch._softmax(logits, -1, False).to(q.dtype)
+        return softmax_keeping_dtype(logits).to(q.dtype)
     return logits.softmax(dim=-1, dtype=torch.float32 if low else None).to(q.dtype)
 
 
