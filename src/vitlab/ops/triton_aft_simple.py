@@ -173,16 +173,18 @@ def _store(ptr, s_b, s_t, b, t, c, mask, x):
     tl.store(ptr + b * s_b + t[:, None] * s_t + c[None, :], x, mask=mask)
 
 
-def _blocks(t: int, c: int) -> tuple[int, int]:
-    """Token chunk and channel block of the programs: small tiles in the interpreter (each costs NumPy calls)."""
-    bt = 64 if t > 32 else max(16, triton.next_power_of_2(t))
+def _blocks(qkv: Tensor) -> tuple[int, int]:
+    """Token chunk and channel block of the programs; the interpreter (CPU tensors) takes the smallest chunks, so
+    that the tests' short sequences span several."""
+    t, c = qkv.shape[1], qkv.shape[2] // 3
+    bt = 64 if t > 32 and qkv.device.type != "cpu" else 16
     return bt, min(32, max(16, triton.next_power_of_2(c)))
 
 
 def _launch(kernel, qkv: Tensor, extra: tuple, causal: bool | None, out: Tensor, carries: tuple) -> None:
     q, k, v = qkv.chunk(3, -1)
     b, t, c = q.shape
-    bt, bc = _blocks(t, c)
+    bt, bc = _blocks(qkv)
     flag = () if causal is None else (causal,)
     kernel[(b, triton.cdiv(c, bc))](
         q, k, v, *extra, *carries, qkv.stride(0), qkv.stride(1), *_strides(extra, out), t, c, triton.cdiv(t, bt),
@@ -204,7 +206,7 @@ class _AFTSimpleTriton(torch.autograd.Function):
         b, t, c3 = qkv.shape
         c = c3 // 3
         y = qkv.new_empty(b, t, c, dtype=torch.float32)
-        n_chunks = triton.cdiv(t, _blocks(t, c)[0]) if causal else 1
+        n_chunks = triton.cdiv(t, _blocks(qkv)[0]) if causal else 1
         carries = tuple(qkv.new_empty(b, n_chunks, c, dtype=torch.float32) for _ in range(3))
         _launch(_simple_fwd, qkv, (y,), causal, y, carries)
         ctx.causal = causal
