@@ -198,7 +198,6 @@ def _sums_bwd_w(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GU, GVB, GW,
             tl.store(GW + t[:, None] * T + tk[None, :], gw, mask=(t[:, None] < T) & (tk[None, :] < T))
 
 
-
 def _blocks(k: Tensor, r: int) -> tuple[int, int, int]:
     """Token tile, channel block and bias-rank block (``tl.dot`` needs at least 16 of each); the interpreter (CPU
     tensors) takes the smallest tiles, so that the tests' short sequences span several."""
@@ -212,7 +211,7 @@ class _Config:
 
     def __init__(self, k: Tensor, u: Tensor | None, vb: Tensor | None, w: Tensor | None, causal: bool,
                  window: int, outside_zero: bool) -> None:  # fmt: skip
-        b, n, c = k.shape
+        n, c = k.shape[1:]
         self.far = window > 0 and outside_zero
         self.blk, self.bc, br = _blocks(k, 1 if u is None else u.shape[1])
         self.tiles = (u, vb, u) if w is None else (w, w, w)  # U, VB, W (the absent ones point at a present one)
@@ -231,7 +230,7 @@ class _BiasedSums(torch.autograd.Function):
     """``(num, den, m)`` of this module's docstring from keys and values (B, T, C) and the bias (factors or table)."""
 
     @staticmethod
-    def forward(ctx, k, v, kmax, u, vb, w, far_n, far_d, causal, window, outside_zero):  # noqa: ANN001
+    def forward(ctx, k, v, kmax, u, vb, w, far_n, far_d, causal, window, outside_zero):
         b, n, c = k.shape
         cfg = _Config(k, u, vb, w, causal, window, outside_zero)
         num = k.new_empty(b, n, c, dtype=torch.float32)
@@ -245,7 +244,7 @@ class _BiasedSums(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_num, g_den, _):  # noqa: ANN001
+    def backward(ctx, g_num, g_den, _):
         k, v, kmax, u, vb, w, shift = ctx.saved_tensors
         cfg, (b, n, c) = ctx.cfg, k.shape
         g_num, g_den = (shift.new_zeros(b, n, c) if g is None else g.float().contiguous() for g in (g_num, g_den))
@@ -278,7 +277,7 @@ def _far_sums(k: Tensor, v: Tensor, kmax: Tensor, causal: bool, window: int, blk
     """For every query tile, the sums of ``e^{K-k} V`` and ``e^{K-k}`` (B, tiles, C) over the key tokens of the
     tiles it does not visit (all outside its rows' windows): a prefix sum over the tokens before them and,
     non-causal, a suffix sum over those after them (sums of non-negative terms: nothing cancels)."""
-    b, n, c = k.shape
+    n, c = k.shape[1:]
     e = (k.float() - kmax[:, None]).exp()
     ctx = torch.cat([e * v.float(), e], -1)  # (B, T, 2C)
     ranges = [visited_tokens(i, n, window, causal, blk) for i in range(triton.cdiv(n, blk))]
@@ -314,7 +313,7 @@ def aft_biased_triton(
     num, den, _ = _BiasedSums.apply(k, v, kmax, u, vb, w, *far, causal, window, outside_zero)
     rows = _bias_rows(u, vb, w, causal, window, outside_zero)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows)
-    return _gate(q, y.squeeze(-1))
+    return _gate(q.float(), y.squeeze(-1))  # fp32 whatever the projection's dtype
 
 
 def _bias_rows(u: Tensor | None, vb: Tensor | None, w: Tensor | None, causal: bool, window: int, outside_zero: bool):

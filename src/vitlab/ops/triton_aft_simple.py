@@ -46,7 +46,8 @@ def _lse_combine(m1, n1, d1, m2, n2, d2):
 def _chunk(ptr, s_b, s_t, b, t, c, T, C, other):
     """Pointers and mask of the (BT, BC) tile of tokens t and channels c of batch row b."""
     mask = (t[:, None] < T) & (c[None, :] < C)
-    return tl.load(ptr + b * s_b + t[:, None] * s_t + c[None, :], mask=mask, other=other).to(tl.float32)
+    x = tl.load(ptr + b * s_b + t[:, None] * s_t + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, x, other)  # after the cast: _PAD has no bf16/fp16 value
 
 
 @triton.jit
