@@ -5,8 +5,9 @@ With a GPU the kernels run compiled on CUDA tensors. Without one they run on CPU
 which must be chosen before ``triton`` is first imported (``TRITON_INTERPRET=1``: the language's own helpers are
 decorated then). A pytest process started with it set runs this file's tests directly (``scripts/test.sh`` has a
 step ``TRITON_INTERPRET=1 pytest tests/test_triton_*.py``, slow cases included); in any other CPU process (the
-default suite, where torch imported triton long before) they are skipped and one test runs the quick ones in a
-fresh process with the interpreter on. The full matrix is ``slow``: the interpreter runs each program with NumPy.
+default suite, where torch imported triton long before) they are skipped, and one ``slow`` test runs the quick ones
+in a fresh process with the interpreter on (~15 s of CPU). The rest of the matrix is ``slow`` too: the interpreter
+runs each program with NumPy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import vitlab
 from test_aft import naive_full
 from vitlab.mixers import AFTFull, AFTLocal, AFTSimple, TokenLayout
 from vitlab.ops import aft as aft_ops
@@ -34,12 +36,16 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernels' tests run in this process")
 def test_in_the_interpreter():
     """This file's quick tests in a fresh process with ``TRITON_INTERPRET=1``: they must pass there."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    src = str(Path(vitlab.__file__).parents[1])  # the vitlab this process tests
+    path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow"]
-    done = subprocess.run([*cmd, __file__], env=env, cwd=Path(__file__).parent, capture_output=True, text=True)
+    repo = Path(__file__).parents[1]
+    done = subprocess.run([*cmd, __file__], env=env, cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
 
@@ -229,3 +235,24 @@ def test_no_token_by_token_tensor_on_the_gpu(cls, kw):
     m(x, TokenLayout()).square().sum().backward()
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < n * n * 4 // 2
+
+
+# ---------------------------------------------------------------- the GPU benchmark's cases, on the CPU
+
+
+def test_bench_pre_kernel_cases_turn_the_kernels_off_and_ratios_take_a_baseline(monkeypatch):
+    from vitlab.lm import bench
+    from vitlab.mixers import aft as aft_mixers
+
+    monkeypatch.setattr(aft_mixers, "triton_runs_on", aft_mixers.triton_runs_on)  # restored after the test
+    step = bench.prepare_case("aft_full_pre", T=32, layers=1, dim=16, batch=1)
+    step.fn()
+    assert step.info["mixer"][0] == "aft_full" and "triton_kernels" not in step.info["mixer"][1]
+    x = torch.zeros(1, device="cuda" if CUDA else "cpu")
+    assert not aft_mixers.triton_runs_on(x)
+    results = [
+        {"model": m, "T": 1024, "status": "ok", "step_s": s, "mem_mb": mem}
+        for m, s, mem in (("aft_full", 1.0, 50.0), ("transformer_enwik8_flash", 2.0, 100.0))
+    ]
+    rows = {r["model"]: r for r in bench.ratios(results, "transformer_enwik8_flash")}
+    assert rows["aft_full"]["speed_ratio"] == 2.0 and rows["aft_full"]["mem_ratio"] == 0.5
