@@ -2,8 +2,9 @@
 # Set up (scripts/setup.sh) and run the checks: ruff lint, ruff format, the default test suite (slow tests
 # excluded) in a random order (pytest-randomly prints the seed; rerun an order with --randomly-seed=N), then the
 # Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1, every case), then the tests of the fast paths'
-# choices twice more: with every fast path off (VITLAB_FAST_PATHS=0, the plain path any user can choose) and on an emulated CPU without AVX-512 (oneDNN's and ATen's kernels limited to AVX2, as on most
-# laptops and many cloud machines; the fast paths are then decided as there).
+# choices twice more: with every fast path off (VITLAB_FAST_PATHS=0, the plain path any user can choose) and on
+# an emulated CPU without AVX-512 (oneDNN's and ATen's kernels limited to AVX2, as on most laptops and many cloud
+# machines; the fast paths are then decided as there).
 # VITLAB_TEST_THREADS=1 runs the suite with one torch thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."

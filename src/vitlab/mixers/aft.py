@@ -18,7 +18,9 @@ Causal modules also decode one token at a time from a state of the prefix (``ini
 
 The cores, exact for keys and biases of any magnitude, live in :mod:`vitlab.ops.aft` (with their fast paths and
 the decoding states); the modules here hold the parameters, the position biases and the projections, and run the
-cores in fp32 with autocast off (their projections follow autocast).
+cores in fp32 with autocast off (their projections follow autocast). On CUDA, AFT-full, AFT-local and AFT-simple
+run on Triton kernels (:mod:`vitlab.ops.triton_aft`, :mod:`vitlab.ops.triton_aft_simple`) that take the
+projections in their dtype and accumulate in fp32.
 """
 
 from __future__ import annotations

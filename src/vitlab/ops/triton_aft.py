@@ -21,8 +21,7 @@ cores. Backward, with ``gn, gd`` the gradients of ``num, den`` and ``a = e^{w - 
 
     ∂/∂V = e ⊙ (aᵀ gn),   ∂/∂K = e ⊙ (V ⊙ aᵀ gn + aᵀ gd),   ∂/∂w = a ⊙ Σ_b (gn (e ⊙ V)ᵀ + gd eᵀ)
 
-(``∂/∂u = ∂/∂w v``, ``∂/∂v = ∂/∂wᵀ u``, accumulated tile by tile). The bias products run in full fp32 (a bias of
-magnitude 1e4 must keep its units); the sums' products in fp32 for fp32 inputs and TF32 for bf16/fp16 inputs.
+(``∂/∂u = ∂/∂w v``, ``∂/∂v = ∂/∂wᵀ u``, accumulated tile by tile). The products' precisions: :func:`_precisions`.
 """
 
 from __future__ import annotations
@@ -66,14 +65,14 @@ def visited_tokens(i: int, n: int, window: int, causal: bool, blk: int) -> tuple
 @triton.jit
 def _bias(U, VB, W, t, tk, T, R, u_s, v_s, w_s, window,
           CAUSAL: tl.constexpr, WINDOW: tl.constexpr, OUTSIDE_ZERO: tl.constexpr, FACTORED: tl.constexpr,
-          BR: tl.constexpr):  # fmt: skip
+          BR: tl.constexpr, BIAS_PREC: tl.constexpr):  # fmt: skip
     """The effective bias of the (queries t x keys tk) tile (-inf = pair excluded), and which pairs carry w."""
     valid = (t[:, None] < T) & (tk[None, :] < T)
     if FACTORED:
         r = tl.arange(0, BR)
         u = tl.load(U + t[:, None] * u_s + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
         vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=(tk[:, None] < T) & (r[None, :] < R), other=0.0)
-        w = tl.dot(u.to(tl.float32), tl.trans(vb.to(tl.float32)), input_precision="ieee")
+        w = tl.dot(u.to(tl.float32), tl.trans(vb.to(tl.float32)), input_precision=BIAS_PREC)
     else:
         w = tl.load(W + t[:, None] * w_s + tk[None, :], mask=valid, other=0.0).to(tl.float32)
     if CAUSAL:
@@ -100,7 +99,7 @@ def _kv_tile(K, V, KMAX, kv_b, kv_t, b, tk, c, T, C):
 def _sums_fwd(K, V, KMAX, U, VB, W, FAR_N, FAR_D, NUM, DEN, SHIFT,
               kv_b, kv_t, u_s, v_s, w_s, T, C, R, window, n_tiles,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, OUTSIDE_ZERO: tl.constexpr, FACTORED: tl.constexpr,
-              BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+              BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, BIAS_PREC: tl.constexpr):  # fmt: skip
     i, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i * BLK + tl.arange(0, BLK)
     c = cb * BC + tl.arange(0, BC)
@@ -115,7 +114,9 @@ def _sums_fwd(K, V, KMAX, U, VB, W, FAR_N, FAR_D, NUM, DEN, SHIFT,
     j0, j1 = _key_tiles(i, T, window, CAUSAL, WINDOW, BLK)
     for j in range(j0, j1):
         tk = j * BLK + tl.arange(0, BLK)
-        w, _ = _bias(U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR)
+        w, _ = _bias(
+            U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR, BIAS_PREC
+        )
         m_new = tl.maximum(m, tl.max(w, 1))
         alpha = tl.exp(m - m_new)
         a = tl.exp(w - m_new[:, None])
@@ -140,7 +141,7 @@ def _sums_fwd(K, V, KMAX, U, VB, W, FAR_N, FAR_D, NUM, DEN, SHIFT,
 def _sums_bwd_kv(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GK, GV,
                  kv_b, kv_t, u_s, v_s, w_s, T, C, R, window, n_tiles,
                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, OUTSIDE_ZERO: tl.constexpr, FACTORED: tl.constexpr,
-                 BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                 BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, BIAS_PREC: tl.constexpr):  # fmt: skip
     j, b, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tk = j * BLK + tl.arange(0, BLK)
     c = cb * BC + tl.arange(0, BC)
@@ -150,7 +151,9 @@ def _sums_bwd_kv(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GK, GV,
         j0, j1 = _key_tiles(i, T, window, CAUSAL, WINDOW, BLK)
         if (j >= j0) & (j < j1):
             t = i * BLK + tl.arange(0, BLK)
-            w, _ = _bias(U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR)
+            w, _ = _bias(
+                U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR, BIAS_PREC
+            )
             a = tl.exp(w - tl.load(SHIFT + t, mask=t < T, other=0.0)[:, None])
             mask = (t[:, None] < T) & (c[None, :] < C)
             at = (b * T + t[:, None]) * C + c[None, :]
@@ -168,13 +171,15 @@ def _sums_bwd_kv(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GK, GV,
 def _sums_bwd_w(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GU, GVB, GW,
                 kv_b, kv_t, u_s, v_s, w_s, T, C, R, window, B,
                 CAUSAL: tl.constexpr, WINDOW: tl.constexpr, OUTSIDE_ZERO: tl.constexpr, FACTORED: tl.constexpr,
-                BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+                BLK: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr, BIAS_PREC: tl.constexpr):  # fmt: skip
     i, j = tl.program_id(0), tl.program_id(1)
     j0, j1 = _key_tiles(i, T, window, CAUSAL, WINDOW, BLK)
     if (j >= j0) & (j < j1):
         t = i * BLK + tl.arange(0, BLK)
         tk = j * BLK + tl.arange(0, BLK)
-        w, carries = _bias(U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR)
+        w, carries = _bias(
+            U, VB, W, t, tk, T, R, u_s, v_s, w_s, window, CAUSAL, WINDOW, OUTSIDE_ZERO, FACTORED, BR, BIAS_PREC
+        )
         a = tl.exp(w - tl.load(SHIFT + t, mask=t < T, other=0.0)[:, None])
         g = tl.zeros((BLK, BLK), tl.float32)  # Σ_b (gn (e ⊙ V)ᵀ + gd eᵀ)
         for b in range(0, B):
@@ -190,8 +195,8 @@ def _sums_bwd_w(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GU, GVB, GW,
             r = tl.arange(0, BR)
             u = tl.load(U + t[:, None] * u_s + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
             vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=(tk[:, None] < T) & (r[None, :] < R), other=0.0)
-            gu = tl.dot(gw, vb.to(tl.float32), input_precision="ieee")
-            gv = tl.dot(tl.trans(gw), u.to(tl.float32), input_precision="ieee")
+            gu = tl.dot(gw, vb.to(tl.float32), input_precision=BIAS_PREC)
+            gv = tl.dot(tl.trans(gw), u.to(tl.float32), input_precision=BIAS_PREC)
             tl.atomic_add(GU + t[:, None] * R + r[None, :], gu, mask=(t[:, None] < T) & (r[None, :] < R))
             tl.atomic_add(GVB + tk[:, None] * R + r[None, :], gv, mask=(tk[:, None] < T) & (r[None, :] < R))
         else:
@@ -204,6 +209,15 @@ def _blocks(k: Tensor, r: int) -> tuple[int, int, int]:
     n, c = k.shape[1:]
     blk = 64 if n > 32 and k.device.type != "cpu" else 16
     return blk, min(64, max(16, triton.next_power_of_2(c))), max(16, triton.next_power_of_2(r))
+
+
+def _precisions(k: Tensor) -> dict[str, str]:
+    """``tl.dot``'s input precision: for the bias, fp32-accurate (3 TF32 passes on the GPU: a bias of magnitude
+    1e4 must keep its units); for the sums, the same for fp32 inputs and one TF32 pass for bf16/fp16 inputs (whose
+    own rounding is coarser). The interpreter computes in full fp32 whatever the name."""
+    if k.device.type != "cuda":
+        return {"PREC": "ieee", "BIAS_PREC": "ieee"}
+    return {"PREC": "tf32x3" if k.dtype == torch.float32 else "tf32", "BIAS_PREC": "tf32x3"}
 
 
 class _Config:
@@ -220,7 +234,7 @@ class _Config:
         self.args = (k.stride(0), k.stride(1), u_s, v_s, w_s, n, c, r, window)
         self.n_tiles = triton.cdiv(n, self.blk)
         self.flags = dict(CAUSAL=causal, WINDOW=window > 0, OUTSIDE_ZERO=outside_zero, FACTORED=w is None,
-                          BLK=self.blk, BC=self.bc, BR=br, PREC="ieee" if k.dtype == torch.float32 else "tf32")  # fmt: skip
+                          BLK=self.blk, BC=self.bc, BR=br, **_precisions(k))  # fmt: skip
 
     def grid(self, b: int, c: int) -> tuple[int, int, int]:
         return self.n_tiles, b, triton.cdiv(c, self.bc)
