@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from .aft import _gate, _ratio, mask_future
 
-_PAD = -1.0e30  # the running maximum of a row before any pair: finite, so that _PAD - _PAD is 0, not NaN
+_PAD = tl.constexpr(-1.0e30)  # the running maximum of a row before any pair: finite, so that _PAD - _PAD is 0, not NaN
 _INF = float("inf")
 
 

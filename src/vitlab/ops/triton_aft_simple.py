@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 # a padded token's key: its weight e^{_PAD - m} is 0 for any real m, and (unlike -inf) _PAD - _PAD is 0, not NaN
-_PAD = -1.0e30
+_PAD = tl.constexpr(-1.0e30)
 
 
 @triton.jit
