@@ -38,7 +38,7 @@ def compile_one(kernel, constexprs: dict, dtype: str, target: GPUTarget) -> str 
     fixed = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
     try:
         triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed), target=target)
-    except Exception as error:  # noqa: BLE001 - every failure is reported, the next kernel compiled
+    except Exception as error:  # every failure is reported, then the next kernel compiled
         cause = error.__cause__ or error
         return f"{type(cause).__name__}: {str(cause)[-400:]}"
     return None
