@@ -244,12 +244,12 @@ class _BiasedSums(torch.autograd.Function):
     """``(num, den, m)`` of this module's docstring from keys and values (B, T, C) and the bias (factors or table)."""
 
     @staticmethod
-    def forward(ctx, k, v, kmax, u, vb, w, far_n, far_d, causal, window, outside_zero):
+    def forward(ctx, k, v, kmax, u, vb, w, causal, window, outside_zero):
         b, n, c = k.shape
         cfg = _Config(k, u, vb, w, causal, window, outside_zero)
         num = k.new_empty(b, n, c, dtype=torch.float32)
         den, shift = torch.empty_like(num), k.new_empty(n, dtype=torch.float32)
-        far = (far_n.contiguous(), far_d.contiguous()) if cfg.far else (num, num)
+        far = _far_sums(k, v, kmax, cfg) if cfg.far else (num, num)
         _sums_fwd[cfg.grid(b, c)](k, v, kmax, *cfg.tiles, *far, num, den, shift, *cfg.args, cfg.n_tiles, **cfg.flags)
         ctx.cfg = cfg
         ctx.save_for_backward(k, v, kmax, u, vb, w, shift)
@@ -273,33 +273,60 @@ class _BiasedSums(torch.autograd.Function):
         outs = (gu, gvb, gu) if w is None else (gw, gw, gw)
         _sums_bwd_w[(cfg.n_tiles, cfg.n_tiles)](k, v, kmax, *cfg.tiles, shift, g_num, g_den, *outs, *cfg.args, b,
                                                 **cfg.flags)  # fmt: skip
-        g_far = _far_grads(g_num, g_den, shift, cfg.blk) if cfg.far else (None, None)
+        if cfg.far:
+            _add_far_grads(gk, gv, k, v, kmax, g_num, g_den, shift, cfg)
         grads = (gk, gv, None, gu, gvb, gw)
         like = (k, v, None, u, vb, w)
-        return *(None if g is None else g.to(x.dtype) for g, x in zip(grads, like)), *g_far, None, None, None
+        return *(None if g is None else g.to(x.dtype) for g, x in zip(grads, like)), None, None, None
 
 
-def _far_grads(g_num: Tensor, g_den: Tensor, shift: Tensor, blk: int) -> tuple[Tensor, Tensor]:
-    """Gradients of the far sums (B, tiles, C): each query tile's ``Σ_t e^{-m_t} ∂L/∂num_t`` (and den)."""
-    b, n, c = g_num.shape
-    scale = (-shift.clamp_min(0)).exp()[None, :, None]
-    pad = -n % blk
-    return tuple(F.pad(g * scale, (0, 0, 0, pad)).view(b, -1, blk, c).sum(2) for g in (g_num, g_den))
+def _visited_ranges(n: int, cfg: _Config, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(tiles,) the first and one-past-last key token of the tiles each query tile visits."""
+    ranges = [visited_tokens(i, n, cfg.args[-1], cfg.flags["CAUSAL"], cfg.blk) for i in range(cfg.n_tiles)]
+    return tuple(torch.tensor(x, device=device) for x in zip(*ranges))
 
 
-def _far_sums(k: Tensor, v: Tensor, kmax: Tensor, causal: bool, window: int, blk: int) -> tuple[Tensor, Tensor]:
+def _far_sums(k: Tensor, v: Tensor, kmax: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
     """For every query tile, the sums of ``e^{K-k} V`` and ``e^{K-k}`` (B, tiles, C) over the key tokens of the
     tiles it does not visit (all outside its rows' windows): a prefix sum over the tokens before them and,
     non-causal, a suffix sum over those after them (sums of non-negative terms: nothing cancels)."""
     n, c = k.shape[1:]
     e = (k.float() - kmax[:, None]).exp()
     ctx = torch.cat([e * v.float(), e], -1)  # (B, T, 2C)
-    ranges = [visited_tokens(i, n, window, causal, blk) for i in range(triton.cdiv(n, blk))]
-    lo, hi = (torch.tensor(x, device=k.device) for x in zip(*ranges))
+    lo, hi = _visited_ranges(n, cfg, k.device)
     far = F.pad(ctx.cumsum(1), (0, 0, 1, 0))[:, lo]  # Σ_{t' < lo}
-    if not causal:
+    if not cfg.flags["CAUSAL"]:
         far = far + F.pad(ctx.flip(1).cumsum(1).flip(1), (0, 0, 0, 1))[:, hi]  # Σ_{t' >= hi}
-    return far[..., :c], far[..., c:]
+    return far[..., :c].contiguous(), far[..., c:].contiguous()
+
+
+def _add_far_grads(
+    gk: Tensor,
+    gv: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kmax: Tensor,
+    g_num: Tensor,
+    g_den: Tensor,
+    shift: Tensor,
+    cfg: _Config,
+) -> None:
+    """The far sums' share of the gradients of K and V, added in place: query tile i's far sums enter its rows
+    with weight ``e^{-m_t}`` (:func:`_far_sums`), so key t' receives ``Σ_{i: t' far from i} Σ_{t ∈ i} e^{-m_t}
+    ∂L/∂num_t`` (and den): per-tile sums scattered to the tiles' visit limits, then a (reverse) cumulative sum
+    over the tokens. Closed form, so that autograd keeps none of the far sums' intermediates."""
+    b, n, c = g_num.shape
+    scale = (-shift.clamp_min(0)).exp()[None, :, None]
+    g = F.pad(torch.cat([g_num, g_den], -1) * scale, (0, 0, 0, -n % cfg.blk)).view(b, cfg.n_tiles, cfg.blk, 2 * c)
+    per_tile = g.sum(2)  # (B, tiles, 2C)
+    lo, hi = _visited_ranges(n, cfg, k.device)
+    at_lo = per_tile.new_zeros(b, n + 1, 2 * c).index_add_(1, lo, per_tile)
+    far = at_lo.flip(1).cumsum(1).flip(1)[:, 1:]  # token t' < lo_i receives tile i's sum
+    if not cfg.flags["CAUSAL"]:
+        far += per_tile.new_zeros(b, n + 1, 2 * c).index_add_(1, hi, per_tile).cumsum(1)[:, :n]  # t' >= hi_i
+    e = (k.float() - kmax[:, None]).exp()
+    gv.addcmul_(e, far[..., :c])
+    gk.add_(e * (v.float() * far[..., :c] + far[..., c:]))
 
 
 def aft_biased_triton(
@@ -322,9 +349,7 @@ def aft_biased_triton(
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
     kmax = k.detach().amax(1).float()
-    blk = _blocks(k, 1)[0]
-    far = _far_sums(k, v, kmax, causal, window, blk) if window and outside_zero else (None, None)
-    num, den, _ = _BiasedSums.apply(k, v, kmax, u, vb, w, *far, causal, window, outside_zero)
+    num, den, _ = _BiasedSums.apply(k, v, kmax, u, vb, w, causal, window, outside_zero)
     rows = _bias_rows(u, vb, w, causal, window, outside_zero)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows)
     return _gate(q.float(), y.squeeze(-1))  # fp32 whatever the projection's dtype
