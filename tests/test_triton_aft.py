@@ -190,6 +190,7 @@ MODULES = [
     (AFTFull, dict(max_len=37, bias_dim=None, causal=True)),
     pytest.param(AFTLocal, dict(max_len=37, window=6), marks=slow),
     (AFTLocal, dict(max_len=37, window=6, causal=True, outside="-inf")),
+    pytest.param(AFTLocal, dict(max_len=45, window=6, causal=True, recompute=True), marks=slow),  # N < max_len
     pytest.param(AFTLocal, dict(max_len=37, window=0), marks=slow),
     (AFTSimple, dict(causal=True)),
 ]
