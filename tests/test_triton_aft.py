@@ -181,6 +181,20 @@ def test_kernels_take_low_precision_inputs_and_accumulate_in_fp32(kernels, dtype
     assert ys.dtype == torch.float32 and rel(ys, naive_full(q, k, v, torch.zeros(n, n), True)) < 1e-6
 
 
+@needs_kernels
+def test_underflowed_entries_repaired_for_bf16_keys(kernels):
+    """bf16 keys of magnitude 1e4 (a GPU under autocast): the exact recomputation returns fp32 entries."""
+    torch.manual_seed(2)
+    b, n, c = 2, 24, 8
+    q, v = torch.randn(b, n, c).bfloat16(), torch.randn(b, n, c).bfloat16()
+    k, w = (torch.randn(b, n, c) * 1e4).bfloat16(), torch.randn(n, n) * 1e4
+    kd, wd = k.to(DEVICE).requires_grad_(), w.to(DEVICE).requires_grad_()
+    y = kernels["full"].aft_biased_triton(q.to(DEVICE), kd, v.to(DEVICE), w=wd, causal=True)
+    assert y.dtype == torch.float32 and rel(y, naive_full(q, k, v, w, True)) < 1e-5
+    y.sum().backward()
+    assert kd.grad.dtype == torch.bfloat16 and torch.isfinite(kd.grad).all() and torch.isfinite(wd.grad).all()
+
+
 # ---------------------------------------------------------------- the modules' dispatch
 
 
