@@ -177,8 +177,14 @@ def test_kernels_take_low_precision_inputs_and_accumulate_in_fp32(kernels, dtype
     assert y.dtype == torch.float32
     ref = naive_full(q, k, v, u.double() @ vb.double().T, causal=True)  # the rounded inputs, exactly
     assert rel(y, ref) < (1e-6 if DEVICE.type == "cpu" else 2e-3)  # TF32 products on the GPU
-    ys = kernels["simple"].aft_simple_triton(torch.cat([q, k, v], -1).to(DEVICE), True)
+    qkv = torch.cat([q, k, v], -1)
+    x = qkv.to(DEVICE).requires_grad_()
+    ys = kernels["simple"].aft_simple_triton(x, True)
     assert ys.dtype == torch.float32 and rel(ys, naive_full(q, k, v, torch.zeros(n, n), True)) < 1e-6
+    ref_in = qkv.double().requires_grad_()
+    g = torch.randn(b, n, c)
+    (gx,), (gref,) = grads(ys, g.to(DEVICE), [x]), grads(aft_ops.aft_simple(*ref_in.chunk(3, -1), True), g, [ref_in])
+    assert gx.dtype == dtype and rel(gx, gref) < 1e-2  # the gradient rounded to the projection's dtype
 
 
 @needs_kernels
