@@ -29,8 +29,8 @@ def compile_one(kernel, constexprs: dict, dtype: str, target: GPUTarget) -> str 
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V"):
-            signature[name] = f"*{dtype}"
+        elif name in ("Q", "K", "V") or (name in ("GQ", "GK", "GV") and "BT" in constexprs):
+            signature[name] = f"*{dtype}"  # (AFT-simple writes its gradient in the projection's dtype)
         elif name.isupper() and name not in SCALARS:
             signature[name] = "*fp32"
         else:
