@@ -6,12 +6,17 @@
 #      the share of the GPU's measured GEMM rate in the same dtype (vitlab bench);
 #   3. AFT-local vs the Transformer at T = 3072 (L = 24, d = 256; the AFT paper's CIFAR-10 setting), fp32 and
 #      bf16 (vitlab lm bench);
-#   4. the default test suite on that machine (a suite that is green on any machine, GPU present or not).
+#   4. the AFT family on its Triton kernels (aft_kernels): their tests on CUDA, then AFT-local-256 / AFT-simple at
+#      T = 3072 (batch 8), AFT-local-32 / AFT-full at T = 1024 (batch 32) against the SDPA flash Transformer, and
+#      AFT-full-tiny / AFT-conv-tiny against DeiT-Ti at inference (batch 256), each AFT model beside its
+#      pre-kernel path; bf16, then fp32 and fp16 (and rish-16's AFT when PEERS_PYTHON names the peers' python);
+#   5. the default test suite on that machine (a suite that is green on any machine, GPU present or not).
 # Runs vitlab from src/ with the python that holds a CUDA build of torch (PYTHON, default python3); writes one
 # log per step and the benchmarks' JSON to OUT (default runs/gpu_check). VITLAB_SHARED, if set, is the folder
 # with the reference vectors and data sets the tests read (golden/, data/). STEPS picks steps by name (default
-# all: "cuda_tests bench_fp32 bench_bf16 lm_bench suite" and the map/peer/loader steps of the block below, which
-# says how long each takes).
+# all: "cuda_tests bench_fp32 bench_bf16 lm_bench", the map/peer/loader steps of the block below, which says how
+# long each takes, the AFT kernels' steps "aft_kernel_tests aft_cifar_bf16 aft_enwik8_bf16 aft_imagenet_bf16
+# aft_cifar_fp32_fp16 aft_enwik8_fp32_fp16 aft_peers", and "suite").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -110,9 +115,39 @@ step data_bench 120 "$PY" -m vitlab bench-data --images 2000 --workers 16 --batc
     --step-models deit_small_patch16_224 --step-batch 256 --device cuda --no-memory --out "$OUT/bench_data"
 # ---- end of the map kernels, model pairs and loader block -------------------------------------------------------
 
+# ---- AFT family on its Triton kernels: the kernels' tests on CUDA, then the training and inference figures
+# (bf16 autocast first; fp32 with TF32 off, torch's default for matrix products, and fp16 after), each model
+# beside its pre-kernel path (*_pre) and the SDPA flash Transformer of the same setting (the ratios' baseline).
+# About 7 minutes on one H100 with a cold Triton cache.
+aft_kernels() {
+    TAIL=25 step aft_kernel_tests 120 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -m "" \
+        tests/test_triton_aft.py
+    local lm=("$PY" -m vitlab lm bench --device cuda --layers 24 --dim 256 --warmup 2 --repeats 5 --timeout 120)
+    TAIL=20 step aft_cifar_bf16 120 "${lm[@]}" --tokens 3072 --batch 8 --dtypes bf16 --baseline transformer_flash \
+        --models aft_local aft_local_pre aft_simple aft_simple_pre transformer_flash --out "$WORK/aft_cifar_bf16"
+    TAIL=20 step aft_enwik8_bf16 100 "${lm[@]}" --tokens 1024 --batch 32 --dtypes bf16 \
+        --baseline transformer_enwik8_flash --models aft_local_32 aft_local_32_pre aft_full aft_full_pre \
+        transformer_enwik8_flash --out "$WORK/aft_enwik8_bf16"
+    TAIL=20 step aft_imagenet_bf16 60 "$PY" -m vitlab bench aft_full_tiny aft_conv_tiny_32_11 deit_tiny_patch16_224 \
+        --device cuda --batch 256 --modes infer --dtypes bf16 --repeats 10 --warmup 2 --out "$WORK/aft_imagenet_bf16"
+    TAIL=20 step aft_cifar_fp32_fp16 90 "${lm[@]}" --repeats 3 --tokens 3072 --batch 8 --dtypes fp32,fp16 \
+        --baseline transformer_flash --models aft_local aft_simple transformer_flash --out "$WORK/aft_cifar_fp"
+    TAIL=20 step aft_enwik8_fp32_fp16 90 "${lm[@]}" --repeats 3 --tokens 1024 --batch 32 --dtypes fp32,fp16 \
+        --baseline transformer_enwik8_flash --models aft_local_32 aft_full transformer_enwik8_flash \
+        --out "$WORK/aft_enwik8_fp"
+    # the community AFT code on the same GPU: needs the peers' environment (../shared/peer_bench/README.md)
+    if [ -n "${PEERS_PYTHON:-}" ]; then
+        step aft_peers 120 "$PEERS_PYTHON" "${PEER_BENCH:-../shared/peer_bench/peer_bench.py}" --device cuda \
+            --dtype bf16 --pair --rounds 2 --vitlab-src "$PWD/src" --only 'rish:*' --out "$OUT/aft_peers.json"
+    fi
+}
+aft_kernels
+
 TAIL=30 step suite "${SUITE_SECONDS:-100}" "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -m "not slow" \
     -n "${SUITE_WORKERS:-8}" --ignore tests/test_cuda.py
-for f in fp32/bench.json bf16/bench.json lm/lm_bench.json maps_fast1/bench.json maps_fast0/bench.json; do  # the figures, whole
+for f in fp32/bench.json bf16/bench.json lm/lm_bench.json maps_fast1/bench.json maps_fast0/bench.json \
+    aft_cifar_bf16/lm_bench.json aft_enwik8_bf16/lm_bench.json aft_imagenet_bf16/bench.json aft_cifar_fp/lm_bench.json \
+    aft_enwik8_fp/lm_bench.json; do  # the figures, whole
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/${f%%/*}_${f##*/}"
 done
 rm -rf "$WORK"

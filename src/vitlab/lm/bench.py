@@ -58,6 +58,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "aft_simple": ("aft_simple_cifar", {}),
     "transformer": ("transformer_cifar", {}),
     "transformer_flash": ("transformer_cifar", {"attn_drop": 0.0}),
+    # enwik8 (paper Table 4, T = 1024)
+    "aft_local_32": ("aft_local_32_enwik8", {}),
+    "aft_full": ("aft_full_enwik8", {}),
+    "transformer_enwik8_flash": ("transformer_enwik8", {"attn_drop": 0.0}),
+    # the AFT cores without their Triton kernels (what vitlab ran on a GPU before them)
+    "aft_local_pre": ("aft_local_256_cifar", {"triton_kernels": False}),
+    "aft_simple_pre": ("aft_simple_cifar", {"triton_kernels": False}),
+    "aft_local_32_pre": ("aft_local_32_enwik8", {"triton_kernels": False}),
+    "aft_full_pre": ("aft_full_enwik8", {"triton_kernels": False}),
 }
 #: the efficient-attention baselines (``--baselines``): benchmark model -> (named config, extra mixer options)
 BASELINES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -93,6 +102,9 @@ def prepare_case(
 
     dev = torch.device(device)
     name, extra = MODELS[model]
+    if not extra.get("triton_kernels", True):
+        _triton_kernels_off()
+    extra = {k: v for k, v in extra.items() if k != "triton_kernels"}
     kind, opts = lm_config(name)["mixer"]
     # what every case starts on its first step (thread pool, autograd engine, lazily imported modules, optimizer
     # code) is started before the reference memory, so that it is not counted as the model's
@@ -112,6 +124,14 @@ def prepare_case(
         "cuda_before_model": gpu_before,
     }
     return Prepared(step, info, device=str(dev))
+
+
+def _triton_kernels_off() -> None:
+    """The AFT modules of this (fresh, one-case) process keep to the paths they took before the Triton kernels:
+    the kernels' own gate answers no, every other fast path stays as it is."""
+    from ..mixers import aft
+
+    aft.triton_runs_on = lambda *tensors: False
 
 
 def _step(lm, seqs, dtype: str):
@@ -154,6 +174,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--heads", type=opt.positive_int, default=2, help="heads of every multi-head mixer (Table 2's Transformer: 2)"
     )
     p.add_argument(
+        "--baseline",
+        choices=list(MODELS),
+        default=BASELINE,
+        help="the model the ratios are taken against (transformer_flash / transformer_enwik8_flash: SDPA's flash "
+        "kernel; *_pre: an AFT model without its Triton kernels)",
+    )
+    p.add_argument(
         "--flash",
         action="store_true",
         help="also the Transformer without attention dropout (SDPA's flash kernel: no T x T maps stored)",
@@ -191,8 +218,8 @@ def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every model at every T, ``args.rounds`` times, each in a fresh process, one progress line each."""
     extra = [*(["transformer_flash"] if args.flash else []), *(BASELINES if args.baselines else [])]
     models = list(dict.fromkeys([*args.models, *extra]))
-    if BASELINE not in models:
-        models.append(BASELINE)
+    if args.baseline not in models:
+        models.append(args.baseline)
     # side by side: for each T, every model once per round
     cases = [
         {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch, "dtype": d, "round": k}
@@ -256,14 +283,14 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (model, T, dtype): memory / the Transformer's and speed = the Transformer's step time / the model's
-    (the Transformer of the same T and dtype)."""
+def ratios(results: list[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """Per (model, T, dtype): memory / the baseline's and speed = the baseline's step time / the model's
+    (the baseline, by default the Transformer, of the same T and dtype)."""
 
     def key(r: dict[str, Any]) -> tuple[int, str]:
         return r["T"], r.get("dtype", "fp32")
 
-    base = {key(r): r for r in results if r["model"] == BASELINE and r["status"] == "ok"}
+    base = {key(r): r for r in results if r["model"] == baseline and r["status"] == "ok"}
     rows = []
     for r in results:
         b = base.get(key(r))
@@ -284,9 +311,9 @@ def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int) -> str:
+def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int, baseline: str = BASELINE) -> str:
     lines = [
-        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs the SDPA Transformer of the same T and "
+        f"Training step, L={layers}, d={dim}, batch {batch} (ratios vs {baseline} of the same T and "
         "dtype; step = fastest timed step, median in brackets)",
         "",
         "| model | T | dtype | step (s) | memory (MB) | memory ratio | speed ratio | paper mem / speed |",
@@ -318,9 +345,9 @@ def run(args: argparse.Namespace) -> int:
     resolve(args)
     start = time.time()
     results = run_cases(args)
-    rows = ratios(summarise(results))
+    rows = ratios(summarise(results), args.baseline)
     verdict = judge(rows)
-    md = table(rows, args.layers, args.dim, args.batch)
+    md = table(rows, args.layers, args.dim, args.batch, args.baseline)
     md += "\n\n" + "\n".join(verdict_lines(verdict, rows))
     print()
     print(md)
@@ -329,7 +356,20 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "settings": options(
             args,
-            ("tokens", "layers", "dim", "heads", "batch", "dtypes", "device", "warmup", "repeats", "rounds", "threads"),
+            (
+                "tokens",
+                "layers",
+                "dim",
+                "heads",
+                "batch",
+                "dtypes",
+                "device",
+                "warmup",
+                "repeats",
+                "rounds",
+                "threads",
+                "baseline",
+            ),
         ),
         "machine": {**machine_info(args.threads), "loadavg_end": os.getloadavg()},
         "seconds": time.time() - start,

@@ -283,6 +283,10 @@ _ROWS: dict[str, tuple[dict[str, Any], str]] = {
         {**_ENWIK8, "dim": 512, "depth": 12, "mixer": ("aft_local", {"window": 32, "bias_dim": 256})},
         "Table 4: AFT-local-32, L=12, d=512",
     ),
+    "aft_full_enwik8": (
+        {**_ENWIK8, "dim": 256, "depth": 24, "mixer": ("aft_full", {"bias_dim": 256})},
+        "Table 4: AFT-full, L=24, d=256",
+    ),
     "aft_simple_enwik8": (
         {**_ENWIK8, "dim": 256, "depth": 24, "mixer": "aft_simple"},
         "Table 4: AFT-simple, L=24, d=256",

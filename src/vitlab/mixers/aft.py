@@ -18,7 +18,9 @@ Causal modules also decode one token at a time from a state of the prefix (``ini
 
 The cores, exact for keys and biases of any magnitude, live in :mod:`vitlab.ops.aft` (with their fast paths and
 the decoding states); the modules here hold the parameters, the position biases and the projections, and run the
-cores in fp32 with autocast off (their projections follow autocast).
+cores in fp32 with autocast off (their projections follow autocast). On CUDA, AFT-full, AFT-local and AFT-simple
+run on Triton kernels (:mod:`vitlab.ops.triton_aft`, :mod:`vitlab.ops.triton_aft_simple`) that take the
+projections in their dtype and accumulate in fp32.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ..ops.aft import (
 from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.linear import fused_linear, linear_rows
 from ..ops.switch import eager_fast_path, no_autograd
+from ..ops.triton_support import triton_runs_on
 from .base import TokenLayout, TokenMixer, check_divisible
 
 # --------------------------------------------------------------------------- elementwise FLOPs of the cores
@@ -240,11 +243,33 @@ class AFTFull(TokenMixer):
         return w
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        q, k, v = fused_linear(self.qkv, x).chunk(3, -1)
+        qkv = fused_linear(self.qkv, x)
+        q, k, v = qkv.chunk(3, -1)
         with _no_autocast(x):
-            y = self._core(q.float(), k.float(), v.float(), layout)
+            if triton_runs_on(qkv):
+                y = self._triton_core(qkv, layout)
+            else:
+                y = self._core(q.float(), k.float(), v.float(), layout)
         out = fused_linear(self.proj, y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
+
+    def _triton_core(self, qkv: Tensor, layout: TokenLayout) -> Tensor:
+        """The core on the GPU kernels (:mod:`vitlab.ops.triton_aft`), from the projection in its own dtype: the
+        bias from its factors (or table) fitted to N tokens, never as an (N, N) tensor of the factors' product."""
+        from ..ops.triton_aft import aft_biased_triton
+        from ..ops.triton_aft_simple import aft_simple_triton
+
+        if not self.biased:
+            return aft_simple_triton(qkv, self.causal)
+        fit = self._fit(qkv.shape[1], layout)
+        u, vb, w = (
+            (None, None, fit(fit(self.w, 0), 1)) if self.w is not None else (fit(self.u, 0), fit(self.v, 0), None)
+        )
+        return aft_biased_triton(*qkv.chunk(3, -1), u, vb, w, self.causal, *self._window())
+
+    def _window(self) -> tuple[int, bool]:
+        """The band of the bias kept (0: all pairs) and whether the pairs outside it count with w = 0."""
+        return 0, True
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
         """The AFT core on fp32 ``q, k, v`` (B, N, hidden), autocast off."""
@@ -313,6 +338,9 @@ class AFTLocal(AFTFull):
             return lambda t, dim: t
         return super()._fit(n, layout)
 
+    def _window(self) -> tuple[int, bool]:
+        return self.window, self.outside == "zero"
+
     def _restrict(self, w: Tensor, t: Tensor | int, tk: Tensor) -> Tensor:
         far = (t - tk).abs() >= self.window
         return w.masked_fill(far, 0.0 if self.outside == "zero" else float("-inf"))
@@ -369,6 +397,14 @@ class AFTSimple(TokenMixer):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, causal={self.causal}"
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        if triton_runs_on(x):
+            qkv = fused_linear(self.qkv, x)
+            with _no_autocast(x):
+                from ..ops.triton_aft_simple import aft_simple_triton
+
+                y = aft_simple_triton(qkv, self.causal)
+            out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
+            return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
         plain = type(self.qkv) is nn.Linear
         if plain and not (self.causal or return_aux) and eager_fast_path() and no_autograd(x, *self.parameters()):
             return self._mix_keys_first(x), {}

@@ -6,6 +6,8 @@ The mixers (:mod:`vitlab.mixers`) read as their papers' equations and call the o
   (:mod:`.onednn`, decided by :mod:`.probe`);
 * :mod:`.aft` -- the AFT cores, exact for any magnitude, with :mod:`.aft_banded` (AFT-local's band),
   :mod:`.aft_conv` and :mod:`.aft_simple` (closed-form backward passes) and the decoding states;
+* :mod:`.triton_aft`, :mod:`.triton_aft_simple` -- AFT-full/local and AFT-simple as Triton kernels, taken on CUDA
+  (:mod:`.triton_support` says where they run);
 * :mod:`.double_norm` -- external attention's double normalisation;
 * :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner;
 * :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;

@@ -60,7 +60,7 @@ def _exact_entries(k: Tensor, v: Tensor, bias_rows: BiasRows, b: Tensor, t: Tens
         bi, ti, gi = b[i : i + step], t[i : i + step], g[i : i + step]
         p = (kt[bi, gi].to(dt) + bias_rows(ti, gi).to(dt)).softmax(-1)
         out.append(torch.einsum("mt,mtr->mr", p, vt[bi, gi].to(dt)))
-    return torch.cat(out).to(k.dtype)
+    return torch.cat(out).to(torch.promote_types(k.dtype, torch.float32))  # bf16 keys (GPU kernels): fp32 results
 
 
 def _ratio(num: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: BiasRows) -> Tensor:
