@@ -201,14 +201,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from ..distributed import close_distributed
     from .engine import train
+    from .recipes import apply_recipe, paper_line
 
-    if args.config:
-        from .recipes import apply_recipe
-
-        apply_recipe(args)
+    reference = apply_recipe(args) if args.config else {}
     check_model_args(args)
     try:
-        train(config_from_args(args))
+        summary = train(config_from_args(args))
     finally:
         close_distributed()
+    if isinstance(summary, dict) and summary and (line := paper_line(reference, summary)):  # empty off rank 0
+        print(line, flush=True)
     return 0
