@@ -157,10 +157,12 @@ def row_config(small: bool, model: str, model_args: dict, out: Path, data: Path)
 def test_every_small_study_row_takes_its_first_step(tmp_path, data):
     seen = set()
     for study, row in STUDY_ROWS:
-        if row.small in seen:  # a small model in several studies is the same run
+        run = f"{row.small}{sorted(row.small_args.items())}"
+        if run in seen:  # a small model with the same switch in several studies is the same run
             continue
-        seen.add(row.small)
-        assert started(*first_step(row_config(True, row.small, {}, tmp_path / row.small, data))), (study, row.key)
+        seen.add(run)
+        out = tmp_path / f"{study}-{row.key}"
+        assert started(*first_step(row_config(True, row.small, dict(row.small_args), out, data))), (study, row.key)
 
 
 @pytest.mark.slow

@@ -37,7 +37,9 @@ def test_rows_are_registered_configs_that_build_small(name):
     for row in study.rows:
         assert row.small.endswith("_mini") and get_config(row.small) and get_config(row.full)
         with torch.device("meta"):  # the size the study trains at on the embedded data
-            vitlab.create_model(row.small, img_size=28, in_chans=1, num_classes=10, **adapt_to_size(row.small, 28))
+            vitlab.create_model(
+                row.small, img_size=28, in_chans=1, num_classes=10, **{**adapt_to_size(row.small, 28), **row.small_args}
+            )
 
 
 @pytest.mark.slow

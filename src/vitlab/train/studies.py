@@ -11,79 +11,13 @@ sources vitlab was built from do not give (the table exists in the paper, its va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from ..registry import Registry
+from .studies_more import MORE_STUDIES
+from .study_rows import AFT, CPVT, DEEPVIT, EA, REFINER, TNT, Row, Study, aft_conv, peg0, refiner, rows
 
-REFINER = "Zhou et al. 2021, Refiner (arXiv 2106.03714)"
-TNT = "Han et al. 2021, Transformer in Transformer (arXiv 2103.00112)"
-CPVT = "Chu et al. 2021, Conditional Positional Encodings (arXiv 2102.10882)"
-DEEPVIT = "Zhou et al. 2021, DeepViT (arXiv 2103.11886) and its official README"
-EA = "Guo et al. 2021, External Attention (arXiv 2105.02358) and the authors' write-up"
-AFT = "Zhai et al. 2021, An Attention Free Transformer (arXiv 2105.14103 v1)"
+__all__ = ["STUDIES", "STUDY_LIST", "Row", "Study"]
 
-PaperValue = float | str | None
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of a paper table.
-
-    ``key``: a short name (the run's folder); ``label``: the line as the paper states it; ``small``: the registered
-    small model; ``full`` / ``full_args``: the registered paper-size model and the switch as overrides;
-    ``paper``: the paper's figures by measure key (``top1``, or the study's other measures).
-    """
-
-    key: str
-    label: str
-    small: str
-    full: str
-    full_args: dict[str, Any] = field(default_factory=dict)
-    paper: dict[str, PaperValue] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Study:
-    """One paper table: rows, the paper's figures and where they come from.
-
-    ``measures``: the paper's columns ``(key, header, format)``; ``extra``: a measure taken from the trained models
-    besides accuracy (``"similarity"``: DeepViT's cross-layer similarity of attention maps); ``recipe``: training
-    options of this study that differ from compare's recipe (small scale).
-    """
-
-    name: str
-    title: str
-    paper: str
-    source: str
-    rows: tuple[Row, ...]
-    measures: tuple[tuple[str, str, str], ...] = (("top1", "paper top-1 %", "{:.1f}"),)
-    notes: str = ""
-    extra: str | None = None
-    recipe: dict[str, Any] = field(default_factory=dict)
-
-
-def rows(*specs: tuple) -> tuple[Row, ...]:
-    """Rows from ``(key, label, small, full, full_args, paper top-1 or {measure: value})`` tuples."""
-    out = []
-    for key, label, small, full, full_args, paper in specs:
-        out.append(Row(key, label, small, full, full_args, paper if isinstance(paper, dict) else {"top1": paper}))
-    return tuple(out)
-
-
-def refiner(**opts: Any) -> dict[str, Any]:
-    """Overrides of ``refiner_16b``: the paper's refiner with ``opts``."""
-    return {"mixer": ("refiner", {"expansion": 3, "kernel_size": 3, **opts})}
-
-
-def peg0(**options: Any) -> dict[str, Any]:
-    """Overrides of ``cpvt_ti_peg0`` (one PEG after block 0): PEG ``options``."""
-    return {"peg_options": options}
-
-
-def aft_conv(k: int, **opts: Any) -> dict[str, Any]:
-    return {"mixer": ("aft_conv", {"num_heads": 384, "kernel_size": k, **opts})}
-
+DLA = ("refiner", {"expansion": 1, "reduction": False})  # Refiner Table 2: a 3x3 conv on the maps, nothing else
 
 STUDY_LIST: list[Study] = [
     Study(
@@ -165,11 +99,23 @@ STUDY_LIST: list[Study] = [
         "refiner-dla",
         "Refiner: a 3x3 convolution on a ViT's attention maps",
         REFINER,
-        "Table 2, ViT-16B (384 wide, 12 heads) on ImageNet",
+        "Table 2, four ViTs with and without a 3x3 convolution on their attention maps, on ImageNet",
         rows(
+            ("vit12", "ViT-12B (768 wide)", "deit_mini", "deit_base_patch16_224", {}, 79.5),
+            ("dla12", "ViT-12B + DLA", "deit_mini", "deit_base_patch16_224", {"mixer": DLA}, 81.2, {"mixer": DLA}),
             ("vit", "ViT-16B", "vit_16b_mini", "vit_16b", {}, 78.9),
             ("dla", "ViT-16B + DLA", "vit_16b_dla_mini", "vit_16b_dla", {}, 80.3),
+            *[
+                row
+                for d, plain, dla in ((24, 79.3, 80.9), (32, 79.2, 81.1))
+                for row in (
+                    (f"vit{d}", f"ViT-{d}B", f"vit_{d}b_mini", f"vit_{d}b", {}, plain),
+                    (f"dla{d}", f"ViT-{d}B + DLA", f"vit_{d}b_mini", f"vit_{d}b_dla", {}, dla, {"mixer": DLA}),
+                )
+            ],
         ),
+        notes="ViT-16/24/32B are 384 wide with 12 heads (DeepViT's baselines); ViT-12B is DeiT-B. The small ViT-12B "
+        "rows are deit_mini (4 blocks).",
     ),
     Study(
         "tnt-pos",
@@ -347,9 +293,11 @@ STUDY_LIST: list[Study] = [
                 None,
             ),
             ("drop", "dropping attention", "vit_16b_dropmap_mini", "vit_32b", {"mixer": "attention_dropmap"}, None),
+            ("wide", "wider embedding (2x)", "vit_16b_mini", "vit_32b", {"embed_dim": 768}, None, {"embed_dim": 64}),
         ),
         notes="The paper's figures for the alternatives were not available; how they are read is Decision D3. The "
-        "small rows use 16 blocks.",
+        "wider embedding doubles the width at the same head count (768 = 12 heads of 64). The small rows use 16 "
+        "blocks.",
     ),
     Study(
         "deepvit-depth",
@@ -520,5 +468,8 @@ STUDY_LIST: list[Study] = [
 ]
 
 STUDIES: Registry[Study] = Registry(
-    "study", lambda s: (lambda: s, {}), rows={s.name: s for s in STUDY_LIST}, listed_by="vitlab study --list"
+    "study",
+    lambda s: (lambda: s, {}),
+    rows={s.name: s for s in [*STUDY_LIST, *MORE_STUDIES]},
+    listed_by="vitlab study --list",
 )

@@ -104,7 +104,7 @@ def resolve(args: argparse.Namespace, study: Study) -> tuple[dict[str, Any], str
 
 def variants(study: Study, scale: str) -> list[Variant]:
     if scale == "small":
-        return [Variant(r.key, r.small) for r in study.rows]
+        return [Variant(r.key, r.small, dict(r.small_args)) for r in study.rows]
     return [Variant(r.key, r.full, dict(r.full_args)) for r in study.rows]
 
 
