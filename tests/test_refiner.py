@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import vitlab
-
 from conftest import assert_close_to_golden, load_golden
 from vitlab.convert import rename_keys
 from vitlab.mixers import Attention, DistributedLocalAttention, RefinerAttention, build
@@ -337,7 +336,9 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="needs refine=True"):
         RefinerAttention(32, num_heads=4, share=True, refine=False)
     with pytest.raises(ValueError, match=r"attn_prev must be .* \(2, 4, 5, 5\), got \(2, 8, 5, 5\)"):
-        RefinerAttention(32, num_heads=4, residual_attention=True)(torch.randn(2, 5, 32), attn_prev=torch.rand(2, 8, 5, 5))
+        RefinerAttention(32, num_heads=4, residual_attention=True)(
+            torch.randn(2, 5, 32), attn_prev=torch.rand(2, 8, 5, 5)
+        )
     with pytest.raises(ValueError, match="divisible"):
         RefinerAttention(32, num_heads=4, expansion=3, reduction=False)  # 32 % 12
     with pytest.raises(ValueError, match="expansion must be a positive integer"):

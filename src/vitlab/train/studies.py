@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..registry import Registry
 from .studies_more import MORE_STUDIES
-from .study_rows import AFT, CPVT, DEEPVIT, EA, REFINER, TNT, Row, Study, aft_conv, peg0, refiner, rows
+from .study_rows import AFT, CPVT, DEEPVIT, EA, REFINER, TNT, Row, Study, peg0, refiner, rows
 
 __all__ = ["STUDIES", "STUDY_LIST", "Row", "Study"]
 

@@ -3,7 +3,6 @@ that train it and the paper's figures), and the helpers the tables are written w
 :mod:`vitlab.train.studies_more`).
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -79,5 +78,3 @@ def peg0(**options: Any) -> dict[str, Any]:
 
 def aft_conv(k: int, **opts: Any) -> dict[str, Any]:
     return {"mixer": ("aft_conv", {"num_heads": 384, "kernel_size": k, **opts})}
-
-
