@@ -271,6 +271,10 @@ def load_dataset(
         return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
     if spec.kind == "cifar10":
         return cifar10(spec.path, split)
+    if spec.kind == "cifar100":
+        from .transfer_sets import cifar100
+
+        return cifar100(spec.path, split)
     return mnist_idx(spec.path, split)
 
 

@@ -233,6 +233,10 @@ def open_source(
         from .wds import open_shards
 
         return open_shards(spec.path, split)
+    if spec.kind in ("pets", "flowers102"):
+        from .transfer_sets import flowers102, oxford_pets
+
+        return (oxford_pets if spec.kind == "pets" else flowers102)(spec.path, split)
     return load_dataset(spec, "test" if split == "val" else split, holdout=holdout, seed=seed)
 
 
