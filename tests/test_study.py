@@ -144,3 +144,28 @@ def test_every_other_study_end_to_end(name, tmp_path):
         for row in rows:
             depth = get_config(row["model"]).kwargs["depth"]
             assert len(curves[row["row"]]) == depth - 1 and 0 <= row["similar"] <= depth - 1
+
+
+def test_resolution_study_evaluates_one_checkpoint_at_each_size(tmp_path, capsys):
+    """`vitlab study cpvt-resolution`: a checkpoint trained at one size, evaluated at others (its PEGs adapt),
+    each row beside the paper's figure of that model ("not given" for a model the table does not have)."""
+    from vitlab.train.config import TrainConfig
+    from vitlab.train.engine import train
+    from vitlab.train.resolution import RESOLUTION_STUDIES
+
+    run = tmp_path / "run"
+    train(TrainConfig(model="cpvt_mini", model_args={"patch_size": 7}, train_limit=64, holdout=64,
+                      epochs=1, batch_size=32, threads=1, progress=False, device="cpu", out=str(run)),
+          lambda line: None)  # fmt: skip
+    out = tmp_path / "res"
+    argv = ["study", "cpvt-resolution", "--checkpoint", str(run), "--sizes", "28", "56", "--out", str(out)]
+    assert cli_main(argv) == 0
+    table = json.loads((out / "table.json").read_text())
+    assert [r["img_size"] for r in table["rows"]] == [28, 56] and all(r["n"] == 64 for r in table["rows"])
+    assert all(r["paper_top1"] == "not given" and 0 <= r["top1"] <= 100 for r in table["rows"])
+    assert "not given" in capsys.readouterr().out and (out / "table.md").exists()
+    assert cli_main(argv) == 2  # the folder holds a table: --force to redo it
+    assert "already holds a run" in capsys.readouterr().err
+    assert RESOLUTION_STUDIES["cpvt-resolution"].paper["cpvt_ti"] == {224: 73.4, 384: 74.2, 448: 72.6, 512: 70.8}
+    assert cli_main(["study", "cpvt-resolution", "--out", str(tmp_path / "x")]) == 2
+    assert "pass --checkpoint" in capsys.readouterr().err

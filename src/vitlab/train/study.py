@@ -37,6 +37,8 @@ from .data import whole_image
 from .engine import TrainConfig
 from .recipes import find_recipe
 from .recipes import read_recipe as recipe_file
+from .resolution import RESOLUTION_STUDIES, run_resolution
+from .resolution import add_arguments as add_resolution_arguments
 from .studies import STUDIES, Study
 
 SCALES = ("small", "full")
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--config", default=None, help="recipe file: a YAML or TOML mapping of training options (flags override it)"
     )
     p.add_argument("--speed", action="store_true", help="also time each row's inference (img/s)")
+    add_resolution_arguments(p)
     add_run_arguments(p, None, "runs/study/NAME", {**RECIPE, **STUDY_DEFAULTS})
 
 
@@ -115,6 +118,9 @@ def list_studies() -> str:
         lines.append(f"{name:28s} {s.title}")
         lines.append(f"{'':28s}   {s.paper}: {s.source}")
         lines.append(f"{'':28s}   rows: {', '.join(r.label for r in s.rows)}")
+    for s in RESOLUTION_STUDIES.values():
+        lines.append(f"{s.name:28s} {s.title}")
+        lines.append(f"{'':28s}   {s.source}; one --checkpoint at {', '.join(map(str, s.sizes))} px")
     return "\n".join(lines)
 
 
@@ -124,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise ValueError("name a study to run, e.g. `vitlab study cpvt-padding` (`vitlab study --list` shows them)")
+    if args.name in RESOLUTION_STUDIES:
+        return run_resolution(args)
     study = STUDIES.get(args.name)
     recipe, scale = resolve(args, study)
     if args.out == "runs/study/NAME":
