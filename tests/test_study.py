@@ -169,3 +169,45 @@ def test_resolution_study_evaluates_one_checkpoint_at_each_size(tmp_path, capsys
     assert RESOLUTION_STUDIES["cpvt-resolution"].paper["cpvt_ti"] == {224: 73.4, 384: 74.2, 448: 72.6, 512: 70.8}
     assert cli_main(["study", "cpvt-resolution", "--out", str(tmp_path / "x")]) == 2
     assert "pass --checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
+    """`vitlab study deepvit-depth --scale full --nproc-per-node 2` with a paper recipe on a tiny generated folder:
+    each row trains under a 2-process torchrun (gloo); killed in the middle of a row, the study run again with
+    --resume reuses the finished rows, continues the stopped one from its checkpoint, and writes the table
+    beside the paper's figures."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from vitlab.data.synth import synthesize
+
+    synthesize(tmp_path / "data", num_classes=2, train_per_class=4, val_per_class=2, size=(40, 36), seed=0)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "vitlab.cli", "study", "deepvit-depth", "--scale", "full", "--nproc-per-node",
+            "2", "--data", f"folder:{tmp_path / 'data'}", "--img-size", "32", "--epochs", "2", "--batch-size", "4",
+            "--seeds", "1", "--threads", "1", "--no-plots", "--config", "deit_small", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 900
+    stopped = None
+    while time.time() < deadline and stopped is None:  # the first row to hold its epoch-1 checkpoint
+        time.sleep(0.5)
+        for row in STUDIES.get("deepvit-depth").rows:
+            if (out / row.key / "last.pt").exists() and not (out / row.key / "result.json").exists():
+                stopped = row.key
+    assert stopped is not None, "no row reached its first checkpoint"
+    os.killpg(first.pid, signal.SIGKILL)  # the study and every torchrun process it started
+    first.wait()
+    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (out / stopped / "train.log").read_text()
+    assert "resum" in log.lower()  # the stopped row continued from its checkpoint
+    table = json.loads((out / "table.json").read_text())
+    for row, spec in zip(table["rows"], STUDIES.get("deepvit-depth").rows):
+        assert row["row"] == spec.label and row["paper_top1"] == spec.paper["top1"] and row["top1"] is not None
+        result = json.loads((out / spec.key / "result.json").read_text())
+        assert result["world_size"] == 2 and result["info"]["summary"]["epochs"] == 2
+    assert "paper #similar" in (out / "table.md").read_text()
