@@ -9,6 +9,7 @@ them: the small rows on the embedded digits at 28 px, the paper-size rows (slow)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -179,3 +180,9 @@ def test_the_run_prints_the_papers_figure_beside_its_own():
     assert line.startswith("this run: held-out top-1 12.50 % (best 25.00 %)") and "81.3 % top-1" in line
     assert reference["source"] in line
     assert paper_line({"source": "none given"}, summary) is None
+
+
+def test_a_recipe_whose_warmup_outlasts_the_run_warms_up_all_run(data, teacher, tmp_path):
+    """deit_small's 5 warmup epochs in a 1-epoch run: the whole run is warmup (no error)."""
+    cfg = dataclasses.replace(recipe_config("deit_small", data, tmp_path / "short", teacher), epochs=1)
+    assert started(*first_step(cfg))

@@ -211,3 +211,13 @@ def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
         result = json.loads((out / spec.key / "result.json").read_text())
         assert result["world_size"] == 2 and result["info"]["summary"]["epochs"] == 2
     assert "paper #similar" in (out / "table.md").read_text()
+
+
+def test_a_paper_recipe_gives_the_options_and_the_rows_their_models(capsys):
+    options = read_recipe("deit_small")
+    assert "model" not in options and options["base_lr"] == 5e-4 and options["aug_repeats"] == 3
+    assert "model left out" in capsys.readouterr().out
+    recipe, scale = resolve(
+        parse("deepvit-depth", "--config", "refiner_vit_small", "--scale", "full"), STUDIES.get("deepvit-depth")
+    )
+    assert "model_args" not in recipe and recipe["token_label"] is True and scale == "full"
