@@ -215,6 +215,31 @@ for size, dim, depth, heads, params, macs, crop, top1 in (
         )
     )
 
+# Refined-ViT at 384 / 448 px (README; fine-tuned from the 224 models): a larger position table, crop 1.0
+for size, dim, depth, heads, res, params, top1 in (
+    ("s", 384, 16, 12, 384, 25.17, 84.6),
+    ("m", 420, 32, 12, 384, 55.19, 85.6),
+    ("l", 512, 32, 16, 384, 80.83, 85.8),
+    ("l", 512, 32, 16, 448, 80.94, 86.0),
+):
+    _rows.append(
+        vit(
+            f"refiner_vit_{size}_{res}",
+            REFINER,
+            f"zhoudaquan/Refiner_ViT README, Refiner-ViT-{size.upper()} at {res}",
+            params,
+            img_size=res,
+            embed_dim=dim,
+            depth=depth,
+            num_heads=heads,
+            mixer=alternate(depth, REFINER_NORMAL, REFINER_SHARED),
+            **REFINER_OFFICIAL,
+            evaluation=dict(crop_pct=1.0, interpolation="bicubic", mean=HALF, std=HALF),
+            top1=top1,
+            notes="fine-tuned from the 224 model (vitlab train --init-from resamples the position table)",
+        )
+    )
+
 # --- CPVT: DeiT without a position table, PEGs after blocks 0-4 (‡) ------------------------------------
 # top-1: CPVT paper Table 5 (CPVT-B-GAP is not reported); no official checkpoint of these models
 for size, short, params, params_gap, top1, top1_gap in (
