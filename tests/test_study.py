@@ -171,12 +171,33 @@ def test_resolution_study_evaluates_one_checkpoint_at_each_size(tmp_path, capsys
     assert "pass --checkpoint" in capsys.readouterr().err
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc: torchrun starts its workers in their own process groups)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
 def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
     """`vitlab study deepvit-depth --scale full --nproc-per-node 2` with a paper recipe on a tiny generated folder:
     each row trains under a 2-process torchrun (gloo); killed in the middle of a row, the study run again with
     --resume reuses the finished rows, continues the stopped one from its checkpoint, and writes the table
     beside the paper's figures."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -200,8 +221,11 @@ def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
             if (out / row.key / "last.pt").exists() and not (out / row.key / "result.json").exists():
                 stopped = row.key
     assert stopped is not None, "no row reached its first checkpoint"
-    os.killpg(first.pid, signal.SIGKILL)  # the study and every torchrun process it started
+    for pid in [first.pid, *descendants(first.pid)]:  # the study, its torchrun and the workers (own groups)
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.kill(pid, signal.SIGKILL)
     first.wait()
+    time.sleep(2)  # the killed workers' files closed
     epoch = load_checkpoint(out / stopped / "last.pt")["epoch"]
     done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
