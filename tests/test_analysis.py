@@ -351,6 +351,8 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
         "aft_bias",
         "aft_keys",
         "external",
+        "relative_attention",
+        "attention_matrix",
     }
     assert "skipped" in summary["analyses"]["aft_keys"] and "skipped: " in text
     att = json.loads((out / "attention.json").read_text())
@@ -475,4 +477,54 @@ def test_cli_training_checkpoint_rebuilds_its_model(tmp_path, capsys):
 def test_parse_what():
     assert parse_what("aft") == ["aft_bias", "aft_keys"]
     assert parse_what("collapse, heads,collapse") == ["collapse", "heads"]
-    assert len(parse_what("all")) == 7
+    assert len(parse_what("all")) == 9
+
+
+# ------------------------------------------------------------------------------ whole attention matrices
+
+
+def naive_relative(attn: torch.Tensor, gh: int, gw: int, prefix: int) -> torch.Tensor:
+    """For every offset (dy, dx): the mean over the query patches with a key patch at that offset."""
+    b, h = attn.shape[:2]
+    out = torch.zeros(b, h, 2 * gh - 1, 2 * gw - 1, dtype=torch.float64)
+    for dy in range(-(gh - 1), gh):
+        for dx in range(-(gw - 1), gw):
+            vals = [
+                attn[:, :, prefix + qy * gw + qx, prefix + (qy + dy) * gw + (qx + dx)].double()
+                for qy in range(gh)
+                for qx in range(gw)
+                if 0 <= qy + dy < gh and 0 <= qx + dx < gw
+            ]
+            out[:, :, dy + gh - 1, dx + gw - 1] = torch.stack(vals).mean(0)
+    return out
+
+
+def test_relative_attention_matches_the_naive_mean_over_queries():
+    from vitlab.analysis.matrices import relative_attention
+    from vitlab.mixers.base import TokenLayout
+
+    attn = torch.rand(2, 3, 1 + 3 * 4, 1 + 3 * 4).softmax(-1)
+    got = relative_attention(attn, TokenLayout((3, 4), 1))
+    torch.testing.assert_close(got, naive_relative(attn, 3, 4, 1), rtol=1e-12, atol=1e-12)
+    eye = torch.eye(9).expand(1, 1, 9, 9)  # every patch attends to itself: all weight at offset (0, 0)
+    rel = relative_attention(eye, TokenLayout((3, 3), 0))[0, 0]
+    assert rel[2, 2] == 1 and rel.sum() == 1
+
+
+@torch.no_grad()
+def test_relative_attention_and_attention_matrix_on_a_model(tmp_path):
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_mini", depth=2, num_classes=10).eval()
+    res = run(model, ["relative_attention", "attention_matrix"], tmp_path)
+    out = model.forward_trace(images_and_input()[1], return_aux=True)
+    maps = [aux["attn"] for aux in out["aux"]]
+    rel = np.array(res["relative_attention"]["maps"])  # (blocks, heads, 15, 15) over the 8x8 grid
+    assert rel.shape == (2, 2, 15, 15) and res["relative_attention"]["blocks"] == [0, 1]
+    np.testing.assert_allclose(rel[1], naive_relative(maps[1], 8, 8, 1).mean(0).numpy(), rtol=1e-5, atol=1e-7)
+    full = np.array(res["attention_matrix"]["maps"])  # (blocks, heads, 65, 65), mean over the images
+    np.testing.assert_allclose(full[0], maps[0].double().mean(0).numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(full.sum(-1), 1.0, rtol=1e-5)
+    assert (tmp_path / "relative_attention.png").read_bytes()[:4] == b"\x89PNG"
+    cnn = vitlab.create_model("aft_conv_mini", num_classes=10)  # no self-attention maps: skipped with a reason
+    summary = analyze(cnn, *images_and_input(), ["relative_attention"], tmp_path / "aft", log=lambda s: None)
+    assert "skipped" in summary["analyses"]["relative_attention"]

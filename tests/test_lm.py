@@ -206,11 +206,16 @@ def test_train_eval_sample_cli_on_text(tmp_path, capsys):
         str(out),
         "--threads",
         "1",
+        "--valid",
+        "300",
     ]
     assert main(args) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert [r["step"] for r in metrics["history"]] == [15, 30]
     assert metrics["final"]["test_bits"] < 8.0 and metrics["final"]["train_bits"] < 8.0
+    assert metrics["final"]["valid_bits"] < 8.0  # the validation part before the held-out tail
+    assert main(["lm", "eval", str(out / "last.pt"), "--split", "valid", "--eval-symbols", "256"]) == 0
+    assert "valid: " in capsys.readouterr().out
     assert main(["lm", "eval", str(out / "last.pt"), "--data", str(text), "--json", str(tmp_path / "e.json")]) == 0
     ev = json.loads((tmp_path / "e.json").read_text())
     assert ev["test_bits"] == pytest.approx(metrics["final"]["test_bits"], rel=1e-5)
@@ -349,6 +354,25 @@ def test_byte_data_split_and_windows(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"empty\.txt is empty: byte data needs a file"):
         ByteData(tmp_path / "empty.txt", seq_len=30)
+
+
+def test_byte_data_validation_part_sits_before_the_test_tail(tmp_path):
+    """enwik8's split: train, then a validation part, then the test tail (here 800 / 100 / 100 bytes)."""
+    path = tmp_path / "b.bin"
+    data_bytes = bytes(range(250)) * 4  # 1000 bytes
+    path.write_bytes(data_bytes)
+    data = ByteData(path, seq_len=30, holdout=100, valid=0.1)
+    assert list(data.parts) == ["train", "valid", "test"]
+    whole = torch.cat([data.part("train"), data.part("valid"), data.part("test")])
+    assert torch.equal(whole, torch.tensor(list(data_bytes), dtype=torch.uint8))
+    assert (len(data.part("train")), len(data.part("valid")), len(data.part("test"))) == (800, 100, 100)
+    assert list(ByteData(path, seq_len=30, holdout=100).parts) == ["train", "test"]  # no validation part
+    with pytest.raises(ValueError, match=r"valid must be 0 or hold at least seq_len=30"):
+        ByteData(path, seq_len=30, holdout=100, valid=10)
+    with pytest.raises(ValueError, match=r"split must be one of 'train', 'test', got 'valid'"):
+        ByteData(path, seq_len=30, holdout=100).part("valid")
+    with pytest.raises(ValueError, match="seq-len"):
+        ByteData(path, seq_len=30, holdout=500, valid=480)
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason="CIFAR-10 sample batches not found")

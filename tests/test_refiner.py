@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import vitlab
 from conftest import assert_close_to_golden, load_golden
 from vitlab.convert import rename_keys
 from vitlab.mixers import Attention, DistributedLocalAttention, RefinerAttention, build
@@ -334,6 +335,10 @@ def test_bad_input_raises():
         RefinerAttention(32, num_heads=4, share=True)(torch.randn(2, 5, 32))
     with pytest.raises(ValueError, match="needs refine=True"):
         RefinerAttention(32, num_heads=4, share=True, refine=False)
+    with pytest.raises(ValueError, match=r"attn_prev must be .* \(2, 4, 5, 5\), got \(2, 8, 5, 5\)"):
+        RefinerAttention(32, num_heads=4, residual_attention=True)(
+            torch.randn(2, 5, 32), attn_prev=torch.rand(2, 8, 5, 5)
+        )
     with pytest.raises(ValueError, match="divisible"):
         RefinerAttention(32, num_heads=4, expansion=3, reduction=False)  # 32 % 12
     with pytest.raises(ValueError, match="expansion must be a positive integer"):
@@ -357,3 +362,14 @@ def test_released_block_pattern_carries_maps_as_the_official_code():
     assert aux1["carry"] is aux0["carry"]
     _, aux2 = normal(x, attn_prev=aux1["carry"], return_aux=True)
     torch.testing.assert_close(aux2["attn"], aux0["attn"] + normal.scale * aux0["carry"])
+
+
+def test_blocks_without_the_reduction_stack():
+    """Table 3 without the reduction: each block hands its rH maps on; the next block (which does not read them)
+    takes them, and the model trains."""
+    model = vitlab.create_model(
+        "refiner_16b", img_size=32, num_classes=3, depth=2, mixer=("refiner", {"expansion": 4, "reduction": False})
+    )
+    out = model.forward_trace(torch.randn(2, 3, 32, 32), return_aux=True)
+    assert [aux["attn"].shape[1] for aux in out["aux"]] == [48, 48]  # 12 heads x 4, no reduction
+    model(torch.randn(2, 3, 32, 32)).sum().backward()

@@ -41,7 +41,13 @@ def test_rows_are_registered_configs_that_build_small(name):
             if study.score == "miou":
                 build_segmenter(row.small, num_classes=21, img_size=32, **row.small_args)
             else:
-                vitlab.create_model(row.small, img_size=28, in_chans=1, num_classes=10, **adapt_to_size(row.small, 28))
+                vitlab.create_model(
+                    row.small,
+                    img_size=28,
+                    in_chans=1,
+                    num_classes=10,
+                    **{**adapt_to_size(row.small, 28), **row.small_args},
+                )
 
 
 @pytest.mark.slow
@@ -149,3 +155,107 @@ def test_every_other_study_end_to_end(name, tmp_path):
         for row in rows:
             depth = get_config(row["model"]).kwargs["depth"]
             assert len(curves[row["row"]]) == depth - 1 and 0 <= row["similar"] <= depth - 1
+
+
+def test_resolution_study_evaluates_one_checkpoint_at_each_size(tmp_path, capsys):
+    """`vitlab study cpvt-resolution`: a checkpoint trained at one size, evaluated at others (its PEGs adapt),
+    each row beside the paper's figure of that model ("not given" for a model the table does not have)."""
+    from vitlab.train.config import TrainConfig
+    from vitlab.train.engine import train
+    from vitlab.train.resolution import RESOLUTION_STUDIES
+
+    run = tmp_path / "run"
+    train(TrainConfig(model="cpvt_mini", model_args={"patch_size": 7}, train_limit=64, holdout=64,
+                      epochs=1, batch_size=32, threads=1, progress=False, device="cpu", out=str(run)),
+          lambda line: None)  # fmt: skip
+    out = tmp_path / "res"
+    argv = ["study", "cpvt-resolution", "--checkpoint", str(run), "--sizes", "28", "56", "--out", str(out)]
+    assert cli_main(argv) == 0
+    table = json.loads((out / "table.json").read_text())
+    assert [r["img_size"] for r in table["rows"]] == [28, 56] and all(r["n"] == 64 for r in table["rows"])
+    assert all(r["paper_top1"] == "not given" and 0 <= r["top1"] <= 100 for r in table["rows"])
+    assert "not given" in capsys.readouterr().out and (out / "table.md").exists()
+    assert cli_main(argv) == 2  # the folder holds a table: --force to redo it
+    assert "already holds a run" in capsys.readouterr().err
+    assert RESOLUTION_STUDIES["cpvt-resolution"].paper["cpvt_ti"] == {224: 73.4, 384: 74.2, 448: 72.6, 512: 70.8}
+    assert cli_main(["study", "cpvt-resolution", "--out", str(tmp_path / "x")]) == 2
+    assert "pass --checkpoint" in capsys.readouterr().err
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc: torchrun starts its workers in their own process groups)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
+    """`vitlab study deepvit-depth --scale full --nproc-per-node 2` with a paper recipe on a tiny generated folder:
+    each row trains under a 2-process torchrun (gloo); killed in the middle of a row, the study run again with
+    --resume reuses the finished rows, continues the stopped one from its checkpoint, and writes the table
+    beside the paper's figures."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from vitlab.checkpoint import load_checkpoint
+    from vitlab.data.synth import synthesize
+
+    synthesize(tmp_path / "data", num_classes=2, train_per_class=4, val_per_class=2, size=(40, 36), seed=0)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "vitlab.cli", "study", "deepvit-depth", "--scale", "full", "--nproc-per-node",
+            "2", "--data", f"folder:{tmp_path / 'data'}", "--img-size", "32", "--epochs", "3", "--batch-size", "4",
+            "--seeds", "1", "--threads", "1", "--no-plots", "--config", "deit_small", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 900
+    stopped = None
+    while time.time() < deadline and stopped is None:  # the first row to hold its epoch-1 checkpoint
+        time.sleep(0.5)
+        for row in STUDIES.get("deepvit-depth").rows:
+            if (out / row.key / "last.pt").exists() and not (out / row.key / "result.json").exists():
+                stopped = row.key
+    assert stopped is not None, "no row reached its first checkpoint"
+    for pid in [first.pid, *descendants(first.pid)]:  # the study, its torchrun and the workers (own groups)
+        with contextlib.suppress(ProcessLookupError):  # gone already
+            os.kill(pid, signal.SIGKILL)
+    first.wait()
+    time.sleep(2)  # the killed workers' files closed
+    epoch = load_checkpoint(out / stopped / "last.pt")["epoch"]
+    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    mine = "\n".join(line for line in done.stdout.splitlines() if line.startswith(f"[{stopped}]") and "W1" not in line)
+    if epoch < 3:  # killed before its last epoch ended (as nearly always): it continues from there
+        assert "resumed" in mine and f"after epoch {epoch}" in mine, mine[-2000:]
+    table = json.loads((out / "table.json").read_text())
+    for row, spec in zip(table["rows"], STUDIES.get("deepvit-depth").rows):
+        assert row["row"] == spec.label and row["paper_top1"] == spec.paper["top1"] and row["top1"] is not None
+        result = json.loads((out / spec.key / "result.json").read_text())
+        assert result["world_size"] == 2 and result["info"]["summary"]["epochs"] == 3
+    assert "paper #similar" in (out / "table.md").read_text()
+
+
+def test_a_paper_recipe_gives_the_options_and_the_rows_their_models(capsys):
+    options = read_recipe("deit_small")
+    assert "model" not in options and options["base_lr"] == 5e-4 and options["aug_repeats"] == 3
+    assert "model left out" in capsys.readouterr().out
+    recipe, scale = resolve(
+        parse("deepvit-depth", "--config", "refiner_vit_small", "--scale", "full"), STUDIES.get("deepvit-depth")
+    )
+    assert "model_args" not in recipe and recipe["token_label"] is True and scale == "full"

@@ -166,7 +166,7 @@ def test_every_paper_model_has_a_recipe_that_validates():
         get_config(options["model"])  # a registered model
         TrainConfig(**options)  # every value in its range
         assert reference["source"] and ("top1" in reference), path
-        assert reference["top1"] is None or 60 < reference["top1"] < 90, path
+        assert reference["top1"] is None or 60 < reference["top1"] < 100, path  # ImageNet, or a transfer set
     deit = load_recipe("deit_tiny")[1]
     cfg = TrainConfig(**deit)
     assert cfg.global_batch == 1024 and cfg.peak_lr == pytest.approx(1e-3) and cfg.aug_repeats == 3
@@ -192,7 +192,7 @@ def test_every_recipe_resolves_by_name_from_the_installed_package(tmp_path, monk
     (tmp_path / "recipes").mkdir()  # a user's own recipe of a shipped name comes first
     (tmp_path / "recipes" / "deit_tiny.toml").write_text('model = "deit_mini"\nepochs = 3\n')
     assert load_recipe("deit_tiny")[1] == {"model": "deit_mini", "epochs": 3}
-    with pytest.raises(FileNotFoundError, match="shipped: aft_conv_small"):
+    with pytest.raises(FileNotFoundError, match="shipped: aft_conv_base_384_ft, "):
         find_recipe("deit_nano")
 
 

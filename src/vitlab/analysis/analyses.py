@@ -8,7 +8,9 @@ Every analysis writes ``<out>/<name>.json`` (the numbers) and ``<out>/<name>.png
 - ``evolution``: how similar the token features of consecutive blocks are (Refiner Fig. 2/4);
 - ``aft_bias``: AFT-conv's learned relative position weights ``exp(w) - 1`` per layer and head (AFT Fig. 1);
 - ``aft_keys``: AFT's keys as feature maps over the image (AFT Figs. 9-12);
-- ``external``: external attention of the patches to memory slots, per head (EA Fig. 5).
+- ``external``: external attention of the patches to memory slots, per head (EA Fig. 5);
+- ``relative_attention`` / ``attention_matrix``: self-attention by query-key offset (a ViT's side of AFT Fig. 1)
+  and whole attention matrices (CPVT's plot), averaged over the images (:mod:`.matrices`).
 
 Everything is read from ``model.forward_trace(x, return_aux=True)`` (attention takes its
 explicit path there; the logits are the same, which ``summary.json`` records), except AFT-conv's
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,20 @@ from ..io import write_json_atomic
 from ..mixers import AFTConv
 from ..mixers.base import TokenLayout
 from . import metrics, plots
+from .base import Analysis, Context, RunningMean, memory_attention_maps, pad_stack, self_attention_maps, to_json
+from .matrices import AttentionMatrix, RelativeAttention
 
-ANALYSES = ("attention", "collapse", "heads", "evolution", "aft_bias", "aft_keys", "external")
+ANALYSES = (
+    "attention",
+    "collapse",
+    "heads",
+    "evolution",
+    "aft_bias",
+    "aft_keys",
+    "external",
+    "relative_attention",
+    "attention_matrix",
+)
 GROUPS = {"all": ANALYSES, "aft": ("aft_bias", "aft_keys")}
 PLOT_ROWS = 8  # memory slots drawn in the external-attention figure (the JSON has every one asked for)
 
@@ -49,102 +62,6 @@ def parse_what(spec: str) -> list[str]:
     if not names:
         raise ValueError(f"--what is empty; choose from {', '.join(ANALYSES)}, aft, all")
     return names
-
-
-# ------------------------------------------------------------------------------------------- helpers
-def to_json(t: Tensor | np.ndarray) -> Any:
-    """Nested lists of a tensor's values: float32 values exactly (as doubles), NaN/inf as null."""
-    a = t.detach().float().cpu().numpy() if isinstance(t, Tensor) else np.asarray(t, dtype=np.float32)
-    a = a.astype(np.float64)
-    if np.isfinite(a).all():
-        return a.tolist()
-    return np.where(np.isfinite(a), a, None).tolist()
-
-
-def pad_stack(arrays: Sequence[Any]) -> np.ndarray:
-    """Stack tensors, arrays or :func:`to_json` lists whose shapes differ (heads, kernel sizes) into one
-    float32 array, NaN-padded (a JSON null is NaN too)."""
-    arrays = [np.asarray(a.detach().float().cpu() if isinstance(a, Tensor) else a, dtype=np.float32) for a in arrays]
-    shape = [max(a.shape[d] for a in arrays) for d in range(arrays[0].ndim)]
-    out = np.full((len(arrays), *shape), np.nan, dtype=np.float32)
-    for i, a in enumerate(arrays):
-        out[(i, *(slice(0, s) for s in a.shape))] = a
-    return out
-
-
-class RunningMean:
-    """Mean over images of per-batch means (each batch weighted by its size)."""
-
-    def __init__(self) -> None:
-        self.total: Tensor | None = None
-        self.count = 0
-
-    def add(self, value: Tensor, n: int) -> None:
-        v = value.detach().double().cpu() * n
-        self.total = v if self.total is None else self.total + v
-        self.count += n
-
-    @property
-    def value(self) -> Tensor:
-        assert self.total is not None
-        return self.total / self.count
-
-
-@dataclass
-class Context:
-    """What every analysis may read besides the model's intermediates."""
-
-    model: nn.Module
-    images: Tensor  # (N, C, H, W) in [0, 1], what the model saw before normalisation
-    query: str | None
-    threshold: float
-    slots: list[int]
-    max_heads: int
-
-
-def self_attention_maps(out: dict) -> list[tuple[int, Tensor]]:
-    """(block, map (B, H, N, N)) for every block whose mixer materialised a self-attention map."""
-    n = out["tokens"][0].shape[1]
-    return [
-        (i, aux["attn"])
-        for i, aux in enumerate(out["aux"])
-        if "attn" in aux and aux["attn"].dim() == 4 and aux["attn"].shape[-2:] == (n, n)
-    ]
-
-
-def memory_attention_maps(out: dict) -> list[tuple[int, Tensor]]:
-    """(block, map (B, heads, N, S)) for every external-attention block (single-head maps get a head axis)."""
-    return [
-        (i, a.unsqueeze(1) if a.dim() == 3 else a)
-        for i, aux in enumerate(out["aux"])
-        if (a := aux.get("memory_attn")) is not None
-    ]
-
-
-# ------------------------------------------------------------------------------------------ analyses
-class Analysis:
-    """One analysis: checked on the first batch, fed every batch, then turned into JSON + PNG."""
-
-    name = ""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-
-    def start(self, out: dict) -> str | None:
-        """None, or why the analysis does not apply to this model."""
-        return None
-
-    def update(self, out: dict, n: int) -> None:
-        pass
-
-    def result(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def plot(self, result: dict[str, Any], path: Path) -> None:
-        raise NotImplementedError
-
-    def summary(self, result: dict[str, Any]) -> str:
-        return ""
 
 
 class BlockMaps(Analysis):
@@ -495,7 +412,18 @@ class ExternalMaps(BlockMaps):
 
 
 CLASSES: dict[str, type[Analysis]] = {
-    c.name: c for c in (QueryAttention, Collapse, HeadSimilarity, FeatureEvolution, AFTBias, AFTKeys, ExternalMaps)
+    c.name: c
+    for c in (
+        QueryAttention,
+        Collapse,
+        HeadSimilarity,
+        FeatureEvolution,
+        AFTBias,
+        AFTKeys,
+        ExternalMaps,
+        RelativeAttention,
+        AttentionMatrix,
+    )
 }
 
 

@@ -75,6 +75,10 @@ def spec_stats(spec: str | DataSpec, channels: int) -> tuple[tuple[float, ...], 
         return MNIST_MEAN, MNIST_STD
     if kind == "cifar10":
         return CIFAR10_MEAN, CIFAR10_STD
+    if kind == "cifar100":
+        from .transfer_sets import CIFAR100_MEAN, CIFAR100_STD
+
+        return CIFAR100_MEAN, CIFAR100_STD
     return (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((0.5,) * channels, (0.5,) * channels)
 
 

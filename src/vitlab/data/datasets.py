@@ -267,6 +267,8 @@ def load_dataset(
             f"{spec}: {spec.kind} data streams (decoded per sample), it is not read into memory; open it with "
             "vitlab.data.open_source"
         )
+    if spec.kind not in ("mnist", "cifar10", "mnist-idx"):  # the transfer sets: vitlab.data.transfer_sets
+        raise ValueError(f"{spec}: open the {spec.kind} set with vitlab.data.open_source")
     if spec.kind == "mnist":
         return mnist_embedded(split, 1000 if holdout is None else holdout, seed)
     if spec.kind == "cifar10":

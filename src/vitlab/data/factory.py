@@ -233,6 +233,11 @@ def open_source(
         from .wds import open_shards
 
         return open_shards(spec.path, split)
+    if spec.kind in ("cifar100", "pets", "flowers102"):  # the transfer sets (vitlab.data.transfer_sets)
+        from . import transfer_sets as sets
+
+        reader = {"cifar100": sets.cifar100, "pets": sets.oxford_pets, "flowers102": sets.flowers102}[spec.kind]
+        return reader(spec.path, "test" if split == "val" else split)
     return load_dataset(spec, "test" if split == "val" else split, holdout=holdout, seed=seed)
 
 

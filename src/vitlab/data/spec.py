@@ -22,15 +22,27 @@ from ..options import Validated
 from .readers import CIFAR_FIX, MNIST_FIX
 
 #: every kind of dataset, and those that stream through DataLoader workers (the others are read into memory)
-KINDS = ("mnist", "cifar10", "mnist-idx", "folder", "wds")
-STREAMING = ("folder", "wds")
+KINDS = ("mnist", "cifar10", "mnist-idx", "folder", "wds", "cifar100", "pets", "flowers102")
+STREAMING = ("folder", "wds", "pets", "flowers102")
 #: the dataset specs ``vitlab train`` (and every tool that reads data) takes
-SPEC_HELP = "mnist (embedded), cifar10:<folder>, mnist-idx:<folder>, folder:<path>, wds:<shards>, or a bare folder path"
-USE = "use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>', 'folder:<path>' or 'wds:<shards>'"
+SPEC_HELP = (
+    "mnist (embedded), cifar10:<folder>, mnist-idx:<folder>, folder:<path>, wds:<shards>, the transfer sets "
+    "cifar100:<folder>, pets:<folder>, flowers102:<folder>, or a bare folder path"
+)
+USE = (
+    "use 'mnist', 'cifar10:<folder>', 'mnist-idx:<folder>', 'folder:<path>', 'wds:<shards>', 'cifar100:<folder>', "
+    "'pets:<folder>' or 'flowers102:<folder>'"
+)
 # (channels, side) of the sets whose images all have one size; folders and shards are resized to the model's
-NATIVE_SHAPES = {"mnist": (1, 28), "mnist-idx": (1, 28), "cifar10": (3, 32)}
+NATIVE_SHAPES = {"mnist": (1, 28), "mnist-idx": (1, 28), "cifar10": (3, 32), "cifar100": (3, 32)}
 
 FOLDER_FIX = "point to a folder laid out root/<class>/<image>"
+# the transfer sets (vitlab.data.transfer_sets): what their folder holds, and what to do
+TRANSFER_LAYOUTS = {
+    "cifar100": ("train, test and meta (cifar-100-python)", "download the python version of CIFAR-100"),
+    "pets": ("images/ and annotations/ (Oxford-IIIT Pets)", "extract images.tar.gz and annotations.tar.gz there"),
+    "flowers102": ("jpg/, imagelabels.mat and setid.mat (Flowers-102)", "put the three there"),
+}
 WDS_FIX = (
     "write shards with `vitlab data shards SRC OUT`, or give a brace pattern: wds:/data/train-{000000..000009}.tar"
 )
@@ -95,6 +107,8 @@ class DataSpec:
             data_dir(self.path, "MNIST", "the idx files (train-/t10k- images and labels)", MNIST_FIX)
         elif self.kind == "folder":
             data_dir(self.path, "image", "one subfolder of images per class", FOLDER_FIX)
+        elif self.kind in TRANSFER_LAYOUTS:
+            data_dir(self.path, self.kind, *TRANSFER_LAYOUTS[self.kind])
         elif (
             self.kind == "wds"
             and "{" not in self.path

@@ -68,6 +68,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         ("eval_batch_size", opt.positive_int, "evaluation batch size"),
         ("log_every", opt.positive_int, "progress line every N steps"),
         ("holdout", opt.positive_float, "text: held-out tail, fraction or bytes"),
+        (
+            "valid",
+            opt.non_negative_float,
+            "text: validation part before the held-out tail, fraction or bytes "
+            "(enwik8: --holdout 5000000 --valid 5000000)",
+        ),
         ("img_size", opt.image_size, "images: average-pool to this side first (quick runs)"),
         ("seed", opt.seed, "seed of the weights and the data order"),
         ("threads", opt.threads, "torch threads (0: torch's default)"),
@@ -106,7 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("eval", help="bits/dim (bits/char) of a checkpoint on train and held-out data")
     e.add_argument("checkpoint", help="last.pt written by `vitlab lm train`")
     e.add_argument("--data", default=None, help="data to score (default: the data it was trained on)")
-    e.add_argument("--split", nargs="+", choices=("train", "test"), default=["train", "test"])
+    e.add_argument(
+        "--split",
+        nargs="+",
+        choices=("train", "valid", "test"),
+        default=["train", "test"],
+        help="the parts to score (valid: where the run set --valid)",
+    )
     e.add_argument("--eval-symbols", type=opt.non_negative_int, default=0, help="symbols per split (0: whole split)")
     e.add_argument("--batch-size", type=opt.positive_int, default=16)
     e.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -189,7 +201,9 @@ def _data_for(ckpt: dict, spec: str | None, augment: bool = False):
     from .data import open_data
 
     cfg = ckpt["config"]
-    return open_data(spec or cfg["data"], ckpt["data"]["seq_len"], cfg["holdout"], cfg["img_size"], augment)
+    return open_data(
+        spec or cfg["data"], ckpt["data"]["seq_len"], cfg["holdout"], cfg["img_size"], augment, cfg.get("valid", 0.0)
+    )
 
 
 def _eval(args: argparse.Namespace) -> int:

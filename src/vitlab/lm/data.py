@@ -51,22 +51,25 @@ class Splits:
 
     def part(self, split: str) -> Tensor:
         if split not in self.parts:
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+            raise ValueError(f"split must be one of {', '.join(map(repr, self.parts))}, got {split!r}")
         return self.parts[split]
 
 
 class ByteData(Splits):
-    """Bytes of a file; the last ``holdout`` of them (fraction in (0, 1) or a byte count) are held out.
+    """Bytes of a file; the last ``holdout`` of them (fraction in (0, 1) or a byte count) are held out (the
+    ``test`` part), and with ``valid`` the bytes just before them form a ``valid`` part (enwik8's usual split:
+    the first 90M bytes train, the next 5M validation, the last 5M test: ``holdout=valid=5_000_000``).
 
     Args:
         path: any file (text, enwik8, binary).
         seq_len: window length T.
         holdout: held-out tail (fraction or bytes); it must hold at least one window.
+        valid: validation part before the tail (fraction or bytes; 0: none); at least one window when given.
     """
 
     kind = "bytes"
 
-    def __init__(self, path: str | Path, seq_len: int, holdout: float = 0.05) -> None:
+    def __init__(self, path: str | Path, seq_len: int, holdout: float = 0.05, valid: float = 0.0) -> None:
         path = Path(path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"text/byte file {path} not found")
@@ -75,17 +78,23 @@ class ByteData(Splits):
             raise ValueError(f"{path} is empty: byte data needs a file with at least 2 x seq_len={seq_len} bytes")
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         n_hold = int(holdout) if holdout >= 1 else round(len(data) * holdout)
+        n_valid = int(valid) if valid >= 1 else round(len(data) * valid)
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if holdout <= 0:
             raise ValueError(f"holdout must be a fraction in (0, 1) or a byte count of at least seq_len, got {holdout}")
-        if n_hold < seq_len or len(data) - n_hold < seq_len:
+        if valid < 0 or (valid > 0 and n_valid < seq_len):
+            raise ValueError(f"valid must be 0 or hold at least seq_len={seq_len} bytes, got {valid} ({n_valid} bytes)")
+        if n_hold < seq_len or len(data) - n_hold - n_valid < seq_len:
             raise ValueError(
                 f"{path} has {len(data)} bytes: need at least seq_len={seq_len} bytes for training and "
-                f"{seq_len} held out (holdout={holdout} gives {n_hold}); use a shorter --seq-len or another holdout"
+                f"{seq_len} held out (holdout={holdout} gives {n_hold}, valid={valid} {n_valid}); use a shorter "
+                "--seq-len or other --holdout / --valid"
             )
         self.path, self.seq_len = path, seq_len
-        self.parts = {"train": data[: len(data) - n_hold], "test": data[len(data) - n_hold :]}
+        end_train, end_valid = len(data) - n_hold - n_valid, len(data) - n_hold
+        self.parts = {"train": data[:end_train], **({"valid": data[end_train:end_valid]} if n_valid else {})}
+        self.parts["test"] = data[end_valid:]
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{k} {len(v)} bytes" for k, v in self.parts.items())
@@ -174,6 +183,7 @@ def open_data(
     holdout: float = 0.05,
     img_size: int | None = None,
     augment: bool = True,
+    valid: float = 0.0,
 ) -> ByteData | ImageSequences:
     """A folder with CIFAR-10 batches (or ``cifar10:<folder>``) -> images; any file -> bytes (T = ``seq_len``)."""
     spec = str(spec)
@@ -186,4 +196,4 @@ def open_data(
         raise FileNotFoundError(f"data {spec} not found: pass a text/byte file or a CIFAR-10 batches folder")
     if seq_len is None:
         raise ValueError("byte data needs a sequence length (--seq-len)")
-    return ByteData(path, seq_len, holdout)
+    return ByteData(path, seq_len, holdout, valid)

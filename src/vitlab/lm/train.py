@@ -75,6 +75,7 @@ class LMTrainConfig:
     eval_batch_size: int = 16
     log_every: int = 50
     holdout: float = 0.05  # text: held-out tail (fraction or bytes)
+    valid: float = 0.0  # text: a validation part just before the held-out tail (fraction or bytes; 0: none)
     img_size: int | None = None  # images: average-pool to this side first (quick runs)
     augment: bool = True
     seed: int = 0
@@ -92,7 +93,7 @@ class LMTrainConfig:
 
 
 def build_data(cfg: LMTrainConfig, max_len: int) -> Data:
-    return open_data(cfg.data, cfg.seq_len or max_len, cfg.holdout, cfg.img_size, cfg.augment)
+    return open_data(cfg.data, cfg.seq_len or max_len, cfg.holdout, cfg.img_size, cfg.augment, cfg.valid)
 
 
 def data_info(data: Data) -> dict[str, Any]:
@@ -324,13 +325,14 @@ def record(run: LMRun, loss_bits: float | None) -> dict[str, Any]:
     if not (run.world.main or cfg.fsdp):
         return {}
     model = run.model if cfg.fsdp else run.raw
-    bits = {s: evaluate(model, data, s, cfg.eval_batch_size, cfg.eval_symbols, run.dtype) for s in ("train", "test")}
-    row = {"step": run.step, "train_loss_bits": loss_bits, "train_bits": bits["train"], "test_bits": bits["test"]}
+    bits = {s: evaluate(model, data, s, cfg.eval_batch_size, cfg.eval_symbols, run.dtype) for s in data.parts}
+    row = {"step": run.step, "train_loss_bits": loss_bits, **{f"{s}_bits": b for s, b in bits.items()}}
     run.history.append(row)
     run.steps_log.scalars(run.step, {k: v for k, v in row.items() if k != "step"}, prefix="eval")
     run.log(
         f"step {run.step}: bits/{'dim' if data.kind == 'images' else 'char'} train {row['train_bits']:.4f} "
-        f"held-out {row['test_bits']:.4f}"
+        + (f"validation {row['valid_bits']:.4f} " if "valid_bits" in row else "")
+        + f"held-out {row['test_bits']:.4f}"
     )
     return row
 

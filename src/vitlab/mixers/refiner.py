@@ -384,7 +384,11 @@ class RefinerAttention(Attention):
         return out * scale if scale != 1.0 else out
 
     def _check_prev(self, attn_prev: Tensor, x: Tensor) -> None:
-        want = (x.shape[0], self.num_heads, x.shape[1], x.shape[1])
+        # a block that never reads the map (neither shared nor residual) takes any head count: after a block
+        # without the reduction (Table 3) it has rH maps
+        reads = self.share or self.residual_attention
+        heads = self.num_heads if reads or attn_prev.dim() != 4 else attn_prev.shape[1]
+        want = (x.shape[0], heads, x.shape[1], x.shape[1])
         if tuple(attn_prev.shape) != want:
             raise ValueError(
                 f"RefinerAttention: attn_prev must be the previous block's map of shape (B, H, N, N) = {want}, "

@@ -210,11 +210,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     from ..distributed import close_distributed, peer_failure
     from .engine import train
+    from .recipes import apply_recipe, paper_line
 
-    if args.config:
-        from .recipes import apply_recipe
-
-        apply_recipe(args)
+    reference = apply_recipe(args) if args.config else {}
     check_model_args(args)
     if args.print_config:
         import json
@@ -223,11 +221,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**dataclasses.asdict(cfg), "threads": cfg.auto_threads}, indent=2, default=str))
         return 0
     try:
-        train(config_from_args(args))
+        summary = train(config_from_args(args))
     except RuntimeError as e:
         if (line := peer_failure(e)) is None:
             raise
         raise ValueError(line) from None
     finally:
         close_distributed()
+    if isinstance(summary, dict) and summary and (line := paper_line(reference, summary)):  # empty off rank 0
+        print(line, flush=True)
     return 0

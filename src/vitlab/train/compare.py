@@ -156,6 +156,13 @@ def add_run_arguments(
         help="how each variant gets its fresh process (default %(default)s)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--nproc-per-node",
+        type=opt.positive_int,
+        default=1,
+        help="train each variant under torchrun with this many processes (DDP; gloo on the CPU), one variant at "
+        "a time; --resume continues a stopped one from its last checkpoint (default 1: a fresh process each)",
+    )
 
 
 # --------------------------------------------------------------------------- variants
@@ -382,7 +389,9 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
 
 # --------------------------------------------------------------------------- the command
 
-RUN_ONLY = ("force", "resume", "progress", "run_id")  # options that do not change what a variant computes
+# options that do not change what a variant computes (a row trained in another folder, e.g. on another machine,
+# with other threads, is the same run)
+RUN_ONLY = ("force", "resume", "progress", "run_id", "out", "threads")
 
 
 @dataclass
@@ -403,6 +412,7 @@ class Plan:
     seeds: list[int]
     recipe: dict[str, Any]
     speed: bool = True  # time inference after training
+    nproc: int = 1  # > 1: each variant trains under torchrun with this many processes
 
     @property
     def names(self) -> list[str]:
@@ -556,7 +566,11 @@ def plan_variants(
             )
         kwargs = dict(img_size=img, in_chans=input_size[0], num_classes=train_ds.num_classes, **model_args)
         sizes[v.label] = size_of(v.model, kwargs, input_size, probe.task)  # also checks that the overrides build
-    return Plan(out, variants, runs, configs, sizes, jobs, per_job, n_train, len(val_ds), img, seeds, recipe, speed)
+    nproc = getattr(args, "nproc_per_node", 1) or 1
+    if nproc > 1 and recipe["batch_size"] % nproc:
+        raise ValueError(f"--batch-size {recipe['batch_size']} must be divisible by --nproc-per-node {nproc}")
+    return Plan(out, variants, runs, configs, sizes, 1 if nproc > 1 else jobs, per_job, n_train, len(val_ds), img,
+                seeds, recipe, speed, nproc)  # fmt: skip
 
 
 def train_variants(plan: Plan, isolation: str, resume: bool) -> dict[str, dict[str, Any]]:
@@ -570,7 +584,7 @@ def train_variants(plan: Plan, isolation: str, resume: bool) -> dict[str, dict[s
         if not hasattr(local, "runner"):
             local.runner = CaseRunner(isolation, timeout=3600)
             runners.append(local.runner)
-        results[run_id] = train_variant(plan.configs[run_id], local.runner, resume, run_id)
+        results[run_id] = train_variant(plan.configs[run_id], local.runner, resume, run_id, plan.nproc)
 
     def cost(run_id: str) -> float:
         return -next((c for k, c in COST.items() if plan.configs[run_id].model.startswith(k)), 1.0)
@@ -585,8 +599,11 @@ def train_variants(plan: Plan, isolation: str, resume: bool) -> dict[str, dict[s
     return results
 
 
-def train_variant(cfg: TrainConfig, runner: CaseRunner, resume: bool, run_id: str | None = None) -> dict[str, Any]:
-    """One run: reuse a finished result, continue an unfinished run, or train afresh."""
+def train_variant(
+    cfg: TrainConfig, runner: CaseRunner, resume: bool, run_id: str | None = None, nproc: int = 1
+) -> dict[str, Any]:
+    """One run: reuse a finished result, continue an unfinished run, or train afresh (under torchrun with
+    ``nproc`` > 1 processes: :mod:`vitlab.train.study_launch`)."""
     out, config = Path(cfg.out), asdict(cfg)
     tag = run_id or cfg.model
     result_file = out / "result.json"
@@ -594,14 +611,19 @@ def train_variant(cfg: TrainConfig, runner: CaseRunner, resume: bool, run_id: st
     if done is not None:
         print(f"[{tag}] finished before: reused {result_file}", flush=True)
         return done
-    if resume and _resumable(out / "last.pt", config):
+    resumable = resume and _resumable(out / "last.pt", config)
+    if resumable:
         config.update(resume="auto", force=False)
     elif out.exists():  # another variant's or an unusable run: moved aside whole, train.log and result too
         with RunLock(out, "vitlab compare", lambda line: print(f"[{tag}] {line}", flush=True)) as lock:
             lock.move_aside(VARIANT_FILES)
-    # one pass, timed, default allocator: the peak RSS is the training process's own, as a user sees it
-    spec = CaseSpec(train_case, {"config": {**config, "run_id": tag}}, warmup=0, repeats=1, passes=("time",))
-    res = runner.run(spec)
+    if nproc > 1:
+        from .study_launch import launch_row
+
+        res = launch_row(cfg, nproc, resumable, tag)
+    else:  # one pass, timed, default allocator: the peak RSS is the training process's own, as a user sees it
+        spec = CaseSpec(train_case, {"config": {**config, "run_id": tag}}, warmup=0, repeats=1, passes=("time",))
+        res = runner.run(spec)
     res["config"] = asdict(cfg)
     write_json_atomic(result_file, res)
     if res["status"] != "ok":

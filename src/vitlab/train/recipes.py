@@ -143,9 +143,10 @@ def load_recipe(name: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     return path, data, reference
 
 
-def apply_recipe(args: argparse.Namespace) -> None:
-    """Fill ``args`` from the recipe ``args.config`` wherever the command line did not give the option."""
-    path, values, _ = load_recipe(args.config)
+def apply_recipe(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill ``args`` from the recipe ``args.config`` wherever the command line did not give the option; returns
+    the recipe's ``reference`` (what the paper reports for it)."""
+    path, values, reference = load_recipe(args.config)
     given = getattr(args, "given", set())
     for key, value in values.items():
         if key == "model_args":
@@ -162,3 +163,19 @@ def apply_recipe(args: argparse.Namespace) -> None:
             "none is given; pass --teacher FILE (a vitlab checkpoint, a .pt2 or a TorchScript file)"
         )
     args.recipe = str(path)
+    return reference
+
+
+def paper_line(reference: dict[str, Any], summary: dict[str, Any] | None = None) -> str | None:
+    """The paper's figure for a recipe, beside the run's own held-out top-1 when ``summary`` is given (None when
+    the recipe records no figure)."""
+    top1 = reference.get("top1")
+    if top1 is None:
+        return None
+    paper = f"the paper reports {top1} % top-1 ({reference.get('source', 'no source given')})"
+    if summary is None:
+        return f"recipe: {paper}"
+    final, best = summary.get("final", {}).get("val_top1"), summary.get("best", {}).get("val_top1")
+    if final is None:
+        return f"recipe: {paper}"
+    return f"this run: held-out top-1 {final:.2f} % (best {best:.2f} %); {paper}"

@@ -205,7 +205,8 @@ def setup_optimizer(ctx: Context, model: nn.Module, steps: int) -> tuple[Optimiz
     """Optimizer at the peak learning rate (scaled by the global batch with ``base_lr``), schedule over
     ``steps`` per epoch, scaler; the EMA; then every rank's own dropout / drop-path stream."""
     cfg = ctx.cfg
-    total, warmup = cfg.epochs * steps, round(cfg.warmup_epochs * steps)
+    total = cfg.epochs * steps
+    warmup = min(round(cfg.warmup_epochs * steps), total)  # a paper recipe's warmup in a shorter run: all warmup
     opt = build_optimization(model, cfg.peak_lr, cfg.weight_decay, total, warmup, cfg.min_lr, ctx.device, ctx.dtype)
     ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
     torch.manual_seed(derive_seed(cfg.seed, ctx.world.rank))  # dropout / drop-path streams, one per rank

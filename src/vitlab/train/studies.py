@@ -11,85 +11,14 @@ sources vitlab was built from do not give (the table exists in the paper, its va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from ..registry import Registry
+from .studies_more import MORE_STUDIES
+from .studies_seg import SEG_STUDIES
+from .study_rows import AFT, CPVT, DEEPVIT, EA, REFINER, TNT, Row, Study, peg0, refiner, rows
 
-REFINER = "Zhou et al. 2021, Refiner (arXiv 2106.03714)"
-TNT = "Han et al. 2021, Transformer in Transformer (arXiv 2103.00112)"
-CPVT = "Chu et al. 2021, Conditional Positional Encodings (arXiv 2102.10882)"
-DEEPVIT = "Zhou et al. 2021, DeepViT (arXiv 2103.11886) and its official README"
-EA = "Guo et al. 2021, External Attention (arXiv 2105.02358) and the authors' write-up"
-AFT = "Zhai et al. 2021, An Attention Free Transformer (arXiv 2105.14103 v1)"
+__all__ = ["STUDIES", "STUDY_LIST", "Row", "Study"]
 
-PaperValue = float | str | None
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of a paper table.
-
-    ``key``: a short name (the run's folder); ``label``: the line as the paper states it; ``small``: the registered
-    small model; ``full`` / ``full_args``: the registered paper-size model and the switch as overrides;
-    ``paper``: the paper's figures by measure key (``top1``, or the study's other measures).
-    """
-
-    key: str
-    label: str
-    small: str
-    full: str
-    full_args: dict[str, Any] = field(default_factory=dict)
-    paper: dict[str, PaperValue] = field(default_factory=dict)
-    small_args: dict[str, Any] = field(default_factory=dict)  # the switch on the small model (segmentation rows)
-
-
-@dataclass(frozen=True)
-class Study:
-    """One paper table: rows, the paper's figures and where they come from.
-
-    ``measures``: the paper's columns ``(key, header, format)``; ``extra``: a measure taken from the trained models
-    besides accuracy (``"similarity"``: DeepViT's cross-layer similarity of attention maps); ``recipe``: training
-    options of this study that differ from compare's recipe (small scale).
-    """
-
-    name: str
-    title: str
-    paper: str
-    source: str
-    rows: tuple[Row, ...]
-    measures: tuple[tuple[str, str, str], ...] = (("top1", "paper top-1 %", "{:.1f}"),)
-    notes: str = ""
-    extra: str | None = None
-    recipe: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def score(self) -> str:
-        """The measure the rows are compared by: ``top1``, or ``miou`` for a segmentation study."""
-        return "miou" if self.recipe.get("task") == "segmentation" else "top1"
-
-
-def rows(*specs: tuple) -> tuple[Row, ...]:
-    """Rows from ``(key, label, small, full, full_args, paper top-1 or {measure: value})`` tuples."""
-    out = []
-    for key, label, small, full, full_args, paper in specs:
-        out.append(Row(key, label, small, full, full_args, paper if isinstance(paper, dict) else {"top1": paper}))
-    return tuple(out)
-
-
-def refiner(**opts: Any) -> dict[str, Any]:
-    """Overrides of ``refiner_16b``: the paper's refiner with ``opts``."""
-    return {"mixer": ("refiner", {"expansion": 3, "kernel_size": 3, **opts})}
-
-
-def peg0(**options: Any) -> dict[str, Any]:
-    """Overrides of ``cpvt_ti_peg0`` (one PEG after block 0): PEG ``options``."""
-    return {"peg_options": options}
-
-
-def aft_conv(k: int, **opts: Any) -> dict[str, Any]:
-    return {"mixer": ("aft_conv", {"num_heads": 384, "kernel_size": k, **opts})}
-
+DLA = ("refiner", {"expansion": 1, "reduction": False})  # Refiner Table 2: a 3x3 conv on the maps, nothing else
 
 STUDY_LIST: list[Study] = [
     Study(
@@ -171,11 +100,23 @@ STUDY_LIST: list[Study] = [
         "refiner-dla",
         "Refiner: a 3x3 convolution on a ViT's attention maps",
         REFINER,
-        "Table 2, ViT-16B (384 wide, 12 heads) on ImageNet",
+        "Table 2, four ViTs with and without a 3x3 convolution on their attention maps, on ImageNet",
         rows(
+            ("vit12", "ViT-12B (768 wide)", "deit_mini", "deit_base_patch16_224", {}, 79.5),
+            ("dla12", "ViT-12B + DLA", "deit_mini", "deit_base_patch16_224", {"mixer": DLA}, 81.2, {"mixer": DLA}),
             ("vit", "ViT-16B", "vit_16b_mini", "vit_16b", {}, 78.9),
             ("dla", "ViT-16B + DLA", "vit_16b_dla_mini", "vit_16b_dla", {}, 80.3),
+            *[
+                row
+                for d, plain, dla in ((24, 79.3, 80.9), (32, 79.2, 81.1))
+                for row in (
+                    (f"vit{d}", f"ViT-{d}B", f"vit_{d}b_mini", f"vit_{d}b", {}, plain),
+                    (f"dla{d}", f"ViT-{d}B + DLA", f"vit_{d}b_mini", f"vit_{d}b_dla", {}, dla, {"mixer": DLA}),
+                )
+            ],
         ),
+        notes="ViT-16/24/32B are 384 wide with 12 heads (DeepViT's baselines); ViT-12B is DeiT-B. The small ViT-12B "
+        "rows are deit_mini (4 blocks).",
     ),
     Study(
         "tnt-pos",
@@ -353,9 +294,11 @@ STUDY_LIST: list[Study] = [
                 None,
             ),
             ("drop", "dropping attention", "vit_16b_dropmap_mini", "vit_32b", {"mixer": "attention_dropmap"}, None),
+            ("wide", "wider embedding (2x)", "vit_16b_mini", "vit_32b", {"embed_dim": 768}, None, {"embed_dim": 64}),
         ),
         notes="The paper's figures for the alternatives were not available; how they are read is Decision D3. The "
-        "small rows use 16 blocks.",
+        "wider embedding doubles the width at the same head count (768 = 12 heads of 64). The small rows use 16 "
+        "blocks.",
     ),
     Study(
         "deepvit-depth",
@@ -525,65 +468,9 @@ STUDY_LIST: list[Study] = [
     ),
 ]
 
-# --------------------------------------------------------------------------- EA's segmentation ablations
-
-# small scale: a PCPVT-mini backbone and a 32-wide decoder on 32-px crops of a VOC-layout folder (vitlab seg synth);
-# full scale: PCPVT-S and the paper's 512-wide decoder (the paper's backbone is a dilated ResNet, not in vitlab)
-SEG_RECIPE = dict(task="segmentation", img_size=32, epochs=6, batch_size=4, lr=1e-2, warmup_epochs=0.25,
-                  weight_decay=0.01, smoothing=0.0, drop_path=0.0)  # fmt: skip
-SEG_NOTE = "PASCAL VOC val mIoU in the paper (EANet: dilated ResNet + the EA head); here any VOC-layout --data."
-
-
-def seg_rows(*specs: tuple[str, str, dict[str, Any], PaperValue]) -> tuple[Row, ...]:
-    """Rows ``(key, label, decoder switch, paper mIoU)`` over pcpvt_mini (small) / pcpvt_small (full)."""
-    out = []
-    for key, label, switch, paper in specs:
-        full, small = {"channels": 512, **switch}, {"channels": 32, **switch}
-        out.append(Row(key, label, "pcpvt_mini", "pcpvt_small", full, {"miou": paper}, small))
-    return tuple(out)
-
-
-SEG_MEASURES = (("miou", "paper mIoU (VOC)", "{}"),)
-MEMORY = (8, 32, 64, 256)
-STUDY_LIST += [
-    Study(
-        "ea-seg-head",
-        "Segmentation: EANet head (external attention) vs the same head without it",
-        EA,
-        "the segmentation experiments (EANet on PASCAL VOC); the head without EA is vitlab's control",
-        seg_rows(
-            ("ea", "EA head, S = 64, double norm", {"head": "ea"}, None),
-            ("plain", "plain head", {"head": "plain"}, None),
-        ),
-        SEG_MEASURES,
-        notes=SEG_NOTE + " The paper reports no head-without-EA row; both figures were not available.",
-        recipe=SEG_RECIPE,
-    ),
-    Study(
-        "ea-seg-norm",
-        "Segmentation: double normalisation vs softmax only in the EA head",
-        EA,
-        "the normalisation ablation on PASCAL VOC",
-        seg_rows(
-            ("dn", "double normalisation", {"head": "ea", "ea_norm": "double"}, "better by about 2"),
-            ("softmax", "softmax only", {"head": "ea", "ea_norm": "softmax"}, "about 2 mIoU worse"),
-        ),
-        SEG_MEASURES,
-        notes=SEG_NOTE + " The paper's exact two figures were not available, only their gap.",
-        recipe=SEG_RECIPE,
-    ),
-    Study(
-        "ea-seg-memory",
-        "Segmentation: number of memory slots S of the EA head",
-        EA,
-        "the memory-size ablation on PASCAL VOC (S = 64 best)",
-        seg_rows(*[(f"s{m}", f"S = {m}", {"head": "ea", "memory_size": m}, 77.4 if m == 64 else None) for m in MEMORY]),
-        (("miou", "paper mIoU (VOC)", "{:.1f}"),),
-        notes=SEG_NOTE + " Only the best row's figure (S = 64: 77.4) was available.",
-        recipe=SEG_RECIPE,
-    ),
-]
-
 STUDIES: Registry[Study] = Registry(
-    "study", lambda s: (lambda: s, {}), rows={s.name: s for s in STUDY_LIST}, listed_by="vitlab study --list"
+    "study",
+    lambda s: (lambda: s, {}),
+    rows={s.name: s for s in [*STUDY_LIST, *MORE_STUDIES, *SEG_STUDIES]},
+    listed_by="vitlab study --list",
 )

@@ -7,7 +7,9 @@ the table gives the mean ± standard deviation over the seeds next to the paper'
 
 Scale: ``small`` (default) trains the ``*_mini`` rows on the embedded MNIST or any ``--data`` (on 28-px data
 adapted to a 4x4 token grid, as compare does); ``full`` trains the paper-size models (with their switches as
-overrides) and wants real data and a real recipe. ``--config FILE`` reads a recipe: a YAML (needs PyYAML:
+overrides) and wants real data and a real recipe (a paper's shipped recipe too: ``--config deit_small``, its
+model left to the rows; ``--nproc-per-node N`` trains each row under torchrun, :mod:`vitlab.train.study_launch`).
+``--config FILE`` reads a recipe: a YAML (needs PyYAML:
 ``pip install 'vitlab[recipes]'``) or TOML mapping of training options (``epochs``, ``batch_size``, ``lr``,
 ``weight_decay``, ``warmup_epochs``, ``drop_path``, ``mixup``, ``cutmix``, ``amp``, ``device``, ``data``,
 ``img_size``, ``seeds``, ``scale``, ...). Flags override the file, the file overrides the study's defaults.
@@ -37,6 +39,8 @@ from .data import whole_image
 from .engine import TrainConfig
 from .recipes import find_recipe
 from .recipes import read_recipe as recipe_file
+from .resolution import RESOLUTION_STUDIES, run_resolution
+from .resolution import add_arguments as add_resolution_arguments
 from .studies import STUDIES, Study
 
 SCALES = ("small", "full")
@@ -56,6 +60,7 @@ NOT_RECIPE = (
     "init_from",
     "dist_token",
 )
+ROW_OWN = ("model", "model_args")  # what a paper recipe says and a study's rows decide themselves
 SIMILAR = 0.9  # DeepViT: a block is "similar" above 90 % cross-layer similarity with the previous one
 SIMILARITY_IMAGES = 64
 
@@ -70,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--config", default=None, help="recipe file: a YAML or TOML mapping of training options (flags override it)"
     )
     p.add_argument("--speed", action="store_true", help="also time each row's inference (img/s)")
+    add_resolution_arguments(p)
     add_run_arguments(p, None, "runs/study/NAME", {**RECIPE, **STUDY_DEFAULTS})
 
 
@@ -83,6 +89,10 @@ def read_recipe(path: str) -> dict[str, Any]:
     every problem."""
     file = find_recipe(path)
     data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k != "reference"}
+    rows_own = sorted(set(data) & set(ROW_OWN))
+    if rows_own:  # a paper recipe (`vitlab train --config`) names its model: here every row names its own
+        print(f"note: recipe {path}: {', '.join(rows_own)} left out (each row of the study builds its own model)")
+        data = {k: v for k, v in data.items() if k not in ROW_OWN}
     unknown = sorted(set(data) - set(recipe_keys()))
     if unknown:
         raise ValueError(f"recipe {path}: unknown option(s) {', '.join(unknown)}; known: {', '.join(recipe_keys())}")
@@ -115,6 +125,9 @@ def list_studies() -> str:
         lines.append(f"{name:28s} {s.title}")
         lines.append(f"{'':28s}   {s.paper}: {s.source}")
         lines.append(f"{'':28s}   rows: {', '.join(r.label for r in s.rows)}")
+    for s in RESOLUTION_STUDIES.values():
+        lines.append(f"{s.name:28s} {s.title}")
+        lines.append(f"{'':28s}   {s.source}; one --checkpoint at {', '.join(map(str, s.sizes))} px")
     return "\n".join(lines)
 
 
@@ -124,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise ValueError("name a study to run, e.g. `vitlab study cpvt-padding` (`vitlab study --list` shows them)")
+    if args.name in RESOLUTION_STUDIES:
+        return run_resolution(args)
     study = STUDIES.get(args.name)
     recipe, scale = resolve(args, study)
     if study.score == "miou" and (args.data == "mnist" or args.speed):
