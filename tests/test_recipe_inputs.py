@@ -61,3 +61,20 @@ def test_a_distillation_recipe_needs_a_teacher(tmp_path, capsys):
     assert args.distillation == "hard"
     for name in shipped_recipes():
         load_recipe(name)
+
+
+def test_a_fine_tuning_recipe_needs_its_data_and_starting_checkpoint(tmp_path, capsys):
+    """Without --data and --init-from a fine-tuning recipe would train from scratch on the default data: refused,
+    naming what to pass; every shipped recipe that fine-tunes says what it needs."""
+    err = _refused(capsys, Path("tnt_small_384_pets"), "--out", str(tmp_path / "run"))
+    assert "needs --data: Oxford-IIIT Pets" in err
+    err = _refused(capsys, Path("tnt_small_384_pets"), "--data", f"pets:{tmp_path}", "--out", str(tmp_path / "r"))
+    assert "needs --init-from: a TNT-S checkpoint" in err
+    for name in shipped_recipes():
+        needs = load_recipe(name)[2]["needs"]
+        from_224 = name.startswith("refiner_vit_") and name.endswith(("_384", "_448"))
+        if from_224 or name.endswith("_ft") or name.startswith("tnt_small_384_"):
+            assert "init_from" in needs, name
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: deit_mini\nneeds: {not_an_option: x}\n")
+    assert "needs must map options of vitlab train" in _refused(capsys, bad)

@@ -2,7 +2,9 @@
 
 A recipe is a YAML or TOML mapping of ``vitlab train`` options (the names of :class:`TrainConfig`'s fields,
 ``model_args`` a mapping of constructor overrides) plus a ``reference`` mapping saying what the paper reports
-for it (``paper``, ``top1``, ``source``, ``notes``: documentation, not options). Options given on the command
+for it (``paper``, ``top1``, ``source``, ``notes``: documentation, not options), and an optional ``needs``
+mapping of options the command line must give, each with what to give (a fine-tuning recipe's data set and its
+starting checkpoint: without them the run would train from scratch on the default data). Options given on the command
 line override the file's; ``--lr`` on the command line also drops the file's ``base_lr`` (an absolute learning
 rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key, a
 key given twice (YAML would keep the last silently; TOML refuses it too), more than ``MAX_ALIASES`` YAML aliases
@@ -129,13 +131,18 @@ def check_value(path: Path, key: str, value: Any) -> None:
 
 
 def load_recipe(name: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """(the file, its options, its ``reference``), every key and value checked."""
+    """(the file, its options, its ``reference``), every key and value checked; the options the recipe ``needs``
+    from the command line are under ``reference["needs"]``."""
     path = find_recipe(name)
     data = read_recipe(path)
     reference = data.pop("reference", None) or {}
     if not isinstance(reference, dict) or set(reference) - set(REFERENCE_KEYS):
         raise ValueError(f"recipe {path}: reference must be a mapping of {', '.join(REFERENCE_KEYS)}")
     names = {f.name for f in dataclasses.fields(TrainConfig)} - NOT_IN_RECIPES
+    needs = data.pop("needs", None) or {}
+    if not isinstance(needs, dict) or not all(k in names and isinstance(v, str) for k, v in needs.items()):
+        raise ValueError(f"recipe {path}: needs must map options of vitlab train to what to pass for them")
+    reference = {**reference, "needs": needs}
     for key, value in data.items():
         if key not in names:
             raise ValueError(f"recipe {path}: unknown key {key!r} (not an option of vitlab train)")
@@ -157,6 +164,9 @@ def apply_recipe(args: argparse.Namespace) -> dict[str, Any]:
         args.base_lr = None
     if "out" not in given and "out" not in values:
         args.out = f"runs/train/{path.stem}"
+    for key, what in reference["needs"].items():
+        if key not in given:
+            raise ValueError(f"recipe {path} needs --{key.replace('_', '-')}: {what}")
     if any(k in values for k in DISTILLATION_KEYS) and not getattr(args, "teacher", None):
         raise ValueError(
             f"recipe {path} distils from a teacher ({', '.join(k for k in DISTILLATION_KEYS if k in values)}) but "

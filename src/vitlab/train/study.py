@@ -88,7 +88,7 @@ def read_recipe(path: str) -> dict[str, Any]:
     of options (``-`` in names read as ``_``; the ``reference`` notes of a shipped recipe left out); one line for
     every problem."""
     file = find_recipe(path)
-    data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k != "reference"}
+    data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k not in ("reference", "needs")}
     rows_own = sorted(set(data) & set(ROW_OWN))
     if rows_own:  # a paper recipe (`vitlab train --config`) names its model: here every row names its own
         print(f"note: recipe {path}: {', '.join(rows_own)} left out (each row of the study builds its own model)")
