@@ -456,6 +456,12 @@ class AFTConv(TokenMixer):
     projection with it (Table 12). ``outside="-inf"`` is the paper's global-connectivity ablation (w = -inf outside
     the window: a purely local operator). Needs ``layout.grid``; prefix tokens (class token) join the global sums only. Any grid size (the
     paper evaluates at 384 a model trained at 224). ``return_aux=True`` gives ``aux["keys"]`` (B, N, h).
+
+    The paper's appendix (Decision A5): ``sparsity=lambda`` makes :meth:`regularization_loss` an L1 penalty on the
+    relative weights, ``lambda · mean_{i,a,b} |exp(w^i_ab) - 1|``, which training adds to the loss;
+    ``one_point=True`` gives head i a single learned weight at one fixed offset of the s x s window (offset
+    ``i mod s²`` in row-major order) and ``w = 0`` (``exp(w) - 1 = 0``) elsewhere: the convolution becomes a
+    scaled shift. The single weight starts at 0 (AFT-simple, as the re-parameterised kernel) and is used raw.
     """
 
     needs_grid = True
@@ -471,8 +477,12 @@ class AFTConv(TokenMixer):
         outside: str = "zero",
         reparam: bool = True,
         query: bool = True,
+        sparsity: float = 0.0,
+        one_point: bool = False,
     ) -> None:
         super().__init__(dim)
+        if not sparsity >= 0.0:
+            raise ValueError(f"AFTConv: sparsity is the weight of an L1 penalty, >= 0; got {sparsity}")
         check_divisible("AFTConv", dim, num_heads)
         if outside not in ("zero", "-inf"):
             raise ValueError(f"AFTConv: outside must be 'zero' (global connectivity) or '-inf', got {outside!r}")
@@ -483,14 +493,22 @@ class AFTConv(TokenMixer):
             )
         self.num_heads = num_heads
         self.kernel_size = kernel_size
-        self.reparam = reparam
+        self.reparam = reparam and not one_point
         self.query = query
+        self.sparsity = float(sparsity)
+        self.one_point = one_point
         # fused [Q (dim, unless query=False) | K (num_heads) | V (dim)]
         self.qkv = nn.Linear(dim, qkv_width(dim, num_heads, query), bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
-        self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
-        self.gamma = nn.Parameter(torch.zeros(num_heads)) if reparam else None
-        self.beta = nn.Parameter(torch.zeros(num_heads)) if reparam else None
+        if one_point:  # head i's weight sits at offset i mod s² of its window
+            self.w = nn.Parameter(torch.zeros(num_heads))
+            offsets = torch.arange(num_heads) % kernel_size**2
+            self.register_buffer("point", F.one_hot(offsets, kernel_size**2).view(-1, kernel_size, kernel_size).float(),
+                                 persistent=False)  # fmt: skip
+        else:
+            self.w = nn.Parameter(torch.randn(num_heads, kernel_size, kernel_size) * 0.01)
+        self.gamma = nn.Parameter(torch.zeros(num_heads)) if self.reparam else None
+        self.beta = nn.Parameter(torch.zeros(num_heads)) if self.reparam else None
 
     def no_weight_decay(self) -> set[str]:
         """The kernel and its re-parameterisation gains are not weight-decayed (decay would pull gamma to 0)."""
@@ -498,14 +516,20 @@ class AFTConv(TokenMixer):
 
     def extra_repr(self) -> str:
         ablations = ("" if self.reparam else ", reparam=False") + ("" if self.query else ", query=False")
+        ablations += (f", sparsity={self.sparsity:g}" if self.sparsity else "") + (
+            ", one_point=True" if self.one_point else ""
+        )
         return (
             f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, outside={self.outside!r}"
             + ablations
         )
 
     def position_bias(self) -> Tensor:
-        """The re-parameterised bias w (h, s, s), fp32 (Eq. 8); the raw kernel when ``reparam=False``."""
+        """The re-parameterised bias w (h, s, s), fp32 (Eq. 8); the raw kernel when ``reparam=False``; with
+        ``one_point`` each head's weight at its offset and 0 elsewhere."""
         w = self.w.float()
+        if self.one_point:
+            return self.point.to(w.dtype) * w[:, None, None]
         if not self.reparam:
             return w
         mean = w.mean((1, 2), keepdim=True)
@@ -527,6 +551,10 @@ class AFTConv(TokenMixer):
     def effective_kernel(self) -> Tensor:
         """``exp(w) - 1`` per head (h, s, s): the relative weight the paper plots (Fig. 1)."""
         return torch.expm1(self.position_bias())
+
+    def regularization_loss(self) -> Tensor | None:
+        """The appendix's sparsity penalty ``sparsity · mean |exp(w) - 1|`` (fp32), or None without one."""
+        return self.sparsity * self.effective_kernel().abs().mean() if self.sparsity else None
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.outside == "-inf" and layout.num_prefix:

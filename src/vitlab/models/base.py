@@ -388,6 +388,17 @@ class Classifier(nn.Module):
         blocks = [(r"^blocks\.(\d+)\.", None), *self.BLOCK_GROUPS, (r"^norm\.", (99999,))]
         return {"stem": stem, "blocks": blocks}
 
+    def regularization_loss(self) -> Tensor | None:
+        """The sum of the submodules' training penalties (their ``regularization_loss()``: AFT-conv's sparsity
+        of the position bias), or None when none has one. The training loop adds it to the loss."""
+        terms = []
+        for m in self.modules():
+            penalty = getattr(m, "regularization_loss", None) if not isinstance(m, Classifier) else None
+            term = penalty() if penalty is not None else None
+            if term is not None:
+                terms.append(term)
+        return torch.stack(terms).sum() if terms else None
+
     def no_weight_decay(self) -> set[str]:
         """Tokens and position tables (as the official code), plus what each block's mixer names."""
         names = {n for n, _ in self.named_parameters() if n.split(".")[0] in self.NO_WEIGHT_DECAY}

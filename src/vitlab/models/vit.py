@@ -32,6 +32,8 @@ class VisionTransformer(Classifier):
         stem_channels: CNN stem before the patch projection (Refined-ViT, DeepViT-S/L).
         class_token, dist_token: prefix tokens (DeiT distillation adds a second head).
         pos_embed: ``"learned"``, ``"sincos"`` or ``"none"``.
+        pos_embed_every_block: CPVT's per-block absolute encoding: every block's input gets a learned table of its
+            own added (block 0's is the ``pos_embed`` table, which it needs: ``pos_embed="learned"``).
         peg_at: block indices whose output passes through a PEG (CPVT); -1 = before block 0.
         peg_kernel, peg_options: the PEGs' kernel size and further options of
             :class:`~vitlab.layers.PositionEncodingGenerator` (kind, layers, padding, frozen: CPVT's ablations).
@@ -59,6 +61,7 @@ class VisionTransformer(Classifier):
         class_token: bool = True,
         dist_token: bool = False,
         pos_embed: str = "learned",
+        pos_embed_every_block: bool = False,
         peg_at: Sequence[int] = (),
         peg_kernel: int = 3,
         peg_options: dict[str, Any] | None = None,
@@ -75,6 +78,11 @@ class VisionTransformer(Classifier):
         super().__init__()
         if pos_embed not in ("learned", "sincos", "none"):
             raise ValueError(f"pos_embed must be 'learned', 'sincos' or 'none', got {pos_embed!r}")
+        if pos_embed_every_block and pos_embed != "learned":
+            raise ValueError(
+                f"pos_embed_every_block adds a learned table before every block, the first being pos_embed: "
+                f"it needs pos_embed='learned', got {pos_embed!r}"
+            )
         check_pool(global_pool, class_token)
         if dist_token and not class_token:
             raise ValueError("a distillation token needs a class token (DeiT)")
@@ -94,6 +102,11 @@ class VisionTransformer(Classifier):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
+        # block j's own table (j >= 1), keyed by j; added to block j's input
+        tables = range(1, depth) if pos_embed_every_block else ()
+        self.block_pos_embed = nn.ParameterDict(
+            {str(j): nn.Parameter(torch.zeros_like(self.pos_embed)) for j in tables}
+        )
         self.pos_drop = nn.Dropout(drop_rate)
         peg_options = peg_options or {}
         self.pegs = nn.ModuleDict(
@@ -123,10 +136,12 @@ class VisionTransformer(Classifier):
     def init_weights(self) -> None:
         """DeiT/timm init (trunc-normal 0.02 for Linear weights, tokens and table); the PEG and the patch
         embedding keep their conv init."""
-        self.init_trunc_normal(self.pos_embed, self.cls_token, self.dist_token)
+        self.init_trunc_normal(self.pos_embed, self.cls_token, self.dist_token, *self.block_pos_embed.values())
 
     STEM = ("cls_token", "dist_token", "pos_embed", "patch_embed", "pegs.-1")
-    BLOCK_GROUPS = ((r"^pegs\.(\d+)\.", None),)  # the PEG after block N learns with block N
+    # the PEG after block N learns with block N; block N's own position table with block N
+    BLOCK_GROUPS = ((r"^pegs\.(\d+)\.", None), (r"^block_pos_embed\.(\d+)$", None))
+    NO_WEIGHT_DECAY = (*Classifier.NO_WEIGHT_DECAY, "block_pos_embed")
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         super().reset_classifier(num_classes, global_pool)
@@ -145,11 +160,15 @@ class VisionTransformer(Classifier):
     def _prune_after(self, last: int) -> None:
         for key in [k for k in self.pegs if int(k) > last]:
             del self.pegs[key]
+        for key in [k for k in self.block_pos_embed if int(k) > last]:
+            del self.block_pos_embed[key]
 
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.patch_embed.grid_size(size)
         if self.pos_embed is not None and grid != self.grid:
             self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+            for key, table in self.block_pos_embed.items():
+                self.block_pos_embed[key] = nn.Parameter(resample_pos_embed(table, grid, self.grid, self.num_prefix))
         for blk in self.blocks:  # AFT-full/local: position biases built for a token count are resampled
             if isinstance(getattr(blk.mixer, "resample", None), bool) and grid != self.grid:
                 blk.mixer.resample = True
@@ -182,7 +201,10 @@ class VisionTransformer(Classifier):
             x = self.pegs["-1"](x, layout)
 
         def peg(i: int, t: Tensor) -> Tensor:
-            return self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
+            t = self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
+            if str(i + 1) in self.block_pos_embed:  # block i+1's own table, after any PEG of block i
+                t = t + resample_pos_embed(self.block_pos_embed[str(i + 1)], layout.grid, self.grid, self.num_prefix)
+            return t
 
         x, tokens, auxes = run_blocks(
             self.blocks, x, layout, return_aux, peg, keep=keep, stop=stop, checkpointing=self.grad_checkpointing

@@ -197,6 +197,8 @@ def forward_backward(run: Run, batch: tuple, weight: float, sync: bool) -> tuple
         with autocast(run.device, run.dtype):
             outputs = net.model(x)
             loss = net.criterion(x, outputs, y, dense)
+            penalty = net.raw.regularization_loss() if hasattr(net.raw, "regularization_loss") else None
+            loss = loss if penalty is None else loss + penalty  # a model's own penalty (AFT-conv's sparsity)
         run.opt.scaler.scale(loss * weight).backward()
     return loss, outputs[0] if isinstance(outputs, tuple) else outputs
 

@@ -180,6 +180,11 @@ def setup_model(ctx: Context, train_ds: Any, ckpt: dict[str, Any] | None) -> Mod
         if not hasattr(model, "set_grad_checkpointing"):
             raise TrainingError(f"{cfg.model} cannot recompute its blocks (no set_grad_checkpointing); drop the flag")
         model.set_grad_checkpointing(True)
+    if cfg.fsdp and getattr(model, "regularization_loss", lambda: None)() is not None:
+        raise TrainingError(
+            f"{cfg.model} adds a penalty on its parameters to the loss, computed outside the forward pass where "
+            "FSDP keeps them sharded; train it with DDP (drop --fsdp)"
+        )
     model.to(ctx.device)
     if task is not None:
         criterion = task.criterion(cfg, model)

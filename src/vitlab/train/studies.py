@@ -249,7 +249,17 @@ STUDY_LIST: list[Study] = [
                 70.5,
             ),
             ("peg", "PEG at position 0", "cpvt_peg0_mini", "cpvt_ti_peg0", {}, 72.4),
+            (
+                "learned_every_block",
+                "a learned table of its own before every block",
+                "deit_pe_every_block_mini",
+                "deit_tiny_pe_every_block",
+                {},
+                None,
+            ),
         ),
+        notes="The paper compares encodings added to the first block's input with the same added before every block "
+        "(and finds the PEG better there too); its figure for the learned table before every block is not given.",
     ),
     Study(
         "cpvt-peg-placement",

@@ -92,4 +92,33 @@ MORE_STUDIES: list[Study] = [
         "text says it matches DeiT-S. Small rows: kernels 1, 3, 5, 7 on the 4x4 grid (7 covers it, as 15 nearly "
         "covers 14x14).",
     ),
+    Study(
+        "aft-sparsity",
+        "AFT-conv: a sparser position bias, down to one context point per head",
+        AFT,
+        "the appendix, AFT-conv small (384 heads, 11x11) on ImageNet: the bias regularised towards sparsity, and "
+        "the extreme where each head has one non-zero context point (the convolution becomes indexing)",
+        rows(
+            ("dense", "learned k x k bias (default)", "aft_conv_mini", "aft_conv_small_384_11", {}, 80.8),
+            (
+                "sparse",
+                "L1 penalty on exp(w) - 1",
+                "aft_conv_sparse_mini",
+                "aft_conv_small_384_11_sparse",
+                {},
+                "not given",
+            ),
+            (
+                "one_point",
+                "one context point per head",
+                "aft_conv_one_point_mini",
+                "aft_conv_small_384_11_one_point",
+                {},
+                "not given ('good accuracy')",
+            ),
+        ),
+        measures=(("top1", "paper top-1 %", "{}"),),
+        notes="The appendix's penalty and its weight are not given: vitlab's is 0.01 x the mean |exp(w) - 1| per "
+        "layer, and each head's single point sits at a fixed offset, head i at offset i mod k² (Decision A5).",
+    ),
 ]
