@@ -353,6 +353,9 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
         "external",
         "relative_attention",
         "attention_matrix",
+        "tnt_features",
+        "tnt_tsne",
+        "tnt_inner_attention",
     }
     assert "skipped" in summary["analyses"]["aft_keys"] and "skipped: " in text
     att = json.loads((out / "attention.json").read_text())
@@ -477,7 +480,7 @@ def test_cli_training_checkpoint_rebuilds_its_model(tmp_path, capsys):
 def test_parse_what():
     assert parse_what("aft") == ["aft_bias", "aft_keys"]
     assert parse_what("collapse, heads,collapse") == ["collapse", "heads"]
-    assert len(parse_what("all")) == 9
+    assert len(parse_what("all")) == 12
 
 
 # ------------------------------------------------------------------------------ whole attention matrices

@@ -1,5 +1,5 @@
 """Looking inside models: attention maps, attention collapse, head similarity, feature evolution, AFT biases
-and keys, external attention maps.
+and keys, external attention maps, TNT's feature maps, t-SNE and pixel-level attention.
 
 :func:`analyze` runs the analyses (:data:`ANALYSES`) on a model and writes their numbers (JSON) and figures
 (PNG); :func:`load_images` prepares its input; the metrics are pure tensor functions (:mod:`.metrics`).

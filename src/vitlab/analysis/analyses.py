@@ -10,7 +10,9 @@ Every analysis writes ``<out>/<name>.json`` (the numbers) and ``<out>/<name>.png
 - ``aft_keys``: AFT's keys as feature maps over the image (AFT Figs. 9-12);
 - ``external``: external attention of the patches to memory slots, per head (EA Fig. 5);
 - ``relative_attention`` / ``attention_matrix``: self-attention by query-key offset (a ViT's side of AFT Fig. 1)
-  and whole attention matrices (CPVT's plot), averaged over the images (:mod:`.matrices`).
+  and whole attention matrices (CPVT's plot), averaged over the images (:mod:`.matrices`);
+- ``tnt_features`` / ``tnt_tsne`` / ``tnt_inner_attention``: TNT's feature maps of the patch and pixel embeddings,
+  t-SNE of the feature maps and pixel-level attention (:mod:`.tnt`).
 
 Everything is read from ``model.forward_trace(x, return_aux=True)`` (attention takes its
 explicit path there; the logits are the same, which ``summary.json`` records), except AFT-conv's
@@ -36,6 +38,7 @@ from ..mixers.base import TokenLayout
 from . import metrics, plots
 from .base import Analysis, Context, RunningMean, memory_attention_maps, pad_stack, self_attention_maps, to_json
 from .matrices import AttentionMatrix, RelativeAttention
+from .tnt import TNTTSNE, TNTFeatures, TNTInnerAttention
 
 ANALYSES = (
     "attention",
@@ -47,8 +50,11 @@ ANALYSES = (
     "external",
     "relative_attention",
     "attention_matrix",
+    "tnt_features",
+    "tnt_tsne",
+    "tnt_inner_attention",
 )
-GROUPS = {"all": ANALYSES, "aft": ("aft_bias", "aft_keys")}
+GROUPS = {"all": ANALYSES, "aft": ("aft_bias", "aft_keys"), "tnt": ("tnt_features", "tnt_tsne", "tnt_inner_attention")}
 PLOT_ROWS = 8  # memory slots drawn in the external-attention figure (the JSON has every one asked for)
 
 
@@ -57,10 +63,10 @@ def parse_what(spec: str) -> list[str]:
     names: list[str] = []
     for part in (s.strip().lower() for s in spec.split(",") if s.strip()):
         if part not in GROUPS and part not in ANALYSES:
-            raise ValueError(f"unknown analysis {part!r}; choose from {', '.join(ANALYSES)}, aft, all")
+            raise ValueError(f"unknown analysis {part!r}; choose from {', '.join(ANALYSES)}, aft, tnt, all")
         names += [n for n in GROUPS.get(part, (part,)) if n not in names]
     if not names:
-        raise ValueError(f"--what is empty; choose from {', '.join(ANALYSES)}, aft, all")
+        raise ValueError(f"--what is empty; choose from {', '.join(ANALYSES)}, aft, tnt, all")
     return names
 
 
@@ -423,6 +429,9 @@ CLASSES: dict[str, type[Analysis]] = {
         ExternalMaps,
         RelativeAttention,
         AttentionMatrix,
+        TNTFeatures,
+        TNTTSNE,
+        TNTInnerAttention,
     )
 }
 

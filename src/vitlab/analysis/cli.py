@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--what",
         type=opt.Validated(parse_what, "analysis names"),
         default=parse_what("all"),
-        help=f"comma-separated analyses: {', '.join(ANALYSES)}, aft (both aft_*), or all",
+        help=f"comma-separated analyses: {', '.join(ANALYSES)}, aft (both aft_*), tnt (the three tnt_*), or all",
     )
     p.add_argument(
         "--slots",

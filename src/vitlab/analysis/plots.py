@@ -180,3 +180,18 @@ def curve(
     if title:
         ax.set_title(title, fontsize=10)
     return _save(fig, path)
+
+
+def scatter(points: np.ndarray, path: str | Path, *, title: str = "") -> Path:
+    """Points (n, 2), each labelled with its index (a t-SNE embedding)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(points[:, 0], points[:, 1], s=12)
+    if len(points) <= 100:
+        for i, (x, y) in enumerate(points):
+            ax.annotate(str(i), (x, y), fontsize=6, alpha=0.6)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, path)
