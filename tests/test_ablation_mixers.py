@@ -61,42 +61,78 @@ def out_proj(m, y):
 # ----------------------------------------------------------------------------- Refiner Table 4: kernel constraints
 
 
+def naive_key_grid_conv(maps, w, grid, prefix):
+    """Decision R4's constrained DLA, entry by entry: every query's map row over the patch keys is an image,
+    convolved with w (C, k, k), zero outside the image; a prefix key's entry times the centre tap."""
+    _, c, n, _ = maps.shape
+    (gh, gw), k = grid, w.shape[-1]
+    out = torch.zeros_like(maps)
+    for ch in range(c):
+        out[:, ch, :, :prefix] = w[ch, k // 2, k // 2] * maps[:, ch, :, :prefix]
+        for key in range(prefix, n):
+            r, col = divmod(key - prefix, gw)
+            for a in range(k):
+                for bb in range(k):
+                    rr, cc = r + a - k // 2, col + bb - k // 2
+                    if 0 <= rr < gh and 0 <= cc < gw:
+                        out[:, ch, :, key] += w[ch, a, bb] * maps[:, ch, :, prefix + rr * gw + cc]
+    return out
+
+
 @pytest.mark.parametrize("constraint", ["none", "spatial", "rowcol"])
-@pytest.mark.parametrize("k", [3, 4])
-def test_refiner_kernel_constraint_is_the_masked_convolution(constraint, k):
+def test_refiner_kernel_constraint_sets_the_kernels_span(constraint):
     torch.manual_seed(0)
+    k = 3
     dla = DistributedLocalAttention(2, expansion=2, kernel_size=k, kernel_constraint=constraint).double()
-    maps = torch.rand(2, 2, 9, 9, dtype=torch.float64)
-    raw = dla.local[0].parametrizations.weight.original if constraint != "none" else dla.local[0].weight
+    maps = torch.rand(2, 2, 13, 13, dtype=torch.float64)
+    raw = dla.local[0].parametrizations.weight.original if constraint == "rowcol" else dla.local[0].weight
     mask = kernel_mask(k, constraint).double()
     a = naive_head_mix(maps, dla.expand[0].weight[:, :, 0, 0].double())
-    a = naive_same_conv(a, (raw * mask)[:, 0].detach())
+    w = (raw * mask)[:, 0].detach()
+    a = naive_same_conv(a, w) if constraint == "none" else naive_key_grid_conv(a, w, LAYOUT.grid, 1)
     ref = naive_head_mix(a, dla.reduce[0].weight[:, :, 0, 0].double())
-    torch.testing.assert_close(dla(maps), ref, rtol=1e-10, atol=1e-12)
-    centre = (k - 1) // 2
-    expected_taps = {"none": k * k, "spatial": k, "rowcol": 2 * k - 1}[constraint]
-    assert int(mask.sum()) == expected_taps and mask[centre].all()  # the centre row (key axis) is always free
-    if constraint != "none":  # the masked taps do not exist for the forward nor for the gradient
-        dla(maps).sum().backward()
+    torch.testing.assert_close(dla(maps, layout=LAYOUT), ref, rtol=1e-10, atol=1e-12)
+    assert int(mask.sum()) == {"none": k * k, "spatial": k * k, "rowcol": 2 * k - 1}[constraint]
+    if constraint == "rowcol":  # the masked taps do not exist for the forward nor for the gradient
+        dla(maps, layout=LAYOUT).sum().backward()
         assert (raw.grad[:, 0][:, mask == 0] == 0).all() and raw.grad[:, 0][:, mask == 1].abs().sum() > 0
         with torch.no_grad():
             raw[:, 0][:, mask == 0] += 10.0
-        torch.testing.assert_close(dla(maps), ref, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(dla(maps, layout=LAYOUT), ref, rtol=1e-10, atol=1e-12)
+    if constraint != "none":  # the constrained kernels need the grid and an odd size
+        with pytest.raises(ValueError, match="image grid"):
+            dla(maps)
+        with pytest.raises(ValueError, match="odd kernel_size"):
+            DistributedLocalAttention(2, kernel_size=4, kernel_constraint=constraint)
+
+
+def test_refiner_row_column_is_inside_spatial():
+    """Decision R4: the cross is the square kernel with its off-axis taps at 0 (same function)."""
+    torch.manual_seed(0)
+    rowcol = DistributedLocalAttention(2, expansion=2, kernel_constraint="rowcol").double()
+    spatial = DistributedLocalAttention(2, expansion=2, kernel_constraint="spatial").double()
+    state = {k.replace("parametrizations.weight.original", "weight"): v for k, v in rowcol.state_dict().items()}
+    state["local.0.weight"] = state["local.0.weight"] * kernel_mask(3, "rowcol").double()
+    spatial.load_state_dict(state)
+    maps = torch.rand(2, 2, 13, 13, dtype=torch.float64)
+    torch.testing.assert_close(spatial(maps, layout=LAYOUT), rowcol(maps, layout=LAYOUT))
 
 
 def test_refiner_constraint_inference_fold_and_state_dict():
     torch.manual_seed(1)
     m = build("refiner", 16, num_heads=4, kernel_constraint="rowcol", official_extras=True).eval()
-    x = torch.randn(2, 10, 16)
+    x = torch.randn(2, 13, 16)
     with torch.enable_grad():
-        slow = m(x.requires_grad_())  # the module path (autograd on)
+        slow = m(x.requires_grad_(), LAYOUT)  # the module path (autograd on)
     with torch.no_grad():
-        fast = m(x)  # the folded inference path reads the masked weight as well
+        fast = m(x, LAYOUT)  # inference: the folded path does not apply to the keys' grid, the same function
     torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)
     other = build("refiner", 16, num_heads=4, kernel_constraint="rowcol", official_extras=True).eval()
     other.load_state_dict(m.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(other(x), fast)
+        torch.testing.assert_close(other(x, LAYOUT), fast)
+    with pytest.raises(ValueError, match="patch grid"):
+        m(x)
     with pytest.raises(ValueError, match="kernel_constraint"):
         build("refiner", 16, num_heads=4, kernel_constraint="diagonal")
     assert "parametrizations" not in "".join(build("refiner", 16, num_heads=4).state_dict())  # default unchanged

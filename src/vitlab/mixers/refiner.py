@@ -91,24 +91,38 @@ class SameDepthwiseConv2d(nn.Conv2d):
         return super().forward(x if self.same_pad is None else F.pad(x, self.same_pad))
 
 
-#: Refiner Table 4: which taps of the k×k DLA kernel may be non-zero (docs/semantics.md, Decision R4). The kernel's
-#: first axis runs over queries (rows of the map), the second over keys.
+#: Refiner Table 4: the span of the DLA kernel (docs/semantics.md, Decision R4). ``none``: k×k over the map's
+#: query × key plane (the paper's DLA); ``spatial``: k×k over the keys' image grid, each query's row of the map
+#: read as an image; ``rowcol``: the same kernel restricted to the key's image row and column (a cross).
 KERNEL_CONSTRAINTS = ("none", "spatial", "rowcol")
 
 
 def kernel_mask(kernel_size: int, constraint: str) -> Tensor:
-    """The 0/1 (k, k) tap mask of a DLA kernel constraint: ``none`` all taps; ``spatial`` the centre row only
-    (offsets along the key axis: each query's map is smoothed over neighbouring keys, never mixed with other
-    queries' maps); ``rowcol`` the centre row and the centre column (a cross of 2k - 1 taps)."""
+    """The 0/1 (k, k) tap mask of a DLA kernel constraint: every tap for ``none`` and ``spatial``; for ``rowcol``
+    the centre row and the centre column (a cross of 2k - 1 taps, on the keys' image grid)."""
     if constraint not in KERNEL_CONSTRAINTS:
         raise ValueError(f"kernel_constraint must be one of {', '.join(KERNEL_CONSTRAINTS)}, got {constraint!r}")
-    mask = torch.zeros(kernel_size, kernel_size) if constraint != "none" else torch.ones(kernel_size, kernel_size)
-    centre = (kernel_size - 1) // 2  # the tap at offset 0 under TF-"same" padding
-    if constraint in ("spatial", "rowcol"):
-        mask[centre, :] = 1.0
+    mask = torch.ones(kernel_size, kernel_size)
     if constraint == "rowcol":
+        centre = (kernel_size - 1) // 2
+        mask.zero_()
+        mask[centre, :] = 1.0
         mask[:, centre] = 1.0
     return mask
+
+
+def key_grid_conv(maps: Tensor, weight: Tensor, layout: TokenLayout) -> Tensor:
+    """``A*[c, i, j] = Σ_{a,b} w[c, a, b] · A[c, i, j + (a - k//2)·gw + (b - k//2)]`` over the keys' image grid:
+    each query's row of every map ``(B, C, N, N)`` is an image of the patch keys, convolved depth-wise (weight
+    ``(C, 1, k, k)``, odd k, zero padding k//2; no wrap from one image row to the next). A prefix key (class
+    token) has no image neighbours: its column is scaled by the centre tap."""
+    b, c, n, _ = maps.shape
+    (gh, gw), p = layout.grid, layout.num_prefix
+    k = weight.shape[-1]
+    patches = maps[..., p:].permute(0, 2, 1, 3).reshape(b * n, c, gh, gw)
+    patches = F.conv2d(patches, weight, padding=k // 2, groups=c).reshape(b, n, c, gh * gw).permute(0, 2, 1, 3)
+    prefix = maps[..., :p] * weight[:, 0, k // 2, k // 2].view(1, c, 1, 1)
+    return torch.cat([prefix, patches], dim=-1)
 
 
 class MaskedKernel(nn.Module):
@@ -131,8 +145,8 @@ class DistributedLocalAttention(nn.Module):
     ``expansion=1`` skips the expansion conv (as the official code), ``dla=False``
     the local convolution, ``reduction=False`` the reduction. With
     ``official_extras`` each conv is followed by BatchNorm (+ ReLU6 after the
-    first two) and the input map is added back (official ``DLA``). ``kernel_constraint`` restricts the
-    taps of the local kernel (Refiner Table 4, :func:`kernel_mask`).
+    first two) and the input map is added back (official ``DLA``). ``kernel_constraint`` sets the span of
+    the local kernel (Refiner Table 4: :data:`KERNEL_CONSTRAINTS`, :func:`key_grid_conv`).
     """
 
     def __init__(
@@ -170,25 +184,44 @@ class DistributedLocalAttention(nn.Module):
         self.reduce = stage(HeadMix(hidden, num_heads, bias=False), False) if reduction else None
         mask = kernel_mask(kernel_size, kernel_constraint)
         self.kernel_constraint = kernel_constraint
-        if dla and kernel_constraint != "none":
+        self.key_grid = dla and kernel_constraint != "none"  # the kernel runs over the keys' image grid
+        if self.key_grid and kernel_size % 2 == 0:
+            raise ValueError(
+                f"{name}: kernel_constraint={kernel_constraint!r} needs an odd kernel_size, got {kernel_size}"
+            )
+        if dla and kernel_constraint == "rowcol":
             parametrize.register_parametrization(self.local[0], "weight", MaskedKernel(mask))
 
-    def forward(self, attn: Tensor, post: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``."""
+    def forward(
+        self, attn: Tensor, post: tuple[Tensor, Tensor] | None = None, layout: TokenLayout | None = None
+    ) -> Tensor:
+        """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``. ``layout``:
+        the tokens' patch grid, needed by the kernel constraints that run over the keys' image grid."""
         if attn.dim() != 4 or attn.shape[1] != self.num_heads or attn.shape[2] != attn.shape[3]:
             raise ValueError(
                 f"{type(self).__name__}: expected attention maps (B, H={self.num_heads}, N, N), got {tuple(attn.shape)}"
             )
-        if can_fold(self, attn):
+        if self.key_grid and (layout is None or layout.grid is None):
+            raise ValueError(
+                f"{type(self).__name__}: kernel_constraint={self.kernel_constraint!r} convolves over the keys' "
+                "image grid; pass layout=TokenLayout(grid=(H, W), num_prefix=...)"
+            )
+        if self.fast_path_applies(attn):
             return self._folded(attn, post)
         out = attn
         for stage in (self.expand, self.local, self.reduce):
-            if stage is not None:  # a fused expansion feeds the depth-wise conv channels-last maps, like HeadMix
+            if stage is not None and stage is self.local and self.key_grid:
+                out = stage[1:](key_grid_conv(out, stage[0].weight, layout))
+            elif stage is not None:  # a fused expansion feeds the depth-wise conv channels-last maps, like HeadMix
                 out = self._run_stage(stage, out, heads_last=stage is self.expand and self.local is not None)
         out = attn + out if self.residual else out
         if post is not None:
             out = out * post[0].view(-1, 1, 1) + post[1].view(-1, 1, 1)
         return out
+
+    def fast_path_applies(self, attn: Tensor) -> bool:
+        """Whether the folded inference path runs (it convolves over the map's plane, not the keys' grid)."""
+        return not self.key_grid and can_fold(self, attn)
 
     @staticmethod
     def _run_stage(stage: nn.Sequential, x: Tensor, heads_last: bool) -> Tensor:
@@ -297,7 +330,7 @@ class RefinerAttention(Attention):
     maps; vitlab's reading is that they multiply V split into rH heads of width
     dim / (rH), so the output width stays dim (ValueError if not divisible).
     ``adapt_bn`` (BatchNorm2d on the refined map) defaults to ``official_extras``. ``kernel_constraint``
-    (``"none"``, ``"spatial"``, ``"rowcol"``) restricts the DLA kernel's taps (paper Table 4, Decision R4).
+    (``"none"``, ``"spatial"``, ``"rowcol"``) sets the DLA kernel's span (paper Table 4, Decision R4).
 
     The released Refined-ViT models alternate ``RefinerAttention(refine=False,
     residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
@@ -343,6 +376,7 @@ class RefinerAttention(Attention):
             else None
         )
         self.value_heads = self.refiner.out_heads if refine else num_heads
+        self.needs_grid = refine and self.refiner.key_grid  # the constrained kernels run on the keys' image grid
         if self.value_heads != num_heads:
             check_divisible(
                 f"RefinerAttention (reduction=False: V is split into {expansion}x heads)", dim, self.value_heads
@@ -369,15 +403,15 @@ class RefinerAttention(Attention):
                 total += batch * self.value_heads * tokens * tokens  # · s
         return total
 
-    def refine_map(self, attn: Tensor, scale: float = 1.0) -> Tensor:
+    def refine_map(self, attn: Tensor, scale: float = 1.0, layout: TokenLayout | None = None) -> Tensor:
         """``scale · adapt_bn(DLA(attn))`` (without ``adapt_bn`` unless enabled), in ``attn``'s dtype."""
-        if can_fold(self, attn):  # inference: adapt_bn and the scale fold into the refiner's last stage
+        if self.refiner.fast_path_applies(attn) and can_fold(self, attn):  # adapt_bn, scale fold into the last stage
             if self.adapt_bn is not None:
                 a, c = fold_bn(attn.new_ones(self.value_heads, dtype=torch.float32), None, self.adapt_bn)
             else:
                 a, c = attn.new_ones(self.value_heads), attn.new_zeros(self.value_heads)
             return self.refiner(attn, post=((a * scale).to(attn.dtype), (c * scale).to(attn.dtype)))
-        out = self.refiner(attn)
+        out = self.refiner(attn, layout=layout)
         if self.adapt_bn is not None:
             out = self.adapt_bn(out)
         out = out.to(attn.dtype)  # BN/conv may run in another precision under autocast
@@ -402,7 +436,7 @@ class RefinerAttention(Attention):
             if attn_prev is None:
                 raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")
             v = split_heads(fused_linear(self.qkv, x), self.value_heads)
-            attn = self.refine_map(attn_prev.to(v.dtype), self.scale)
+            attn = self.refine_map(attn_prev.to(v.dtype), self.scale, layout)
             carry = attn_prev
         else:
             q, k, v = self.qkv_heads(x)
@@ -414,7 +448,7 @@ class RefinerAttention(Attention):
                 attn = attn.add_(prev, alpha=self.scale) if can_fold(self, attn) else attn + self.scale * prev
             attn = self.attn_drop(attn)
             if self.refiner is not None:
-                attn = self.refine_map(attn)
+                attn = self.refine_map(attn, layout=layout)
             carry = attn
         out = self.project(attn @ v)
         return out, {"attn": attn, "carry": carry}
