@@ -265,3 +265,20 @@ def test_a_sharded_index_cannot_reach_what_an_allowed_module_imports(tmp_path):
         ShardError, match=r"refusing to read .*: it asks to import torch\.distributed\.checkpoint\.metadata\.os\.getcwd"
     ):
         read_sharded_weights(folder)
+
+
+@pytest.mark.slow
+def test_a_models_penalty_trains_the_same_under_ddp(tmp_path):
+    """AFT-conv's sparsity penalty (computed from the parameters beside the forward pass) on two processes: the
+    same weights as one process, and not those of the run without it (the penalty takes part)."""
+    mixer = '("aft_conv", {"num_heads": 16, "kernel_size": 5, "sparsity": %s})'
+    run = [*TINY_RUN[2:], "--model", "aft_conv_mini", "--epochs", "2"]
+    one, two, free = tmp_path / "one", tmp_path / "two", tmp_path / "free"
+    run_all(
+        vitlab_cmd("train", *run, "--model-arg", "mixer=" + mixer % 1.0, "--out", str(one)),
+        torchrun(2, "train", *run, "--model-arg", "mixer=" + mixer % 1.0, "--out", str(two)),
+        vitlab_cmd("train", *run, "--model-arg", "mixer=" + mixer % 0.0, "--out", str(free)),
+    )
+    assert_same_run(weights(one), weights(two))
+    gap = max((weights(one)[k] - weights(free)[k]).abs().max().item() for k in weights(one) if ".mixer." in k)
+    assert gap > 10 * TOLERANCE
