@@ -51,8 +51,11 @@ def test_position_tables_before_every_block_learn_with_their_block_and_follow_th
     model.set_input_size(16)
     assert all(t.shape == (1, 17, 8) for t in model.block_pos_embed.values())
     assert model(torch.randn(1, 3, 16, 16, dtype=torch.float64)).shape == (1, 3)
-    model.prune_intermediate_layers(indices=[1])  # blocks 0 and 1 stay
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    before = model.forward_intermediates(x, indices=[0], intermediates_only=True)[0]
+    model.prune_intermediate_layers(indices=[0])  # block 0 stays, with the table its output carries to block 1
     assert sorted(model.block_pos_embed) == ["1"]
+    assert torch.equal(model.forward_intermediates(x, indices=[0], intermediates_only=True)[0], before)
     with pytest.raises(ValueError, match="pos_embed='learned'"):
         small_vit(pos_embed_every_block=True, pos_embed="none")
 

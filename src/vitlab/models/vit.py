@@ -160,7 +160,8 @@ class VisionTransformer(Classifier):
     def _prune_after(self, last: int) -> None:
         for key in [k for k in self.pegs if int(k) > last]:
             del self.pegs[key]
-        for key in [k for k in self.block_pos_embed if int(k) > last]:
+        # block `last`'s output includes the next block's table (as it includes its PEG): kept
+        for key in [k for k in self.block_pos_embed if int(k) > last + 1]:
             del self.block_pos_embed[key]
 
     def _set_img_size(self, size: tuple[int, int]) -> None:
