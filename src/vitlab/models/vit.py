@@ -193,11 +193,16 @@ class VisionTransformer(Classifier):
         """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present.
 
         With ``global_pool=''`` every token goes through the main head only: the distillation and
-        token-labelling heads combine pooled logits, so they have no per-token meaning.
+        token-labelling heads combine pooled logits, so they have no per-token meaning. DeiT's pre-logits are
+        the average of the class and distillation tokens (timm's), so that a model without a head
+        (``num_classes=0``) returns them.
         """
         pooled = self.pool(x)
-        if pre_logits or not self.global_pool:
-            return pooled if pre_logits else self.head(pooled)
+        if pre_logits:
+            distilled = self.head_dist is not None and self.global_pool == "token"
+            return (pooled + x[:, 1]) / 2 if distilled else pooled
+        if not self.global_pool:
+            return self.head(pooled)
         logits = self.head(pooled)
         if self.head_dist is not None:
             logits_dist = self.head_dist(x[:, 1])
