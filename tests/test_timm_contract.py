@@ -439,9 +439,9 @@ def test_features_only_follows_timms_factory():
     feats = create_model("deit_mini", features_only=True, feature_cls="getter", out_indices=2)
     assert feats.default_cfg is feats.pretrained_cfg and feats.default_cfg["input_size"] == (3, 32, 32)
     assert len(feats(torch.randn(1, 3, 32, 32))) == 2
-    with pytest.raises(ValueError, match="feature_cls='hook'.*'getter'"):
+    with pytest.raises(ValueError, match=r"feature_cls='hook'.*'getter'"):
         create_model("deit_mini", features_only=True, feature_cls="hook")
-    with pytest.raises(TypeError, match="unknown option.*not_a_model_arg"):  # timm's contract: a TypeError
+    with pytest.raises(TypeError, match=r"unknown option.*not_a_model_arg"):  # timm's contract: a TypeError
         create_model("deit_mini", not_a_model_arg=1)
 
 
