@@ -157,7 +157,7 @@ class VisionTransformer(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
-        x, grid = self.patch_embed(x)
+        x, grid = self.patch_embed(x, self.img_size)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
         x = torch.cat([*prefix, x], dim=1)
         layout = TokenLayout(grid, self.num_prefix)

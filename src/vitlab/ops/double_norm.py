@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .switch import eager_fast_path, fast_paths_enabled
+from .switch import eager_fast_path, fast_paths_enabled, fx_tracing
 
 
 class _DoubleNormalize(torch.autograd.Function):
@@ -58,7 +58,7 @@ def double_normalize(
     (inference, no autograd) overwrites ``logits`` and normalises in place (a fast path: off with the switch). fp32/fp64 otherwise run through
     :class:`_DoubleNormalize` (same values, a backward pass with fewer and faster passes over the map).
     """
-    low = logits.dtype in (torch.float16, torch.bfloat16)
+    low = not fx_tracing() and logits.dtype in (torch.float16, torch.bfloat16)  # fx: a symbol without a dtype
     if not low and not inplace and eager_fast_path():
         return _DoubleNormalize.apply(logits, token_dim, memory_dim, eps)
     inplace = inplace and fast_paths_enabled()
