@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from ..layers import Block, Mlp, resample_pos_embed
 from ..layers.patch_embed import _as_pair, image_size
 from ..layers.recompute import recompute_active, recomputed
-from ..ops.switch import no_autograd
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
+from ..ops.switch import no_autograd
 from .base import Classifier, check_pool, drop_path_rates
 
 
