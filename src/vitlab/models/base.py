@@ -284,7 +284,13 @@ class Classifier(nn.Module):
 
     # ------------------------------------------------------------------------------------------ head
     def new_head(self, num_classes: int) -> nn.Module:
-        return nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        """A head for ``num_classes`` on the model's device and dtype, in its training mode (timm's contract:
+        a head replaced after ``.to(...)`` lands where the model is)."""
+        if num_classes <= 0:
+            return nn.Identity()
+        like = next(self.parameters(), None)
+        where = {} if like is None else {"device": like.device, "dtype": like.dtype}
+        return nn.Linear(self.embed_dim, num_classes, **where).train(self.training)
 
     def get_classifier(self) -> nn.Module:
         return self.head

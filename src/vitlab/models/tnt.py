@@ -332,7 +332,9 @@ class TNT(Classifier):
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.pixel_embed.grid_size(size)
         if grid != self.grid:
-            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+            self.pos_embed = nn.Parameter(
+                resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix), self.pos_embed.requires_grad
+            )
         self.grid = grid
 
     def init_weights(self) -> None:

@@ -149,7 +149,9 @@ class VisionTransformer(Classifier):
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.patch_embed.grid_size(size)
         if self.pos_embed is not None and grid != self.grid:
-            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+            self.pos_embed = nn.Parameter(
+                resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix), self.pos_embed.requires_grad
+            )
         for blk in self.blocks:  # AFT-full/local: position biases built for a token count are resampled
             if isinstance(getattr(blk.mixer, "resample", None), bool) and grid != self.grid:
                 blk.mixer.resample = True
