@@ -63,6 +63,10 @@ class TrainerModel(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.model.set_grad_checkpointing(False)
 
+    # the names newer transformers call (the gradient_* ones are deprecated there)
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
     @property
     def is_gradient_checkpointing(self) -> bool:
         return bool(getattr(self.model, "grad_checkpointing", False))

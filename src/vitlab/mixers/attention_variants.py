@@ -207,14 +207,15 @@ class RelPos2dAttention(Attention):
         p = layout.num_prefix
         rows, cols = self.offsets(layout.grid, q.device)
         qs = q * self.scale
-        bias = (qs @ self.rel_prefix.to(q.dtype)).unsqueeze(-1).expand(b, h, n, n).clone()
+        prefix = (qs @ self.rel_prefix.to(q.dtype)).unsqueeze(-1).expand(b, h, n, n)
         m = n - p
         idx = (b, h, m, m)
         patches = qs[:, :, p:]
-        bias[:, :, p:, p:] = (patches @ self.rel_row.to(q.dtype).T).gather(-1, rows.expand(idx)) + (
+        grid = (patches @ self.rel_row.to(q.dtype).T).gather(-1, rows.expand(idx)) + (
             patches @ self.rel_col.to(q.dtype).T
         ).gather(-1, cols.expand(idx))
-        return bias
+        # assembled, not written into a copy: the same values, and torch.fx traces it
+        return torch.cat([prefix[:, :, :p], torch.cat([prefix[:, :, p:, :p], grid], -1)], 2)
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
