@@ -14,6 +14,8 @@
 #   scripts/timm_battery.sh                          # everything, every model
 #   VITLAB_TIMM_MODELS='*_mini' scripts/timm_battery.sh -k "forward or backward"   # pytest options pass on
 #   TIMM_PYTHON=/path/to/python scripts/timm_battery.sh   # use an existing environment with timm + pytest
+#   TRAINER_PYTHONS="/a/python /b/python"           # environments with transformers for the Trainer run
+#   SKIP_TRAINER=1                                   # timm's tests only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,15 +49,22 @@ printf '[pytest]\nfilterwarnings =\n    ignore::pytest.PytestUnknownMarkWarning\
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 (cd "$TESTS" && "$PY" -m pytest -q -p no:cacheprovider -p no:randomly -rs tests/test_models.py "$@")
 
+# a real Trainer with each transformers line, in a venv beside the battery's (its packages seen through a .pth)
 if [[ -z "${SKIP_TRAINER:-}" ]]; then
-  for spec in $TRANSFORMERS; do
-    TVENV=$VENV-hf-${spec//[^0-9a-z]/}
-    if [[ -z "${TIMM_PYTHON:-}" && ! -x $TVENV/bin/python ]]; then
-      python3 -m venv --system-site-packages "$TVENV"  # not the system's: the battery venv's packages below
-      echo "$VENV/lib/python$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages" \
-        > "$("$TVENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/battery.pth"
-      "$TVENV/bin/pip" install -q "$spec" accelerate
-    fi
-    "${TVENV}/bin/python" scripts/timm_battery/trainer_check.py
+  TRAINER_PYTHONS=${TRAINER_PYTHONS:-}
+  if [[ -z $TRAINER_PYTHONS ]]; then
+    SITE=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
+    for spec in $TRANSFORMERS; do
+      TVENV=$VENV-hf-${spec//[^0-9a-z]/}
+      if [[ ! -x $TVENV/bin/python ]]; then
+        "$PY" -m venv "$TVENV"
+        echo "$SITE" > "$("$TVENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/battery.pth"
+        "$TVENV/bin/pip" install -q "$spec" accelerate
+      fi
+      TRAINER_PYTHONS="$TRAINER_PYTHONS $TVENV/bin/python"
+    done
+  fi
+  for tpy in $TRAINER_PYTHONS; do
+    "$tpy" scripts/timm_battery/trainer_check.py
   done
 fi

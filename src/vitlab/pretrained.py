@@ -119,13 +119,20 @@ def _with_weights(name: str, path: Path, overlay: dict[str, Any], overrides: dic
     """The model with the weights at ``path``, built as they were (classes and channels included), then given
     a new head for another ``num_classes``, a first layer for another ``in_chans``, and ``overlay`` on its
     pretrained_cfg."""
-    num_classes, in_chans = overrides.pop("num_classes", None), overrides.pop("in_chans", None)
+    num_classes = overrides.pop("num_classes", None)
     if not path.exists():
         raise FileNotFoundError(f"weights {path} not found")
     if path.is_dir() and not is_vitlab_folder(path) and (path / WEIGHTS).is_file():
         path = path / WEIGHTS  # a folder another library wrote (timm's hub format, a Trainer checkpoint)
-    model = load_model(name, path, **overrides)
-    if in_chans is not None and in_chans != model.in_chans:
+    try:
+        model = load_model(name, path, **overrides)
+    except ValueError:  # weights for other channels than asked: loaded as they are, the first layer adapted
+        in_chans = overrides.pop("in_chans", None)
+        if in_chans is None:
+            raise
+        model = load_model(name, path, **overrides)
+        if in_chans == model.in_chans:
+            raise
         model = with_input_channels(model, in_chans)
     if num_classes is not None and num_classes != model.num_classes:
         model.reset_classifier(num_classes)
