@@ -29,8 +29,8 @@ from torch import nn
 
 from ..extras import require
 from ..models import build_model, list_models
-from ..models.folder import TIMM_ARCH
-from ..models.registry import TIMM_CFG_KEYS, overlay_cfg
+from ..models.registry import overlay_cfg
+from ..models.timm_cfg import TIMM_ARCH, TIMM_CFG_KEYS
 from ..pretrained import create_model
 
 #: the timm architecture name; models are "vitlab.<name>"

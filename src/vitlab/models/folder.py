@@ -19,12 +19,10 @@ from typing import Any
 from torch import nn
 
 from ..io import check_writable_folder, write_json_atomic, write_safetensors_atomic, write_text_atomic
-from .registry import TIMM_CFG_KEYS
+from .timm_cfg import TIMM_ARCH, TIMM_CFG_KEYS
 
 FORMAT = "vitlab-pretrained"
 VERSION = 1
-#: the prefix of vitlab's models in timm's registry (``vitlab.integrations.timm``)
-TIMM_ARCH = "vitlab"
 CONFIG, WEIGHTS, CARD = "config.json", "model.safetensors", "README.md"
 
 

@@ -15,6 +15,7 @@ from ..registry import Registry
 from .base import feature_extractor
 from .pyramid import PyramidCPVT
 from .t2t import T2TViT
+from .timm_cfg import TIMM_CFG_KEYS
 from .tnt import TNT
 from .vit import VisionTransformer
 
@@ -24,42 +25,6 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "t2t": T2TViT,
     "pyramid": PyramidCPVT,
 }
-#: timm 1.0's ``PretrainedCfg`` fields (timm reads them from ``model.pretrained_cfg``; a vitlab model has them all)
-TIMM_CFG_KEYS = (
-    "url",
-    "file",
-    "state_dict",
-    "hf_hub_id",
-    "hf_hub_filename",
-    "source",
-    "architecture",
-    "tag",
-    "custom_load",
-    "input_size",
-    "test_input_size",
-    "min_input_size",
-    "fixed_input_size",
-    "interpolation",
-    "crop_pct",
-    "test_crop_pct",
-    "crop_mode",
-    "mean",
-    "std",
-    "num_classes",
-    "label_offset",
-    "label_names",
-    "label_descriptions",
-    "pool_size",
-    "test_pool_size",
-    "first_conv",
-    "classifier",
-    "license",
-    "description",
-    "origin_url",
-    "paper_name",
-    "paper_ids",
-    "notes",
-)
 #: vitlab's own entries beside them (the published result, the paper, the training data of a checkpoint)
 VITLAB_CFG_KEYS = ("top1", "weights_url", "paper", "data", "holdout")
 #: what ``pretrained_cfg_overlay`` may change
