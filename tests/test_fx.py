@@ -75,3 +75,12 @@ def test_traced_graph_trains_as_the_model(name):
     assert grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", vitlab.list_models("*_mini"))
+def test_every_small_model_traces(name):
+    model = build(name).eval()
+    x = torch.randn(2, *model.pretrained_cfg["input_size"], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), model(x), rtol=1e-5, atol=1e-5)

@@ -260,7 +260,8 @@ class PEGQKAttention(Attention):
         w, b = self.qkv.weight, self.qkv.bias
         qk = F.linear(grid_residual(x, layout, self.peg), w[: 2 * c], None if b is None else b[: 2 * c])
         v = F.linear(x, w[2 * c :], None if b is None else b[2 * c :])
-        q, k = (split_heads(t, self.num_heads) for t in qk.chunk(2, -1))
+        q, k = qk.chunk(2, -1)  # unpacked by name: torch.fx traces it
+        q, k = split_heads(q, self.num_heads), split_heads(k, self.num_heads)
         return self.attend(q, k, split_heads(v, self.num_heads), return_aux)
 
 
