@@ -329,7 +329,7 @@ def test_layer_decay_learning_rates():
 
 
 # ------------------------------------------------------------------------------------------- input size
-@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "eamlp_mini", "aft_full_mini"])
+@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "tnt_no_pos_mini", "eamlp_mini", "aft_full_mini"])
 def test_set_input_size_matches_a_model_built_there(name):
     model = mini(name).eval()
     reference = mini(name, **({"dynamic_img_size": True} if "dynamic_img_size" in _args(name) else {})).eval()

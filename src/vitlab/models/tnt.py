@@ -331,7 +331,7 @@ class TNT(Classifier):
 
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.pixel_embed.grid_size(size)
-        if grid != self.grid:
+        if self.pos_embed is not None and grid != self.grid:  # (the ablations without a patch table: none)
             self.pos_embed = nn.Parameter(
                 resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix), self.pos_embed.requires_grad
             )
