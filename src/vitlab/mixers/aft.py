@@ -49,9 +49,9 @@ from ..ops.aft import (
 )
 from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.linear import fused_linear, linear_rows
-from ..ops.switch import eager_fast_path, no_autograd
+from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
-from .base import TokenLayout, TokenMixer, check_divisible
+from .base import TokenLayout, TokenMixer, check_divisible, token_count
 
 # --------------------------------------------------------------------------- elementwise FLOPs of the cores
 
@@ -125,6 +125,8 @@ def _no_autocast(x: Tensor) -> AbstractContextManager:
     """Context that runs the AFT core in fp32 even under autocast (exp of half-precision logits is lossy)."""
     # the CPU and CUDA always have autocast; asking only for other devices (e.g. the meta device that counts
     # MACs) keeps torch.compile from a graph break (dynamo in torch 2.11 cannot trace the availability query)
+    if fx_tracing():  # a symbol without a device: the graph keeps the core's own fp32 computation
+        return nullcontext()
     if x.device.type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(x.device.type):
         return nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
@@ -273,7 +275,7 @@ class AFTFull(TokenMixer):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
         """The AFT core on fp32 ``q, k, v`` (B, N, hidden), autocast off."""
-        w = self.position_bias(k.shape[1], layout)
+        w = self.position_bias(token_count(k, layout), layout)
         return aft_simple(q, k, v, self.causal) if w is None else aft_full(q, k, v, w, self.causal)
 
     def init_state(self, batch: int, max_len: int, like: Tensor) -> RunningSums | PrefixCache:
@@ -349,7 +351,8 @@ class AFTLocal(AFTFull):
         """Whether N = ``tokens`` takes the O(N·s·d) band path: N longer than the window, and the band needs
         ``w[:N, :N]`` of the table as is, whatever the layout: causal ``N <= max_len`` (the top-left block) or
         ``N == max_len``. Other N take the dense path, where ``_fit`` resamples (or rejects) the bias."""
-        return 0 < self.window < tokens <= self.max_len and (self.causal or tokens == self.max_len)
+        band = 0 < self.window < tokens <= self.max_len and (self.causal or tokens == self.max_len)
+        return band and not fx_tracing()  # torch.fx records the dense path (the band's blocks loop on data)
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
@@ -361,7 +364,7 @@ class AFTLocal(AFTFull):
         return super().extra_flops(batch, tokens, layout)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
-        n = k.shape[1]
+        n = token_count(k, layout)
         if not self.uses_band(n):
             return super()._core(q, k, v, layout)
         band = aft_banded.local_bias_band(n, aft_banded.band_block(self.window), self.u, self.v, self.w, self.causal)

@@ -31,7 +31,7 @@ from torch import Tensor
 from .aft_banded import banded_sums
 from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
 from .aft_simple import aft_simple_qkv, context
-from .switch import capturing_graph, eager_fast_path, no_autograd, traced_or_exported
+from .switch import capturing_graph, eager_fast_path, fx_tracing, no_autograd, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -108,7 +108,7 @@ def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: Bi
 def _data_checks_allowed(t: Tensor) -> bool:
     """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
     traced or exported (TorchScript trace, ONNX), which records the fast path only."""
-    return t.device.type != "meta" and not traced_or_exported()
+    return not fx_tracing() and t.device.type != "meta" and not traced_or_exported()
 
 
 def _gate(q: Tensor, y: Tensor) -> Tensor:
@@ -247,7 +247,8 @@ def aft_simple_fused(qkv: Tensor, causal: bool = False) -> Tensor:
     the fast paths on, :func:`~vitlab.ops.aft_simple.aft_simple_qkv` (the gradient of ``qkv`` in one buffer);
     otherwise the composite form on its three views, which a captured graph differentiates itself."""
     if causal or not eager_fast_path():
-        return aft_simple(*qkv.chunk(3, -1), causal)
+        q, k, v = qkv.chunk(3, -1)  # unpacked by name: torch.fx cannot star-unpack a symbol
+        return aft_simple(q, k, v, causal)
     return aft_simple_qkv(qkv)
 
 
