@@ -32,6 +32,7 @@ from .aft_banded import banded_sums
 from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
 from .aft_simple import aft_simple_qkv, context
 from .switch import capturing_graph, eager_fast_path, no_autograd, traced_or_exported
+from .triton_support import triton_runs_on
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -365,13 +366,19 @@ RESCALE_MARGIN = 20.0
 class RunningSums:
     """Decoding state of causal AFT-simple (and AFT-local without a bias): running per-channel sums
     ``Σ e^{K_t'-m} V_t'`` and ``Σ e^{K_t'-m}`` with their running maximum m, O(d) state and work per step.
-    When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``."""
+    When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``. On CUDA the step is one Triton kernel
+    (:func:`~vitlab.ops.triton_aft_decode.running_step`)."""
 
     def __init__(self) -> None:
         self.m = self.num = self.den = None
 
     def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
         """Take in position t's key and value (B, C); its output before the projection."""
+        if triton_runs_on(q, k, v):
+            from .triton_aft_decode import running_step
+
+            self.m, self.num, self.den, y = running_step(q, k, v, self.m, self.num, self.den)
+            return y
         if self.m is None:
             self.m, self.num, self.den = k, v, torch.ones_like(k)
         else:
@@ -385,7 +392,9 @@ class PrefixCache:
     """Decoding state of causal AFT-full/local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (B, T, 2C) and the raw
     K, V (for the exact fallback of :func:`_ratio`). m is a per-channel reference, raised (and the cache
     rescaled) when a key exceeds it by more than :data:`RESCALE_MARGIN`. Position t's output is one weighted
-    sum over the cache with the bias row ``e^{w[t, :t+1] - max}`` (paper Eq. 2) of ``bias_row(t)``."""
+    sum over the cache with the bias row ``e^{w[t, :t+1] - max}`` (paper Eq. 2) of ``bias_row(t)``. On CUDA the
+    cache update and the sums are one Triton kernel (:func:`~vitlab.ops.triton_aft_decode.prefix_step`, which
+    raises m per channel)."""
 
     def __init__(
         self, bias_row: Callable[[int], Tensor], batch: int, max_len: int, channels: int, like: Tensor
@@ -398,6 +407,20 @@ class PrefixCache:
 
     def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
         """Take in position t's key and value (B, C); its output before the projection."""
+        row = self.bias_row(t)
+        if triton_runs_on(k, v, row, self.ctx):
+            from .triton_aft_decode import prefix_step
+
+            self.m, num, den = prefix_step(k, v, row, self.m, self.ctx, self.k, self.v, t, RESCALE_MARGIN)
+        else:
+            num, den = self._sums(k, v, row, t)
+        # one query position; an underflowed entry is recomputed from the raw prefix with this row
+        prefix_k, prefix_v = self.k[:, : t + 1], self.v[:, : t + 1, :, None]
+        y = _ratio(num[:, None, :, None], den[:, None], prefix_k, prefix_v, lambda ti, g: row.expand(len(ti), -1))
+        return torch.sigmoid(q) * y[:, 0, :, 0]
+
+    def _sums(self, k: Tensor, v: Tensor, row: Tensor, t: int) -> tuple[Tensor, Tensor]:
+        """The cache updated with position t and the weighted sums ``num, den`` (B, C) of its output."""
         c = k.shape[-1]
         if self.m is None:
             self.m = k
@@ -411,11 +434,7 @@ class PrefixCache:
         self.ctx[:, t, :c] = ek * v
         self.ctx[:, t, c:] = ek
         self.k[:, t], self.v[:, t] = k, v
-        row = self.bias_row(t)
         weights = (row - row.max()).exp()  # (t + 1,), the row maximum is finite (w[t, t] is never excluded)
         b = self.ctx.shape[0]
         num, den = torch.bmm(weights.expand(b, 1, t + 1), self.ctx[:, : t + 1])[:, 0].chunk(2, -1)
-        # one query position; an underflowed entry is recomputed from the raw prefix with this row
-        prefix_k, prefix_v = self.k[:, : t + 1], self.v[:, : t + 1, :, None]
-        y = _ratio(num[:, None, :, None], den[:, None], prefix_k, prefix_v, lambda ti, g: row.expand(len(ti), -1))
-        return torch.sigmoid(q) * y[:, 0, :, 0]
+        return num, den
