@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_aft import naive_full
-from vitlab.ops import aft as aft_ops
+from vitlab.ops import aft_decode as aft_ops
 from vitlab.ops import fast_paths
 
 pytest.importorskip("triton")

@@ -1,7 +1,7 @@
 """The one-token decoding step of causal AFT (paper Eq. 2, t' <= t) as Triton kernels: state update and output
 read in one pass.
 
-AFT-simple (:class:`~vitlab.ops.aft.RunningSums`): per channel the state ``(m, n, d)`` of a log-sum-exp, the
+AFT-simple (:class:`~vitlab.ops.aft_decode.RunningSums`): per channel the state ``(m, n, d)`` of a log-sum-exp, the
 running maximum m of the keys and ``n = Σ e^{K - m} V``, ``d = Σ e^{K - m}``. Position t's key and value enter as
 
     m' = max(m, K_t),   n' = n e^{m - m'} + e^{K_t - m'} V_t,   d' = d e^{m - m'} + e^{K_t - m'},   Y_t = σ(Q_t) n' / d'
@@ -9,7 +9,7 @@ running maximum m of the keys and ``n = Σ e^{K - m} V``, ``d = Σ e^{K - m}``. 
 (the maximal key contributes e^0, so ``d' >= 1``: nothing underflows). One program per batch row and block of
 channels; the state is returned in new tensors.
 
-AFT-full/local (:class:`~vitlab.ops.aft.PrefixCache`): the cache holds ``[e^{K - m} V, e^{K - m}]`` of the prefix
+AFT-full/local (:class:`~vitlab.ops.aft_decode.PrefixCache`): the cache holds ``[e^{K - m} V, e^{K - m}]`` of the prefix
 with a per-channel reference m. A program owns a batch row and a block of channels: it raises m for the channels
 whose new key exceeds it by more than the margin (rescaling those channels' cached terms as it reads them, so the
 cached terms stay <= e^margin), writes the new token's terms and raw K, V into the cache, and forms
