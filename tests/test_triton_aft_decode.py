@@ -91,13 +91,33 @@ def test_prefix_cache_step_is_the_causal_equation(kernel_calls, key_scale, bias_
     assert rel(y, plain) < 1e-6
 
 
+def test_states_pass_between_the_kernel_and_the_plain_step(kernel_calls):
+    """The switch flipped at every step: each path continues the other's state (rising keys: both rescale)."""
+    q, k, v = (x.to(DEVICE) for x in inputs(1.0, True, n=23))
+    b, n, c = k.shape
+    w = torch.randn(n, n, device=DEVICE)
+    for state, bias in ((aft_ops.RunningSums(), torch.zeros_like(w)), (None, w)):
+        state = state or aft_ops.PrefixCache(lambda t: w[t, : t + 1], b, n, c, w)
+        outs = []
+        for t in range(n):
+            with fast_paths(t % 2 == 0):
+                outs.append(state.advance(q[:, t], k[:, t], v[:, t], t))
+        assert rel(torch.stack(outs, 1), naive_full(q.cpu(), k.cpu(), v.cpu(), bias.cpu(), causal=True)) < 1e-6
+    assert len(kernel_calls) == 2 * ((n + 1) // 2)
+
+
 def test_module_decoding_equals_its_full_forward():
-    """A causal AFT-full mixer stepped token by token (kernel steps) equals its causal forward on the sequence."""
-    from vitlab.mixers import AFTFull, AFTSimple, TokenLayout
+    """Causal AFT mixers stepped token by token (kernel steps) equal their causal forward on the sequence."""
+    from vitlab.mixers import AFTFull, AFTLocal, AFTSimple, TokenLayout
 
     torch.manual_seed(3)
     x = torch.randn(2, 19, 16, device=DEVICE)
-    for m in (AFTFull(16, max_len=19, bias_dim=4, causal=True), AFTSimple(16, causal=True)):
+    mixers = (
+        AFTFull(16, max_len=19, bias_dim=4, causal=True),
+        AFTLocal(16, max_len=19, window=4, bias_dim=None, causal=True),
+        AFTSimple(16, causal=True),
+    )
+    for m in mixers:
         m = m.to(DEVICE).eval()
         for p in m.parameters():
             torch.nn.init.normal_(p, std=0.5)
