@@ -362,12 +362,9 @@ def _aft_conv_composite(
 ) -> Tensor:
     """:func:`aft_conv` as composite operations on token-major ``(B, N, C + h)`` key contexts: what autograd
     differentiates and graph capture records, with the exact repair of underflowed entries (:func:`_ratio`).
-    ``qkv`` of any float dtype (the core runs in fp32); ``patch_sums`` forms the patches' sums (the GPU kernel:
-    :func:`vitlab.ops.triton_aft_conv.aft_conv_triton`)."""
+    ``patch_sums`` forms the patches' sums (the GPU kernels: :func:`vitlab.ops.triton_aft_conv.aft_conv_triton`)."""
     h = w.shape[0]
-    q, k, v = (
-        None if x is None else x.to(torch.promote_types(x.dtype, torch.float32)) for x in split_qkv(qkv, h, query)
-    )
+    q, k, v = split_qkv(qkv, h, query)
     b, n, c = v.shape
     r = c // h
     ek = (k - k.detach().amax(1, keepdim=True)).exp()  # (B, N, h)

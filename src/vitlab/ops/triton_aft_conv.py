@@ -168,4 +168,5 @@ def aft_conv_triton(
     magnitude (underflowed denominators recomputed in float64)."""
     if not global_context and num_prefix:
         raise ValueError("aft_conv: global_context=False has no pairs for prefix tokens; use num_prefix=0")
+    qkv = qkv.float()  # the exponentials, ratio and gate in fp32 (the gradient returns in the projection's dtype)
     return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query, _triton_patch_sums)
