@@ -20,7 +20,8 @@ The cores, exact for keys and biases of any magnitude, live in :mod:`vitlab.ops.
 the decoding states); the modules here hold the parameters, the position biases and the projections, and run the
 cores in fp32 with autocast off (their projections follow autocast). On CUDA, AFT-full, AFT-local and AFT-simple
 run on Triton kernels (:mod:`vitlab.ops.triton_aft`, :mod:`vitlab.ops.triton_aft_simple`) that take the
-projections in their dtype and accumulate in fp32.
+projections in their dtype and accumulate in fp32; AFT-conv's window sums run on :mod:`vitlab.ops.triton_aft_conv`
+and the one-token decoding step on :mod:`vitlab.ops.triton_aft_decode`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import aft_banded
 from ..ops.aft import (
-    PrefixCache,
-    RunningSums,
     aft_conv,
     aft_full,
     aft_local_banded,
@@ -48,6 +47,7 @@ from ..ops.aft import (
     mask_future,
 )
 from ..ops.aft_conv import qkv_width, split_qkv
+from ..ops.aft_decode import PrefixCache, RunningSums
 from ..ops.linear import fused_linear, linear_rows
 from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
@@ -537,6 +537,12 @@ class AFTConv(TokenMixer):
         qkv = fused_linear(self.qkv, x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
         with _no_autocast(x):
             w = self.position_bias()
-            y = aft_conv(qkv.float(), w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
+            args = (w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
+            if triton_runs_on(qkv):  # the window sums on the GPU kernels, from the projection in its own dtype
+                from ..ops.triton_aft_conv import aft_conv_triton
+
+                y = aft_conv_triton(qkv, *args)
+            else:
+                y = aft_conv(qkv.float(), *args)
         out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": split_qkv(qkv, self.num_heads, self.query)[1]} if return_aux else {})
