@@ -121,7 +121,7 @@ step data_bench 120 "$PY" -m vitlab bench-data --images 2000 --workers 16 --batc
 # About 7 minutes on one H100 with a cold Triton cache.
 aft_kernels() {
     TAIL=25 step aft_kernel_tests 120 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -m "" \
-        tests/test_triton_aft.py
+        tests/test_triton_aft.py tests/test_triton_aft_conv.py tests/test_triton_aft_decode.py
     local lm=("$PY" -m vitlab lm bench --device cuda --layers 24 --dim 256 --warmup 2 --repeats 5 --timeout 120)
     TAIL=20 step aft_cifar_bf16 120 "${lm[@]}" --tokens 3072 --batch 8 --dtypes bf16 --baseline transformer_flash \
         --models aft_local aft_local_pre aft_simple aft_simple_pre transformer_flash --out "$WORK/aft_cifar_bf16"

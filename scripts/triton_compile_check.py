@@ -18,9 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vitlab.ops import triton_aft, triton_aft_simple
+from vitlab.ops import triton_aft, triton_aft_conv, triton_aft_decode, triton_aft_simple
 
-SCALARS = ("T", "C", "R", "B")  # upper-case kernel arguments that are sizes, not tensors
+SCALARS = ("T", "C", "R", "B", "H", "W", "CX")  # upper-case kernel arguments that are sizes, not tensors
 
 
 def compile_one(kernel, constexprs: dict, dtype: str, target: GPUTarget) -> str | None:
@@ -33,6 +33,8 @@ def compile_one(kernel, constexprs: dict, dtype: str, target: GPUTarget) -> str 
             signature[name] = f"*{dtype}"  # (AFT-simple writes its gradient in the projection's dtype)
         elif name.isupper() and name not in SCALARS:
             signature[name] = "*fp32"
+        elif name == "margin":
+            signature[name] = "fp32"
         else:
             signature[name] = "i32"
     fixed = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
@@ -61,6 +63,18 @@ def cases():
             yield kernel, flags, dtype
 
 
+def decode_and_conv_cases():
+    """The one-token decoding steps (projections in fp32, bf16, fp16) and AFT-conv's window kernels (fp32 context),
+    for kernel sizes 3 and 11 (AFT-conv-tiny's)."""
+    for dtype in ("fp32", "bf16", "fp16"):
+        yield triton_aft_decode._running_step, dict(BC=128), dtype
+        yield triton_aft_decode._prefix_step, dict(BT=64, BC=128), dtype
+    for s in (3, 11):
+        for flip, far in ((False, True), (False, False), (True, False)):
+            yield triton_aft_conv._window_fwd, dict(S=s, FLIP=flip, HAS_FAR=far, BT=64, BC=64), "fp32"
+        yield triton_aft_conv._window_grad_kernel, dict(S=s, BT=64, BC=64), "fp32"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
@@ -68,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     target = GPUTarget("cuda", args.arch, 32)
     failures = 0
-    for kernel, flags, dtype in cases():
+    for kernel, flags, dtype in itertools.chain(cases(), decode_and_conv_cases()):
         name = kernel.fn.__name__
         if args.only and name != args.only:
             continue

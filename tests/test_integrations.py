@@ -82,7 +82,8 @@ def timm_standin() -> types.SimpleNamespace:
         for name, cfg in table.items():
             arch, tag = split(name)
             entry = out.setdefault(arch, {"tags": deque(), "cfgs": {}})
-            entry["tags"].append(tag)
+            default, tag = tag.endswith("*"), tag.rstrip("*")  # a tag ending in '*' is the default, first
+            entry["tags"].appendleft(tag) if default else entry["tags"].append(tag)
             entry["cfgs"][tag] = PretrainedCfg(**cfg)
         return out
 
@@ -140,7 +141,7 @@ def test_every_model_is_registered_with_its_config(timm):
     assert listed == sorted(f"vitlab.{n}" for n in vitlab.list_models()) and timm.list_models("vitlab*") == ["vitlab"]
     refiner = timm.cfgs["vitlab.refiner_vit_s"]
     assert (refiner.crop_pct, refiner.mean, refiner.input_size) == (0.9, (0.5, 0.5, 0.5), (3, 224, 224))
-    assert refiner.first_conv == "patch_embed.proj" and "83.6" in refiner.notes[0]
+    assert refiner.first_conv == "patch_embed.stem.0" and "83.6" in refiner.notes[0]  # its CNN stem sees the image
     deit = timm.cfgs["vitlab.deit_small_distilled_patch16_224"]
     assert deit.classifier == ("head", "head_dist") and deit.origin_url.endswith("649709d9.pth")
     assert timm.cfgs["vitlab.tnt_mini"].input_size == (3, 32, 32)
@@ -174,8 +175,6 @@ def test_timm_pretrained_reads_local_files_only(timm, tmp_path, monkeypatch):
         "vitlab.deit_mini", pretrained=True, pretrained_cfg_overlay={"file": str(tmp_path / "run")}
     )
     assert torch.equal(model.head.weight, trained.head.weight)
-    with pytest.raises(ValueError, match=r"timm\.create_model\('vitlab\.<name>'\)"):
-        timm.create_model("vitlab")
     with pytest.raises(ValueError, match="unknown model 'no_such'"):
         timm.create_model("vitlab.no_such")
 
@@ -228,3 +227,61 @@ def test_trainer_adapter_saves_a_model_folder(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(again(x), model(x))
+
+
+def test_trainer_adapter_takes_newer_transformers_options():
+    model = vitlab.create_model("deit_mini", num_classes=3)
+    wrapped = TrainerModel(model)
+    # transformers 5 passes more than gradient_checkpointing_kwargs
+    wrapped.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=1)
+    assert model.grad_checkpointing
+
+
+def test_what_the_trainer_saves_loads_back(tmp_path):
+    """The Trainer writes model.state_dict() of a non-transformers model to model.safetensors (checkpoints and
+    save_model()); the callback adds config.json; vitlab reads either form back with identical logits."""
+    from safetensors.torch import save_file
+
+    from vitlab.integrations.hf import save_folder
+
+    torch.manual_seed(0)
+    model = vitlab.create_model("deit_mini", num_classes=3).eval()
+    wrapped = TrainerModel(model)
+    state = wrapped.state_dict()
+    assert state.keys() == model.state_dict().keys()  # no "model." prefix
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")  # the Trainer's save
+    from_weights = vitlab.create_model("deit_mini", checkpoint_path=tmp_path).eval()
+    save_folder(wrapped, tmp_path)
+    from_folder = vitlab.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(from_weights(x), expected) and torch.equal(from_folder(x), expected)
+    # resuming: the Trainer loads the file back into its model; a plain wrapper's prefixed keys work too
+    fresh = TrainerModel(vitlab.create_model("deit_mini", num_classes=3))
+    fresh.load_state_dict({f"model.{k}": v for k, v in state.items()})
+    assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items())
+    with pytest.raises(ValueError, match="needs the Trainer's model to be a vitlab TrainerModel"):
+        save_folder(model, tmp_path / "other")
+
+
+def test_timm_reads_vitlab_folders_and_hub_configs(timm, tmp_path):
+    """timm's local-dir: loader reads config.json (architecture, model_args, pretrained_cfg) and calls the
+    entry point with the folder as pretrained_cfg["file"]; timm's own hub export names the architecture
+    vitlab.<name> and keeps the tag."""
+    import json
+
+    trained = vitlab.create_model("deit_mini", num_classes=4)
+    trained.save_pretrained(tmp_path / "run")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    cfg = {**config["pretrained_cfg"], "file": str(tmp_path / "run"), "source": "local-dir"}
+    kwargs = {**config["model_args"], "pretrained_model_args": config["model_args"]}
+    model = timm.create_model(config["architecture"], pretrained=True, pretrained_cfg=cfg, **kwargs)
+    assert torch.equal(model.head.weight, trained.head.weight)
+    assert model.pretrained_cfg["architecture"] == "vitlab.deit_mini" and model.pretrained_cfg["tag"] == "deit_mini"
+    hub_cfg = {k: v for k, v in model.pretrained_cfg.items() if k != "architecture"}  # as timm's save_for_hf
+    assert timm_plugin._model_name(hub_cfg) == "deit_mini"
+    meta = timm.create_model("vitlab.deit_mini", device="meta", dtype=torch.float64)
+    assert meta.head.weight.device.type == "meta" and meta.head.weight.dtype == torch.float64
+    assert isinstance(timm.create_model("vitlab"), vitlab.models.VisionTransformer)  # the default tag: DeiT-Ti

@@ -190,7 +190,7 @@ def test_folder_round_trip_keeps_the_build(tmp_path):
     model.reset_classifier(6, "avg")
     model.save_pretrained(tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["model_kwargs"] == {
+    assert config["model_args"] == {
         "num_classes": 6,
         "img_size": 24,
         "in_chans": 1,
@@ -226,7 +226,7 @@ def test_folder_loading_runs_no_code_and_says_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="not a vitlab model config"):
         vitlab.from_pretrained(tmp_path / "m")
     build_model("deit_mini").save_pretrained(tmp_path / "m")
-    config.write_text(json.dumps({**data, "model_kwargs": {"embed_dim": 32}}))
+    config.write_text(json.dumps({**data, "model_args": {"embed_dim": 32}}))
     with pytest.raises(ValueError, match="does not fit the model"):
         vitlab.from_pretrained(tmp_path / "m")
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):

@@ -201,7 +201,7 @@ def test_full_size_structure_on_meta(name):
     else:
         assert len(model.feature_info) == len(model.blocks)
         groups = layer_ids(dict(model.named_parameters()), model.group_matcher())
-        assert max(groups.values()) == len(model.blocks) + 2  # stem, blocks, final norm, head
+        assert max(groups.values()) == len(model.blocks) + 1  # stem, blocks (the last with the final norm), head
     assert all(g * model.reduction == s for g, s in zip(model.grid, model.img_size))
 
 
@@ -305,7 +305,7 @@ def test_group_matcher_layers():
     for i in range(4):
         assert layers[f"blocks.{i}.mixer.qkv.weight"] == i + 1
     assert layers["pegs.2.proj.weight"] == layers["blocks.2.norm1.weight"] == 3  # the PEG after block 2
-    assert layers["norm.weight"] == 5 and layers["head.weight"] == 6
+    assert layers["norm.weight"] == 4 and layers["head.weight"] == 5  # timm: the final norm joins the last block
     tnt = mini("tnt_mini")
     tnt_layers = layer_ids(dict(tnt.named_parameters()), tnt.group_matcher())
     assert tnt_layers["proj.fc.weight"] == tnt_layers["inner_pos"] == 0 and tnt_layers["blocks.0.proj.fc.weight"] == 1
@@ -319,17 +319,17 @@ def test_layer_decay_learning_rates():
     scale_of = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     params = dict(model.named_parameters())
     assert scale_of[id(params["head.weight"])] == 1.0 and scale_of[id(params["norm.weight"])] == 0.5
-    assert scale_of[id(params["blocks.3.mlp.fc1.weight"])] == 0.25
-    assert scale_of[id(params["patch_embed.proj.weight"])] == 0.5**6
+    assert scale_of[id(params["blocks.3.mlp.fc1.weight"])] == 0.5  # the last block learns with the final norm
+    assert scale_of[id(params["patch_embed.proj.weight"])] == 0.5**5
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
-    assert lr_of[id(params["blocks.0.mlp.fc1.weight"])] == pytest.approx(sched.current_lr * 0.5**5)
+    assert lr_of[id(params["blocks.0.mlp.fc1.weight"])] == pytest.approx(sched.current_lr * 0.5**4)
     decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
     assert id(params["pos_embed"]) not in decayed and id(params["blocks.0.mlp.fc1.weight"]) in decayed
     assert sum(len(g["params"]) for g in groups) == len(params)
 
 
 # ------------------------------------------------------------------------------------------- input size
-@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "eamlp_mini", "aft_full_mini"])
+@pytest.mark.parametrize("name", ["deit_mini", "tnt_mini", "tnt_no_pos_mini", "eamlp_mini", "aft_full_mini"])
 def test_set_input_size_matches_a_model_built_there(name):
     model = mini(name).eval()
     reference = mini(name, **({"dynamic_img_size": True} if "dynamic_img_size" in _args(name) else {})).eval()
@@ -415,3 +415,126 @@ def test_overlay_and_unknown_keys():
     assert model.pretrained_cfg["crop_pct"] == 0.95 and model.meta["mean"] == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match=re.escape("unknown key(s) crop")):
         create_model("deit_mini", pretrained_cfg_overlay={"crop": 0.9})
+
+
+# ------------------------------------------------------------------------ timm's PretrainedCfg and factory
+def test_pretrained_cfg_has_timms_fields():
+    from vitlab.models.registry import TIMM_CFG_KEYS
+
+    deit, cpvt = mini("deit_mini"), mini("cpvt_mini")
+    for model in (deit, cpvt):
+        cfg = model.pretrained_cfg
+        assert set(TIMM_CFG_KEYS) <= set(cfg) and cfg["tag"] == model.model_name and cfg["license"] is None
+        with torch.no_grad():
+            tokens = model.forward_features(image(model))
+        assert tokens.shape[1] - model.num_prefix == cfg["pool_size"][0] * cfg["pool_size"][1]
+    # a learned table built for one grid: timm must feed its own size; PEG models take any multiple of 4 px
+    assert deit.pretrained_cfg["fixed_input_size"] and not cpvt.pretrained_cfg["fixed_input_size"]
+    assert not mini("deit_mini", dynamic_img_size=True).pretrained_cfg["fixed_input_size"]
+    deit.set_input_size(48)
+    assert deit.pretrained_cfg["pool_size"] == (12, 12)
+
+
+def test_features_only_follows_timms_factory():
+    feats = create_model("deit_mini", features_only=True, feature_cls="getter", out_indices=2)
+    assert feats.default_cfg is feats.pretrained_cfg and feats.default_cfg["input_size"] == (3, 32, 32)
+    assert len(feats(torch.randn(1, 3, 32, 32))) == 2
+    with pytest.raises(ValueError, match=r"feature_cls='hook'.*'getter'"):
+        create_model("deit_mini", features_only=True, feature_cls="hook")
+    with pytest.raises(TypeError, match=r"unknown option.*not_a_model_arg"):  # timm's contract: a TypeError
+        create_model("deit_mini", not_a_model_arg=1)
+
+
+def test_distilled_pre_logits_average_both_tokens():
+    model = mini("deit_mini", dist_token=True).eval()
+    with torch.no_grad():
+        feats = model.forward_features(image(model))
+        pre = model.forward_head(feats, pre_logits=True)
+        torch.testing.assert_close(pre, (feats[:, 0] + feats[:, 1]) / 2)
+        logits = (model.head(feats[:, 0]) + model.head_dist(feats[:, 1])) / 2
+        torch.testing.assert_close(model.forward_head(feats), logits)
+        model.reset_classifier(0)
+        torch.testing.assert_close(model.forward_head(feats), pre)  # no head: the pre-logits
+
+
+def _cubic(t: float, a: float = -0.5) -> float:
+    t = abs(t)
+    if t <= 1:
+        return (a + 2) * t**3 - (a + 3) * t**2 + 1
+    return a * t**3 - 5 * a * t**2 + 8 * a * t - 4 * a if t < 2 else 0.0
+
+
+def _antialiased_weights(n_in: int, n_out: int) -> torch.Tensor:
+    """Naive antialiased bicubic resampling matrix (n_out, n_in): the kernel a = -0.5 widened by the
+    downscaling factor, centred on each output pixel's centre, normalised over the input pixels it reaches."""
+    scale = n_in / n_out
+    support = max(scale, 1.0)
+    w = torch.zeros(n_out, n_in, dtype=torch.float64)
+    for i in range(n_out):
+        centre = (i + 0.5) * scale
+        for j in range(n_in):
+            w[i, j] = _cubic((j + 0.5 - centre) / support)
+        w[i] /= w[i].sum()
+    return w
+
+
+@pytest.mark.parametrize("old, new", [((4, 4), (6, 5)), ((6, 6), (3, 4))])
+def test_position_table_resampling_is_antialiased_as_timm(old, new):
+    from vitlab.layers import resample_pos_embed
+
+    table = torch.randn(1, 1 + old[0] * old[1], 5, dtype=torch.float64)
+    out = resample_pos_embed(table, new, old, num_prefix=1)
+    grid = table[0, 1:].reshape(*old, 5)
+    naive = torch.einsum(
+        "ih,jw,hwc->ijc", _antialiased_weights(old[0], new[0]), _antialiased_weights(old[1], new[1]), grid
+    )
+    torch.testing.assert_close(out[0, 1:], naive.reshape(-1, 5).to(out.dtype), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :1], table[:, :1])
+
+
+# ------------------------------------------------------------------------ pretrained weights, other channels
+@pytest.fixture
+def saved_deit(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("deit_mini", num_classes=4).eval()
+    model.save_pretrained(tmp_path / "deit")
+    return model, tmp_path / "deit"
+
+
+def test_pretrained_weights_for_other_channel_counts(saved_deit):
+    model, folder = saved_deit
+    x = torch.randn(2, 3, 32, 32)
+    grey = create_model("deit_mini", checkpoint_path=folder, in_chans=1).eval()
+    w = model.patch_embed.proj.weight
+    torch.testing.assert_close(grey.patch_embed.proj.weight, w.sum(1, keepdim=True))
+    six = create_model("deit_mini", checkpoint_path=folder, in_chans=6).eval()
+    naive = torch.stack([w[:, c % 3] * 3 / 6 for c in range(6)], 1)
+    torch.testing.assert_close(six.patch_embed.proj.weight, naive)
+    with torch.no_grad():  # what the RGB model computed for (g, g, g) and for x
+        torch.testing.assert_close(grey(x[:, :1]), model(x[:, :1].expand(-1, 3, -1, -1)))
+        torch.testing.assert_close(six(torch.cat([x, x], 1)), model(x))
+    assert grey.pretrained_cfg["input_size"] == (1, 32, 32) and len(grey.pretrained_cfg["std"]) == 1
+    assert six.model_kwargs["in_chans"] == 6 and "adapted to 6 channels" in six.meta["weights"]
+
+
+def test_channel_adaptation_refused_where_more_than_the_first_layer_depends_on_it(tmp_path):
+    create_model("t2t_vit_mini").save_pretrained(tmp_path / "t2t")
+    with pytest.raises(ValueError, match=r"cannot adapt the weights to 1 input channels: besides .*norm1"):
+        create_model("t2t_vit_mini", checkpoint_path=tmp_path / "t2t", in_chans=1)
+
+
+def test_model_folder_is_timms_hub_layout(saved_deit):
+    import json
+
+    from vitlab.models.folder import read_config
+
+    model, folder = saved_deit
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == "vitlab.deit_mini" and config["num_classes"] == 4
+    assert config["model_args"] == {"num_classes": 4} and config["num_features"] == model.num_features
+    assert "top1" in config["vitlab_cfg"] and "top1" not in config["pretrained_cfg"]
+    assert read_config(folder)["pretrained_cfg"] == {**model.pretrained_cfg}
+    # a folder of an earlier vitlab: model_kwargs, every entry in pretrained_cfg
+    old = {**config, "model_kwargs": config.pop("model_args"), "pretrained_cfg": config.pop("vitlab_cfg")}
+    (folder / "config.json").write_text(json.dumps(old))
+    assert read_config(folder)["model_kwargs"] == {"num_classes": 4}

@@ -6,8 +6,9 @@ which must be chosen before ``triton`` is first imported (``TRITON_INTERPRET=1``
 decorated then). A pytest process started with it set runs this file's tests directly (``scripts/test.sh`` has a
 step ``TRITON_INTERPRET=1 pytest tests/test_triton_*.py``, slow cases included); in any other CPU process (the
 default suite, where torch imported triton long before) they are skipped, and one ``slow`` test runs the quick ones
-in a fresh process with the interpreter on (~15 s of CPU). The rest of the matrix is ``slow`` too: the interpreter
-runs each program with NumPy.
+in a fresh process with the interpreter on, with those of AFT-conv's and the decoding step's kernels
+(``test_triton_aft_conv.py``, ``test_triton_aft_decode.py``; ~60 s of CPU). The rest of the matrix is ``slow``
+too: the interpreter runs each program with NumPy.
 """
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ needs_kernels = pytest.mark.skipif(
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERPRETED, reason="the kernels' tests run in this process")
 def test_in_the_interpreter():
-    """This file's quick tests in a fresh process with ``TRITON_INTERPRET=1``: they must pass there."""
+    """This file's quick tests (and the AFT-conv and decoding kernels' tests) in a fresh process with
+    ``TRITON_INTERPRET=1``: they must pass there."""
     src = str(Path(vitlab.__file__).parents[1])  # the vitlab this process tests
     path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow"]
     repo = Path(__file__).parents[1]
-    done = subprocess.run([*cmd, __file__], env=env, cwd=repo, capture_output=True, text=True)
+    files = [__file__, *(str(Path(__file__).with_name(f"test_triton_aft_{x}.py")) for x in ("conv", "decode"))]
+    done = subprocess.run([*cmd, *files], env=env, cwd=repo, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
 

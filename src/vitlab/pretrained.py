@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .checkpoint import (
@@ -30,9 +31,9 @@ from .checkpoint import (
 from .convert.load import load_reference, read_checkpoint
 from .data.config import training_data_cfg
 from .models import build_model, get_config, list_models
-from .models.base import FeatureGetter
-from .models.folder import WEIGHTS, is_model_folder, read_config
-from .models.registry import CFG_KEYS, check_overlay, overlay_cfg
+from .models.base import feature_extractor
+from .models.folder import WEIGHTS, is_model_folder, is_vitlab_folder, read_config
+from .models.registry import CFG_KEYS, channel_stats, check_overlay, input_cfg, overlay_cfg
 
 WEIGHTS_ENV = "VITLAB_WEIGHTS"
 
@@ -82,6 +83,7 @@ def create_model(
     pretrained_cfg_overlay: dict[str, Any] | None = None,
     features_only: bool = False,
     out_indices: int | Sequence[int] | None = None,
+    feature_cls: str | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Build the named model (timm's ``create_model``), with weights when asked.
@@ -92,9 +94,11 @@ def create_model(
             ``pretrained_cfg_overlay["file"]`` when given (timm's way to name a local file).
         checkpoint_path: load these weights instead (see the module docstring).
         pretrained_cfg_overlay: entries replacing the model's ``pretrained_cfg`` (crop_pct, mean, ...).
-        features_only, out_indices: return timm's feature extractor of these blocks (default the last 3).
+        features_only, out_indices, feature_cls: return timm's feature extractor of these blocks (default the
+            last 3; ``feature_cls`` None or ``'getter'``).
         overrides: build options (num_classes, img_size, in_chans, drop_path_rate, ...). A ``num_classes``
-            other than the weights' gets a new, randomly initialised head (fine-tuning), as timm.
+            other than the weights' gets a new, randomly initialised head (fine-tuning), as timm; an
+            ``in_chans`` other than the weights' adapts the first layer (:func:`adapt_input_channels`).
 
     Returns the model in training mode, as ``torch.nn`` builds it; ``model.meta["weights"]`` says where its
     weights came from.
@@ -108,20 +112,78 @@ def create_model(
         model = build_model(name, pretrained_cfg_overlay=overlay, **overrides)
     else:
         model = _with_weights(name, Path(path).expanduser(), overlay, overrides)
-    return FeatureGetter(model, out_indices) if features_only else model
+    return feature_extractor(model, out_indices, feature_cls) if features_only else model
 
 
 def _with_weights(name: str, path: Path, overlay: dict[str, Any], overrides: dict[str, Any]) -> nn.Module:
-    """The model with the weights at ``path``, built as they were (classes included), then given a new head
-    for another ``num_classes`` and ``overlay`` on its pretrained_cfg."""
+    """The model with the weights at ``path``, built as they were (classes and channels included), then given
+    a new head for another ``num_classes``, a first layer for another ``in_chans``, and ``overlay`` on its
+    pretrained_cfg."""
     num_classes = overrides.pop("num_classes", None)
     if not path.exists():
         raise FileNotFoundError(f"weights {path} not found")
-    model = load_model(name, path, **overrides)
+    if path.is_dir() and not is_vitlab_folder(path) and (path / WEIGHTS).is_file():
+        path = path / WEIGHTS  # a folder another library wrote (timm's hub format, a Trainer checkpoint)
+    try:
+        model = load_model(name, path, **overrides)
+    except ValueError:  # weights for other channels than asked: loaded as they are, the first layer adapted
+        in_chans = overrides.pop("in_chans", None)
+        if in_chans is None:
+            raise
+        model = load_model(name, path, **overrides)
+        if in_chans == model.in_chans:
+            raise
+        model = with_input_channels(model, in_chans)
     if num_classes is not None and num_classes != model.num_classes:
         model.reset_classifier(num_classes)
     overlay_cfg(model, overlay)
     return model.train()
+
+
+def adapt_input_channels(weight: Tensor, in_chans: int, chans: int | None = None) -> Tensor:
+    """First-layer weights ``(O, C, ...)`` of a convolution (or, with ``chans = C`` given, ``(O, C·k·k)`` of a
+    Linear over ``C``-major unfolded windows) trained on ``C`` image channels, for ``in_chans`` channels
+    (timm's rule).
+
+    One channel: the sum of the ``C`` filters, so a grey image ``g`` gives what the image ``(g, ..., g)`` gave.
+    Otherwise the ``C`` filters repeat cyclically up to ``in_chans`` and are scaled by ``C / in_chans``, which
+    keeps the response to inputs of the same statistics at its scale: ``W'_c = (C / in_chans) · W_{c mod C}``.
+    """
+    if in_chans < 1:
+        raise ValueError(f"in_chans must be >= 1, got {in_chans}")
+    out, chans = weight.shape[0], chans or weight.shape[1]
+    per_chan = weight.reshape(out, chans, -1)
+    if in_chans == 1:
+        adapted = per_chan.sum(1, keepdim=True)
+    else:
+        index = torch.arange(in_chans, device=weight.device) % chans
+        adapted = per_chan[:, index] * (chans / in_chans)
+    shape = (out, in_chans, *weight.shape[2:]) if weight.dim() > 2 else (out, -1)
+    return adapted.reshape(shape).to(weight.dtype)
+
+
+def with_input_channels(model: nn.Module, in_chans: int) -> nn.Module:
+    """``model`` (built by name) rebuilt for ``in_chans`` image channels, its weights kept and its first layer
+    adapted by :func:`adapt_input_channels`; its pretrained_cfg gets the new input size and per-channel
+    normalisation. ValueError where more than the first layer depends on the channel count."""
+    state = model.state_dict()
+    key = f"{model.first_conv}.weight"
+    new = build_model(model.model_name, **{**model.model_kwargs, "in_chans": in_chans})
+    target = new.state_dict()
+    depends = [k for k, v in target.items() if k != key and v.shape != state[k].shape]
+    if depends:
+        raise ValueError(
+            f"{model.model_name}: cannot adapt the weights to {in_chans} input channels: besides {key}, "
+            f"{', '.join(depends)} depend on the channel count; train it from scratch with in_chans={in_chans}"
+        )
+    state[key] = adapt_input_channels(state[key], in_chans, model.in_chans)
+    new.load_state_dict(state)
+    cfg = model.pretrained_cfg
+    stats = {k: channel_stats(cfg[k], in_chans) for k in ("mean", "std")}
+    new.pretrained_cfg = {**cfg, **input_cfg(new), **stats}
+    weights = getattr(model, "meta", {}).get("weights", "n/a")
+    new.meta = {**new.meta, **stats, "weights": f"{weights}, first layer adapted to {in_chans} channels"}
+    return new.train(model.training)
 
 
 # ------------------------------------------------------------------------------------- load_model

@@ -32,13 +32,21 @@ def unknown_name_error(kind: str, name: str, known: Iterable[str], listed_by: st
     return ValueError(f"unknown {kind} {name!r}{hint} ({every})")
 
 
+class UnknownOptionError(ValueError, TypeError):
+    """An option a constructor does not take: a ValueError (vitlab's one-line user error) and, as Python
+    itself raises for an unexpected keyword argument, a TypeError (what timm's factory contract expects)."""
+
+
 def check_options(what: str, options: Iterable[str], target: Callable[..., Any]) -> None:
-    """Raise ValueError naming the ``options`` that ``target``'s signature does not take (``what`` says whose)."""
+    """Raise :class:`UnknownOptionError` naming the ``options`` that ``target``'s signature does not take
+    (``what`` says whose)."""
     accepted = sorted(inspect.signature(target).parameters)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         name = getattr(target, "__name__", repr(target))
-        raise ValueError(f"{what}: unknown option(s) {', '.join(unknown)}; {name} accepts: {', '.join(accepted)}")
+        raise UnknownOptionError(
+            f"{what}: unknown option(s) {', '.join(unknown)}; {name} accepts: {', '.join(accepted)}"
+        )
 
 
 class Registry(Generic[Row]):

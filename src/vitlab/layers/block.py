@@ -18,6 +18,10 @@ class TokenBatchNorm(nn.BatchNorm1d):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__(dim, eps=eps)
 
+    def _check_input_dim(self, input: Tensor) -> None:
+        if not isinstance(input, torch.fx.Proxy):  # torch.fx: a symbol has no dimensions to check
+            super()._check_input_dim(input)
+
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x.transpose(1, 2)).transpose(1, 2)
 

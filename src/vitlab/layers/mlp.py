@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.linear import fused_linear, fuses_linear, gelu_
+from ..ops.switch import no_autograd
 
 
 class Mlp(nn.Module):
@@ -33,12 +34,10 @@ class Mlp(nn.Module):
         if self._fuses(x):  # inference on the CPU: bias, GELU and the residual inside the products
             return fused_linear(self.fc2, fused_linear(self.fc1, x, gelu=True), residual=residual)
         h = fused_linear(self.fc1, x)  # fp32 training on the CPU: oneDNN's products (see fused_linear)
-        if type(self.act) is nn.GELU and not (torch.is_grad_enabled() and h.requires_grad):
-            # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation
-            # and page-faulting of it fewer; the same values)
-            h = gelu_(h, approximate=self.act.approximate)
-        else:
-            h = self.act(h)
+        # inference: GELU in place on fc1's fresh output (the widest tensor of the block: one allocation and
+        # page-faulting of it fewer; the same values)
+        in_place = type(self.act) is nn.GELU and no_autograd(h)
+        h = gelu_(h, approximate=self.act.approximate) if in_place else self.act(h)
         h = self.drop1(h)
         if residual is not None and (self.drop2.p == 0 or not self.training):
             return fused_linear(self.fc2, h, residual=residual)

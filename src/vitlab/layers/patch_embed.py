@@ -1,4 +1,5 @@
-"""Image -> patch tokens: a linear (conv k = s = p) embedding, or the CNN stems of Refined-ViT and DeepViT."""
+"""Image -> patch tokens: a linear (conv k = s = p) embedding, or the CNN stems of Refined-ViT and DeepViT;
+:func:`image_size`, the one check of an image batch every embedding makes (and how it traces with torch.fx)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,33 @@ from ..ops.fold import can_fold, fold_bn
 
 def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (v[0], v[1])  # no int(): symbolic sizes stay symbolic under export
+
+
+def check_image(x: Tensor, in_chans: int, size: Sequence[int] | None = None) -> None:
+    """ValueError unless ``x`` is a batch of images ``(B, in_chans, H, W)`` (of ``(H, W) == size`` when given)."""
+    if x.dim() != 4 or x.shape[1] != in_chans or (size is not None and tuple(x.shape[-2:]) != tuple(size)):
+        hw = f"{size[0]}, {size[1]}" if size is not None else "H, W"
+        raise ValueError(f"expected images of shape (B, {in_chans}, {hw}), got {tuple(x.shape)}")
+
+
+torch.fx.wrap("check_image")  # a traced graph keeps the check as a call, run on every image it gets
+
+
+def image_size(x: Tensor, in_chans: int, traced_size: Sequence[int] | None = None) -> tuple[int, int]:
+    """``(H, W)`` of an image batch ``x``, checked by :func:`check_image`.
+
+    While ``torch.fx`` traces a model, ``x`` is a symbol without sizes and Python cannot branch on them (the
+    grid decides position tables, reshapes, pools); the graph is then built for ``traced_size``, the size
+    the model is built for, and checks each image against it when it runs. The graph is thus a fixed-size
+    one even for a model that takes any size, as timm's FX graphs of its fixed-size models.
+    """
+    if isinstance(x, torch.fx.Proxy):
+        if traced_size is None:
+            raise ValueError("tracing with torch.fx needs the input size the graph is built for")
+        check_image(x, in_chans, traced_size)
+        return _as_pair(tuple(traced_size))
+    check_image(x, in_chans)
+    return (x.shape[-2], x.shape[-1])
 
 
 class PatchEmbed(nn.Module):
@@ -54,10 +82,9 @@ class PatchEmbed(nn.Module):
             raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}")
         return h // ph, w // pw
 
-    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        grid = self.grid_size(x.shape[-2:])
+    def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
+        """``traced_size``: the image size a torch.fx graph is built for (:func:`image_size`)."""
+        grid = self.grid_size(image_size(x, self.in_chans, traced_size))
         if len(self.stem):
             x = self._stem(x)
         x = self.proj(x)

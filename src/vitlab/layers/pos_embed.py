@@ -12,19 +12,27 @@ from ..mixers.base import TokenLayout, grid_residual
 
 
 def resample_pos_embed(
-    pos: Tensor, new_grid: tuple[int, int], old_grid: tuple[int, int], num_prefix: int, mode: str = "bicubic"
+    pos: Tensor,
+    new_grid: tuple[int, int],
+    old_grid: tuple[int, int],
+    num_prefix: int,
+    mode: str = "bicubic",
+    antialias: bool = True,
 ) -> Tensor:
     """Resample a learned table ``(1, P + h*w, C)`` to another patch grid; prefix rows are kept.
 
-    This is how DeiT/timm fine-tune at 384 from 224: bicubic interpolation of the
-    patch rows as a ``C``-channel image (align_corners=False, no antialiasing).
+    The patch rows are interpolated as a ``C``-channel image (bicubic, align_corners=False) with
+    antialiasing, as timm resamples tables (its ``resample_abs_pos_embed``), so a vitlab model at another
+    size computes what timm's does. The antialiased bicubic kernel (a = -0.5) differs from the plain one
+    (a = -0.75) when enlarging too; DeiT's own fine-tuning script used the plain one (``antialias=False``).
     """
     if tuple(new_grid) == tuple(old_grid):
         return pos
     prefix, grid = pos[:, :num_prefix], pos[:, num_prefix:]
     c = pos.shape[-1]
     grid = grid.reshape(1, *old_grid, c).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid.float(), size=tuple(new_grid), mode=mode, align_corners=False).to(pos.dtype)
+    grid = F.interpolate(grid.float(), size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias)
+    grid = grid.to(pos.dtype)
     return torch.cat([prefix, grid.permute(0, 2, 3, 1).reshape(1, -1, c)], dim=1)
 
 

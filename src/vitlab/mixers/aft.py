@@ -20,7 +20,8 @@ The cores, exact for keys and biases of any magnitude, live in :mod:`vitlab.ops.
 the decoding states); the modules here hold the parameters, the position biases and the projections, and run the
 cores in fp32 with autocast off (their projections follow autocast). On CUDA, AFT-full, AFT-local and AFT-simple
 run on Triton kernels (:mod:`vitlab.ops.triton_aft`, :mod:`vitlab.ops.triton_aft_simple`) that take the
-projections in their dtype and accumulate in fp32.
+projections in their dtype and accumulate in fp32; AFT-conv's window sums run on :mod:`vitlab.ops.triton_aft_conv`
+and the one-token decoding step on :mod:`vitlab.ops.triton_aft_decode`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops import aft_banded
 from ..ops.aft import (
-    PrefixCache,
-    RunningSums,
     aft_conv,
     aft_full,
     aft_local_banded,
@@ -48,10 +47,11 @@ from ..ops.aft import (
     mask_future,
 )
 from ..ops.aft_conv import qkv_width, split_qkv
+from ..ops.aft_decode import PrefixCache, RunningSums
 from ..ops.linear import fused_linear, linear_rows
-from ..ops.switch import eager_fast_path, no_autograd
+from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
-from .base import TokenLayout, TokenMixer, check_divisible
+from .base import TokenLayout, TokenMixer, check_divisible, token_count
 
 # --------------------------------------------------------------------------- elementwise FLOPs of the cores
 
@@ -125,6 +125,8 @@ def _no_autocast(x: Tensor) -> AbstractContextManager:
     """Context that runs the AFT core in fp32 even under autocast (exp of half-precision logits is lossy)."""
     # the CPU and CUDA always have autocast; asking only for other devices (e.g. the meta device that counts
     # MACs) keeps torch.compile from a graph break (dynamo in torch 2.11 cannot trace the availability query)
+    if fx_tracing():  # a symbol without a device: the graph keeps the core's own fp32 computation
+        return nullcontext()
     if x.device.type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(x.device.type):
         return nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
@@ -273,7 +275,7 @@ class AFTFull(TokenMixer):
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
         """The AFT core on fp32 ``q, k, v`` (B, N, hidden), autocast off."""
-        w = self.position_bias(k.shape[1], layout)
+        w = self.position_bias(token_count(k, layout), layout)
         return aft_simple(q, k, v, self.causal) if w is None else aft_full(q, k, v, w, self.causal)
 
     def init_state(self, batch: int, max_len: int, like: Tensor) -> RunningSums | PrefixCache:
@@ -349,7 +351,8 @@ class AFTLocal(AFTFull):
         """Whether N = ``tokens`` takes the O(N·s·d) band path: N longer than the window, and the band needs
         ``w[:N, :N]`` of the table as is, whatever the layout: causal ``N <= max_len`` (the top-left block) or
         ``N == max_len``. Other N take the dense path, where ``_fit`` resamples (or rejects) the bias."""
-        return 0 < self.window < tokens <= self.max_len and (self.causal or tokens == self.max_len)
+        band = 0 < self.window < tokens <= self.max_len and (self.causal or tokens == self.max_len)
+        return band and not fx_tracing()  # torch.fx records the dense path (the band's blocks loop on data)
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False
@@ -361,7 +364,7 @@ class AFTLocal(AFTFull):
         return super().extra_flops(batch, tokens, layout)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, layout: TokenLayout) -> Tensor:
-        n = k.shape[1]
+        n = token_count(k, layout)
         if not self.uses_band(n):
             return super()._core(q, k, v, layout)
         band = aft_banded.local_bias_band(n, aft_banded.band_block(self.window), self.u, self.v, self.w, self.causal)
@@ -562,6 +565,12 @@ class AFTConv(TokenMixer):
         qkv = fused_linear(self.qkv, x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
         with _no_autocast(x):
             w = self.position_bias()
-            y = aft_conv(qkv.float(), w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
+            args = (w, layout.grid, layout.num_prefix, self.outside == "zero", self.query)
+            if triton_runs_on(qkv):  # the window sums on the GPU kernels, from the projection in its own dtype
+                from ..ops.triton_aft_conv import aft_conv_triton
+
+                y = aft_conv_triton(qkv, *args)
+            else:
+                y = aft_conv(qkv.float(), *args)
         out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": split_qkv(qkv, self.num_heads, self.query)[1]} if return_aux else {})

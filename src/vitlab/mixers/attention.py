@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..ops.linear import fused_linear
 from ..ops.softmax import softmax_keeping_dtype
-from ..ops.switch import eager_fast_path
+from ..ops.switch import eager_fast_path, fx_tracing
 from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible, merge_heads
 
 
@@ -37,7 +37,7 @@ def attention_map(q: Tensor, k: Tensor, scale: float, causal: bool = False, bias
         mask = logits.new_ones(n, n, dtype=bool).triu(1)
         logits = logits.masked_fill(mask, float("-inf"))
     # half-precision logits are normalised in fp32, as SDPA's kernels do
-    low = logits.dtype in (torch.float16, torch.bfloat16)
+    low = not fx_tracing() and logits.dtype in (torch.float16, torch.bfloat16)  # fx: a symbol without a dtype
     if low and eager_fast_path():  # fp32 sums, one rounding to the logits' dtype, and no fp32 map kept
         return softmax_keeping_dtype(logits).to(q.dtype)
     return logits.softmax(dim=-1, dtype=torch.float32 if low else None).to(q.dtype)
@@ -151,7 +151,8 @@ class Attention(TokenMixer):
         map is (N x N) per head, no bigger than the activations at these lengths. Not with attention dropout,
         whose random mask would differ from SDPA's."""
         return (
-            q.shape[-2] <= 64
+            eager_fast_path()
+            and q.shape[-2] <= 64
             and q.device.type == "cpu"
             and torch.is_grad_enabled()
             and q.requires_grad

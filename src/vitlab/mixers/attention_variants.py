@@ -207,14 +207,15 @@ class RelPos2dAttention(Attention):
         p = layout.num_prefix
         rows, cols = self.offsets(layout.grid, q.device)
         qs = q * self.scale
-        bias = (qs @ self.rel_prefix.to(q.dtype)).unsqueeze(-1).expand(b, h, n, n).clone()
+        prefix = (qs @ self.rel_prefix.to(q.dtype)).unsqueeze(-1).expand(b, h, n, n)
         m = n - p
         idx = (b, h, m, m)
         patches = qs[:, :, p:]
-        bias[:, :, p:, p:] = (patches @ self.rel_row.to(q.dtype).T).gather(-1, rows.expand(idx)) + (
+        grid = (patches @ self.rel_row.to(q.dtype).T).gather(-1, rows.expand(idx)) + (
             patches @ self.rel_col.to(q.dtype).T
         ).gather(-1, cols.expand(idx))
-        return bias
+        # assembled, not written into a copy: the same values, and torch.fx traces it
+        return torch.cat([prefix[:, :, :p], torch.cat([prefix[:, :, p:, :p], grid], -1)], 2)
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
@@ -259,7 +260,8 @@ class PEGQKAttention(Attention):
         w, b = self.qkv.weight, self.qkv.bias
         qk = F.linear(grid_residual(x, layout, self.peg), w[: 2 * c], None if b is None else b[: 2 * c])
         v = F.linear(x, w[2 * c :], None if b is None else b[2 * c :])
-        q, k = (split_heads(t, self.num_heads) for t in qk.chunk(2, -1))
+        q, k = qk.chunk(2, -1)  # unpacked by name: torch.fx traces it
+        q, k = split_heads(q, self.num_heads), split_heads(k, self.num_heads)
         return self.attend(q, k, split_heads(v, self.num_heads), return_aux)
 
 

@@ -81,6 +81,41 @@ class ElementwiseFlops:
         return 0
 
 
+def token_count(x: Tensor, layout: TokenLayout) -> int:
+    """N of tokens ``x`` (B, N, C). While torch.fx traces, ``x``'s sizes are symbols; the graph is built for the
+    layout's grid (the model's own input size), so N is its prefix plus its patch tokens."""
+    if isinstance(x, torch.fx.Proxy) and layout.grid is not None:
+        return layout.num_prefix + layout.grid[0] * layout.grid[1]
+    return x.shape[1]
+
+
+def check_tokens(
+    x: Tensor, name: str, dim: int, num_prefix: int, grid: tuple[int, int] | None, needs_grid: bool
+) -> None:
+    """ValueError unless ``x`` is ``(B, N, dim)`` tokens laid out as ``num_prefix`` prefix tokens and a ``grid``
+    of patch tokens (required where ``needs_grid``); ``name`` says whose input it is."""
+    if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != dim:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{name}: expected tokens of shape (B, N, C={dim}), got {shape}")
+    n = x.shape[1]
+    if num_prefix < 0 or num_prefix > n:
+        raise ValueError(f"{name}: num_prefix={num_prefix} is outside [0, N={n}]")
+    if grid is not None:
+        gh, gw = grid
+        if gh * gw != n - num_prefix:
+            raise ValueError(
+                f"{name}: grid {gh}x{gw} needs N = {num_prefix} prefix + {gh * gw} patch tokens, got N = {n}"
+            )
+    elif needs_grid:
+        raise ValueError(
+            f"{name}: needs the patch grid; pass layout=TokenLayout(grid=(H, W), num_prefix=...) "
+            f"with H*W = N - num_prefix"
+        )
+
+
+torch.fx.wrap("check_tokens")  # a torch.fx graph keeps the check as a call on the tokens it gets
+
+
 class TokenMixer(ElementwiseFlops, nn.Module):
     """Base class: input checks, the ``return_aux`` convention, and the defaults of the self-descriptions
     (:class:`ElementwiseFlops`, incremental decoding).
@@ -127,25 +162,8 @@ class TokenMixer(ElementwiseFlops, nn.Module):
         raise NotImplementedError
 
     def check_input(self, x: Tensor, layout: TokenLayout | None) -> TokenLayout:
-        name = type(self).__name__
-        if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected tokens of shape (B, N, C={self.dim}), got {shape}")
         layout = layout or TokenLayout()
-        n = x.shape[1]
-        if layout.num_prefix < 0 or layout.num_prefix > n:
-            raise ValueError(f"{name}: num_prefix={layout.num_prefix} is outside [0, N={n}]")
-        if layout.grid is not None:
-            gh, gw = layout.grid
-            if gh * gw != n - layout.num_prefix:
-                raise ValueError(
-                    f"{name}: grid {gh}x{gw} needs N = {layout.num_prefix} prefix + {gh * gw} patch tokens, got N = {n}"
-                )
-        elif self.needs_grid:
-            raise ValueError(
-                f"{name}: needs the patch grid; pass layout=TokenLayout(grid=(H, W), num_prefix=...) "
-                f"with H*W = N - num_prefix"
-            )
+        check_tokens(x, type(self).__name__, self.dim, layout.num_prefix, layout.grid, self.needs_grid)
         return layout
 
 

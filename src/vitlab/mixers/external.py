@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..ops.double_norm import double_normalize
 from ..ops.fold import can_fold
 from ..ops.linear import fused_linear
+from ..ops.switch import fx_tracing
 from .base import SOFTMAX, TokenLayout, TokenMixer, check_divisible
 
 #: how external attention normalises its map over the memory slots (docs/semantics.md, Decision E3)
@@ -39,7 +40,7 @@ def normalize_memory(
     alone with the memories (no token would see another), so that is not the reading (Decision E3)."""
     if norm == "double":
         return double_normalize(logits, token_dim, memory_dim, eps, inplace)
-    low = logits.dtype in (torch.float16, torch.bfloat16)
+    low = not fx_tracing() and logits.dtype in (torch.float16, torch.bfloat16)  # fx: a symbol without a dtype
     return logits.softmax(dim=token_dim, dtype=torch.float32 if low else None).to(logits.dtype)
 
 

@@ -73,6 +73,29 @@ def _bias_act(x: Tensor, bias: Tensor | None, relu6: bool) -> Tensor:
     return x.clamp_(0.0, 6.0) if relu6 else x
 
 
+def check_maps(attn: Tensor, num_heads: int, name: str) -> None:
+    """ValueError unless ``attn`` is ``(B, num_heads, N, N)`` attention maps (``name``: whose input)."""
+    if attn.dim() != 4 or attn.shape[1] != num_heads or attn.shape[2] != attn.shape[3]:
+        raise ValueError(f"{name}: expected attention maps (B, H={num_heads}, N, N), got {tuple(attn.shape)}")
+
+
+def check_prev_map(attn_prev: Tensor, x: Tensor, num_heads: int, reads: bool = True) -> None:
+    """ValueError unless ``attn_prev`` is the previous block's map ``(B, H, N, N)`` for the tokens ``x``. A block
+    that never ``reads`` the map (neither shared nor residual) takes any head count: after a block without the
+    reduction (Refiner Table 3) there are rH maps."""
+    heads = num_heads if reads or attn_prev.dim() != 4 else attn_prev.shape[1]
+    want = (x.shape[0], heads, x.shape[1], x.shape[1])
+    if tuple(attn_prev.shape) != want:
+        raise ValueError(
+            f"RefinerAttention: attn_prev must be the previous block's map of shape (B, H, N, N) = {want}, "
+            f"got {tuple(attn_prev.shape)}"
+        )
+
+
+torch.fx.wrap("check_maps")  # kept as calls in a torch.fx graph
+torch.fx.wrap("check_prev_map")
+
+
 class SameDepthwiseConv2d(nn.Conv2d):
     """Depth-wise k×k convolution, no bias, TensorFlow-"same" zero padding at stride 1.
 
@@ -197,10 +220,7 @@ class DistributedLocalAttention(nn.Module):
     ) -> Tensor:
         """Refined maps; ``post = (a, c)`` (one value per output head) returns ``a · DLA(attn) + c``. ``layout``:
         the tokens' patch grid, needed by the kernel constraints that run over the keys' image grid."""
-        if attn.dim() != 4 or attn.shape[1] != self.num_heads or attn.shape[2] != attn.shape[3]:
-            raise ValueError(
-                f"{type(self).__name__}: expected attention maps (B, H={self.num_heads}, N, N), got {tuple(attn.shape)}"
-            )
+        check_maps(attn, self.num_heads, type(self).__name__)
         if self.key_grid and (layout is None or layout.grid is None):
             raise ValueError(
                 f"{type(self).__name__}: kernel_constraint={self.kernel_constraint!r} convolves over the keys' "
@@ -417,21 +437,9 @@ class RefinerAttention(Attention):
         out = out.to(attn.dtype)  # BN/conv may run in another precision under autocast
         return out * scale if scale != 1.0 else out
 
-    def _check_prev(self, attn_prev: Tensor, x: Tensor) -> None:
-        # a block that never reads the map (neither shared nor residual) takes any head count: after a block
-        # without the reduction (Table 3) it has rH maps
-        reads = self.share or self.residual_attention
-        heads = self.num_heads if reads or attn_prev.dim() != 4 else attn_prev.shape[1]
-        want = (x.shape[0], heads, x.shape[1], x.shape[1])
-        if tuple(attn_prev.shape) != want:
-            raise ValueError(
-                f"RefinerAttention: attn_prev must be the previous block's map of shape (B, H, N, N) = {want}, "
-                f"got {tuple(attn_prev.shape)}"
-            )
-
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if attn_prev is not None:
-            self._check_prev(attn_prev, x)
+            check_prev_map(attn_prev, x, self.num_heads, self.share or self.residual_attention)
         if self.share:
             if attn_prev is None:
                 raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")

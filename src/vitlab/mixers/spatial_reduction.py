@@ -76,7 +76,8 @@ class SpatialReductionAttention(TokenMixer):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q = split_heads(self.q(x), self.num_heads)
-        k, v = (split_heads(t, self.num_heads) for t in self.kv(self.reduced(x, layout)).chunk(2, -1))
+        k, v = self.kv(self.reduced(x, layout)).chunk(2, -1)  # unpacked by name: torch.fx traces it
+        k, v = split_heads(k, self.num_heads), split_heads(v, self.num_heads)
         aux: dict[str, Tensor] = {}
         if return_aux:
             attn = attention_map(q, k, self.scale)

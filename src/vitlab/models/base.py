@@ -169,11 +169,17 @@ class FeatureInfo(list):
         return self.get("module", idx)
 
 
+#: a group_matcher suffix that joins the layer before (timm's ``MATCH_PREV_GROUP``: the final norm learns with
+#: the last block)
+MATCH_PREV_GROUP = 99999
+
+
 def layer_ids(names: Iterable[str], matcher: dict[str, Any]) -> dict[str, int]:
     """Which layer each parameter belongs to, from a timm ``group_matcher`` dict (timm's ``group_parameters``
     rule): every group's regexes are tried in order (anchored at the start); a parameter gets the group's
     ordinal, the numbers the regex captured and the regex's suffix; unmatched ones (the head) come last; the
-    sorted ordinals are then numbered 0, 1, ... (stem 0, block i -> i + 1, final norm, head)."""
+    sorted ordinals are then numbered 0, 1, ..., except that one ending in :data:`MATCH_PREV_GROUP` shares the
+    number before it (stem 0, block i -> i + 1, the final norm with the last block, head L + 1)."""
     compiled = []
     for ordinal, spec in enumerate(matcher.values()):
         for rx, suffix in [(spec, None)] if isinstance(spec, str) else spec:
@@ -186,7 +192,10 @@ def layer_ids(names: Iterable[str], matcher: dict[str, Any]) -> dict[str, int]:
         return (float("inf"),)
 
     keys = {n: key(n) for n in names}
-    number = {k: i for i, k in enumerate(sorted(set(keys.values())))}
+    number: dict[tuple[float, ...], int] = {}
+    for k in sorted(set(keys.values())):
+        joins = number and k[-1] == MATCH_PREV_GROUP
+        number[k] = len(set(number.values())) - 1 if joins else len(set(number.values()))
     return {n: number[k] for n, k in keys.items()}
 
 
@@ -204,7 +213,6 @@ class Classifier(nn.Module):
     num_classes: int
     blocks: nn.ModuleList
     grad_checkpointing: bool = False
-    first_conv: str = "patch_embed.proj"
     STEM: tuple[str, ...] = ("cls_token", "pos_embed", "patch_embed")
     NO_WEIGHT_DECAY: tuple[str, ...] = ("pos_embed", "cls_token", "dist_token")
     #: extra (regex, suffix) groups of parameters that belong to block N (CPVT's PEG after block N)
@@ -222,6 +230,13 @@ class Classifier(nn.Module):
     @property
     def num_prefix_tokens(self) -> int:  # timm's name
         return self.num_prefix
+
+    @property
+    def first_conv(self) -> str:
+        """The first layer that sees the image (timm's ``first_conv``): the CNN stem's first convolution where
+        there is one, else the patch projection."""
+        stem = getattr(getattr(self, "patch_embed", None), "stem", ())
+        return "patch_embed.stem.0" if len(stem) else "patch_embed.proj"
 
     @property
     def reduction(self) -> int:
@@ -269,7 +284,13 @@ class Classifier(nn.Module):
 
     # ------------------------------------------------------------------------------------------ head
     def new_head(self, num_classes: int) -> nn.Module:
-        return nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        """A head for ``num_classes`` on the model's device and dtype, in its training mode (timm's contract:
+        a head replaced after ``.to(...)`` lands where the model is)."""
+        if num_classes <= 0:
+            return nn.Identity()
+        like = next(self.parameters(), None)
+        where = {} if like is None else {"device": like.device, "dtype": like.dtype}
+        return nn.Linear(self.embed_dim, num_classes, **where).train(self.training)
 
     def get_classifier(self) -> nn.Module:
         return self.head
@@ -383,9 +404,10 @@ class Classifier(nn.Module):
 
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
         """timm's parameter groups for layer-wise learning-rate decay: the stem (embeddings, tokens, tables),
-        then one group per block, then the final norm; the head is left unmatched (timm puts it last)."""
+        then one group per block, the final norm joining the last; the head is left unmatched (timm puts it
+        last)."""
         stem = "|".join(rf"^{re.escape(name)}(?:\.|$)" for name in self.STEM)
-        blocks = [(r"^blocks\.(\d+)\.", None), *self.BLOCK_GROUPS, (r"^norm\.", (99999,))]
+        blocks = [(r"^blocks\.(\d+)\.", None), *self.BLOCK_GROUPS, (r"^norm\.", (MATCH_PREV_GROUP,))]
         return {"stem": stem, "blocks": blocks}
 
     def regularization_loss(self) -> Tensor | None:
@@ -452,7 +474,7 @@ class Classifier(nn.Module):
         self._record(img_size=size[0] if size[0] == size[1] else size)
         cfg = self.__dict__.get("_pretrained_cfg")
         if cfg is not None:
-            cfg["input_size"] = (self.in_chans, *size)
+            cfg["input_size"], cfg["pool_size"] = (self.in_chans, *size), tuple(self.grid)
         if isinstance(getattr(self, "meta", None), dict):
             self.meta["input_size"] = (self.in_chans, *size)
 
@@ -468,11 +490,16 @@ class Classifier(nn.Module):
         return save_pretrained(self, folder)
 
 
+#: timm's ``feature_cls`` values a vitlab model serves: its ``forward_intermediates`` getter (None: the default)
+FEATURE_CLASSES = (None, "getter")
+
+
 class FeatureGetter(nn.Module):
-    """timm's ``features_only`` model: ``forward(x)`` returns the outputs of the blocks ``out_indices`` (an int
-    n: the last n; default 3) as ``(B, C, H, W)`` maps (``output_fmt="NLC"``: tokens), through
-    ``forward_intermediates``. The blocks after the last one, the head and (unless ``norm``) the final norm
-    are removed from ``model``. ``feature_info`` describes each output."""
+    """timm's ``features_only`` model (timm's ``feature_cls='getter'``): ``forward(x)`` returns the outputs of
+    the blocks ``out_indices`` (an int n: the last n; default 3) as ``(B, C, H, W)`` maps (``output_fmt="NLC"``:
+    tokens), through ``forward_intermediates``. The blocks after the last one, the head and (unless ``norm``)
+    the final norm are removed from ``model``. ``feature_info`` describes each output; ``pretrained_cfg`` /
+    ``default_cfg`` are the model's."""
 
     def __init__(
         self,
@@ -490,7 +517,7 @@ class FeatureGetter(nn.Module):
         self.out_indices = model.prune_intermediate_layers(out_indices, prune_norm=not norm, prune_head=True)
         self.feature_info = FeatureInfo(info[i] for i in self.out_indices)
         self.model, self.output_fmt, self.norm = model, output_fmt, norm
-        self.pretrained_cfg = model.pretrained_cfg
+        self.pretrained_cfg = self.default_cfg = model.pretrained_cfg
 
     def forward(self, x: Tensor) -> list[Tensor]:
         return self.model.forward_intermediates(
@@ -499,3 +526,16 @@ class FeatureGetter(nn.Module):
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.model.set_grad_checkpointing(enable)
+
+
+def feature_extractor(
+    model: Classifier, out_indices: int | Sequence[int] | None = None, feature_cls: str | None = None, **kw: Any
+) -> FeatureGetter:
+    """timm's ``features_only=True``: the :class:`FeatureGetter` of ``model`` (``feature_cls`` None or
+    ``'getter'``: timm's other feature classes hook or rewrite a CNN's modules, which a token model has not)."""
+    if feature_cls not in FEATURE_CLASSES:
+        raise ValueError(
+            f"feature_cls={feature_cls!r}: vitlab models extract features with forward_intermediates "
+            f"(feature_cls='getter', the default); leave it unset or pass 'getter'"
+        )
+    return FeatureGetter(model, out_indices, **kw)

@@ -1,8 +1,11 @@
 """Hugging Face-style model folders: ``config.json`` + ``model.safetensors`` + ``README.md`` (a model card).
 
-``config.json`` names the registered model and the options it was built with (``model_kwargs``) and holds
-its ``pretrained_cfg`` (input size, crop, interpolation, normalisation, ...); ``model.safetensors`` holds
-the state_dict. Reading a folder is reading JSON and raw tensors: nothing in it can run code.
+``config.json`` names the registered model and the options it was built with (``model_args``) and holds
+its ``pretrained_cfg`` (input size, crop, interpolation, normalisation, ...: timm's fields; vitlab's own
+entries, the published result and the training data, under ``vitlab_cfg``); ``model.safetensors`` holds the
+state_dict. The layout is timm's hub format too (``architecture`` = ``vitlab.<name>``, ``num_classes``,
+``num_features``, ``model_args``), so ``timm.create_model("local-dir:<folder>")`` reads it once the timm
+plug-in is registered. Reading a folder is reading JSON and raw tensors: nothing in it can run code.
 ``vitlab.from_pretrained(folder)`` builds the model again.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..io import check_writable_folder, write_json_atomic, write_safetensors_atomic, write_text_atomic
+from .timm_cfg import TIMM_ARCH, TIMM_CFG_KEYS
 
 FORMAT = "vitlab-pretrained"
 VERSION = 1
@@ -84,12 +88,17 @@ def save_pretrained(model: nn.Module, folder: str | os.PathLike) -> Path:
             f"with vitlab.create_model(name, **options) to save it as a folder"
         )
     folder = check_writable_folder(Path(folder).expanduser(), "save_pretrained folder")
+    cfg = dict(model.pretrained_cfg)
     config = {
         "format": FORMAT,
         "version": VERSION,
+        "architecture": f"{TIMM_ARCH}.{name}",
+        "num_classes": model.num_classes,
+        "num_features": model.num_features,
         "model_name": name,
-        "model_kwargs": to_json(dict(model.model_kwargs), "model_kwargs"),
-        "pretrained_cfg": to_json(dict(model.pretrained_cfg), "pretrained_cfg"),
+        "model_args": to_json(dict(model.model_kwargs), "model_args"),
+        "pretrained_cfg": to_json({k: v for k, v in cfg.items() if k in TIMM_CFG_KEYS}, "pretrained_cfg"),
+        "vitlab_cfg": to_json({k: v for k, v in cfg.items() if k not in TIMM_CFG_KEYS}, "vitlab_cfg"),
     }
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors_atomic(model.state_dict(), folder / WEIGHTS, {"format": "pt", "writer": "vitlab", "model": name})
@@ -102,8 +111,19 @@ def is_model_folder(path: str | os.PathLike) -> bool:
     return (Path(path).expanduser() / CONFIG).is_file()
 
 
+def is_vitlab_folder(path: str | os.PathLike) -> bool:
+    """A folder ``save_pretrained`` wrote (its ``config.json`` says so), not one of another library."""
+    try:
+        config = json.loads((Path(path).expanduser() / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and config.get("format") == FORMAT
+
+
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
-    """``config.json`` of a model folder, checked: ``{"model_name", "model_kwargs", "pretrained_cfg"}``."""
+    """``config.json`` of a model folder, checked: ``{"model_name", "model_kwargs", "pretrained_cfg"}``
+    (``model_args`` and ``vitlab_cfg`` as written; a version-1 folder of earlier vitlab names them
+    ``model_kwargs`` and keeps every entry in ``pretrained_cfg``)."""
     folder = Path(folder).expanduser()
     path = folder / CONFIG
     if not path.is_file():
@@ -116,9 +136,14 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not a vitlab model config (format {FORMAT!r} expected)")
     if config.get("version", 0) > VERSION:
         raise ValueError(f"{path} has format version {config['version']}; this vitlab reads up to {VERSION}")
-    kwargs, cfg = config.get("model_kwargs", {}), config.get("pretrained_cfg", {})
-    if not isinstance(config.get("model_name"), str) or not isinstance(kwargs, dict) or not isinstance(cfg, dict):
-        raise ValueError(f"{path}: model_name must be a string, model_kwargs and pretrained_cfg objects")
+    kwargs = config.get("model_args", config.get("model_kwargs", {}))
+    cfg, extra = config.get("pretrained_cfg", {}), config.get("vitlab_cfg", {})
+    if not isinstance(config.get("model_name"), str) or not all(isinstance(d, dict) for d in (kwargs, cfg, extra)):
+        raise ValueError(f"{path}: model_name must be a string, model_args, pretrained_cfg and vitlab_cfg objects")
     if not (folder / WEIGHTS).is_file():
         raise FileNotFoundError(f"{folder} has no {WEIGHTS}")
-    return {"model_name": config["model_name"], "model_kwargs": from_json(kwargs), "pretrained_cfg": from_json(cfg)}
+    return {
+        "model_name": config["model_name"],
+        "model_kwargs": from_json(kwargs),
+        "pretrained_cfg": from_json(cfg | extra),
+    }

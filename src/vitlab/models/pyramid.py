@@ -43,8 +43,8 @@ class NormedPatchEmbed(PatchEmbed):
         super().__init__(patch_size, in_chans, dim)
         self.norm = nn.LayerNorm(dim, eps=norm_eps)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        tokens, grid = super().forward(x)
+    def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
+        tokens, grid = super().forward(x, traced_size)
         return self.norm(tokens), grid
 
 
@@ -190,7 +190,7 @@ class PyramidCPVT(Classifier):
                 break
             if grid is not None:  # the previous stage's tokens back to an image
                 x = x.transpose(1, 2).reshape(b, -1, *grid)
-            x, grid = embed(x)
+            x, grid = embed(x, grid or self.img_size)  # (a traced graph's sizes: this stage's input)
             layout = TokenLayout(grid, 0)
 
             def peg_after_first(j: int, t: Tensor, peg=peg, layout=layout) -> Tensor:

@@ -12,9 +12,10 @@ from torch import nn
 
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
-from .base import FeatureGetter
+from .base import feature_extractor
 from .pyramid import PyramidCPVT
 from .t2t import T2TViT
+from .timm_cfg import TIMM_CFG_KEYS
 from .tnt import TNT
 from .vit import VisionTransformer
 
@@ -24,29 +25,10 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "t2t": T2TViT,
     "pyramid": PyramidCPVT,
 }
-#: what ``pretrained_cfg_overlay`` may change (timm's keys of a pretrained configuration)
-CFG_KEYS = (
-    "input_size",
-    "interpolation",
-    "crop_pct",
-    "crop_mode",
-    "mean",
-    "std",
-    "num_classes",
-    "first_conv",
-    "classifier",
-    "top1",
-    "weights_url",
-    "file",
-    "url",
-    "paper",
-    "source",
-    "notes",
-    "architecture",
-    "data",
-    "holdout",
-    "label_names",
-)
+#: vitlab's own entries beside them (the published result, the paper, the training data of a checkpoint)
+VITLAB_CFG_KEYS = ("top1", "weights_url", "paper", "data", "holdout")
+#: what ``pretrained_cfg_overlay`` may change
+CFG_KEYS = TIMM_CFG_KEYS + VITLAB_CFG_KEYS
 LUMINANCE = (0.299, 0.587, 0.114)  # ITU-R 601: RGB statistics -> one grey channel
 
 
@@ -114,8 +96,11 @@ class ModelConfig:
         protocol (crop, interpolation, normalisation for its channels), head, and the published result."""
         chans = model.in_chans
         return {
+            **dict.fromkeys(TIMM_CFG_KEYS),  # every timm field, unset unless below
+            "custom_load": False,
             "architecture": self.name,
-            "input_size": (chans, *model.img_size),
+            "tag": self.name,
+            **input_cfg(model),
             "interpolation": self.interpolation,
             "crop_pct": self.crop_pct,
             "crop_mode": "center",
@@ -129,7 +114,24 @@ class ModelConfig:
             "top1": self.top1,
             "weights_url": self.weights_url,
             "file": self.weights_file,
+            "origin_url": self.weights_url or None,
+            "paper_name": self.paper or None,
+            "license": None,  # the official checkpoints' licences differ; see each source
         }
+
+
+def input_cfg(model: nn.Module) -> dict[str, Any]:
+    """timm's description of a model's input as built: ``input_size``, ``pool_size`` (the token grid
+    ``forward_features`` ends on), ``fixed_input_size`` (it computes at this size only) and the test / minimum
+    sizes (none: evaluated at the training size; any multiple of the patch size where not fixed)."""
+    chans = model.in_chans
+    return {
+        "input_size": (chans, *model.img_size),
+        "pool_size": tuple(model.grid),
+        "fixed_input_size": not accepts_any_size(model),
+        "test_input_size": None,
+        "min_input_size": None,
+    }
 
 
 def architecture(arch: str) -> type[nn.Module]:
@@ -174,6 +176,7 @@ def build_model(
     pretrained_cfg_overlay: dict[str, Any] | None = None,
     features_only: bool = False,
     out_indices: int | Sequence[int] | None = None,
+    feature_cls: str | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Build the named model with random weights; ``overrides`` replace config arguments (num_classes,
@@ -182,7 +185,8 @@ def build_model(
     The model carries how it was built (``model_name``, ``model_kwargs``: what ``save_pretrained`` writes),
     timm's ``pretrained_cfg`` (``pretrained_cfg_overlay`` replaces entries of it) and ``model.meta`` (paper,
     source, input size, mean/std). ``features_only=True`` returns timm's feature extractor
-    (:class:`~vitlab.models.base.FeatureGetter`) of the blocks ``out_indices`` (default: the last 3).
+    (:class:`~vitlab.models.base.FeatureGetter`, timm's ``feature_cls='getter'``) of the blocks ``out_indices``
+    (default: the last 3).
     The public ``vitlab.create_model`` (:mod:`vitlab.pretrained`) is this plus weights (``pretrained=``,
     ``checkpoint_path=``); the layers below the public front build through this one.
     """
@@ -194,7 +198,7 @@ def build_model(
                          "configuration); building it would exhaust the memory")  # fmt: skip
     model = MODELS.create(name, **overrides)
     describe(model, cfg, overrides, overlay)
-    return FeatureGetter(model, out_indices) if features_only else model
+    return feature_extractor(model, out_indices, feature_cls) if features_only else model
 
 
 def supports_dynamic_size(model: nn.Module, resample: bool = False) -> bool:
@@ -211,8 +215,20 @@ def supports_dynamic_size(model: nn.Module, resample: bool = False) -> bool:
         return False
     if resample:
         return True
-    fixed_mixer = any(getattr(m, "max_len", None) for m in model.modules() if m is not model)
-    return model.pos_embed is None and not fixed_mixer
+    return model.pos_embed is None and not has_fixed_mixer(model)
+
+
+def has_fixed_mixer(model: nn.Module) -> bool:
+    """Whether a mixer of ``model`` is built for one token count (AFT-full/local's position biases)."""
+    return any(getattr(m, "max_len", None) for m in model.modules() if m is not model)
+
+
+def accepts_any_size(model: nn.Module) -> bool:
+    """Whether ``model`` as built runs at input sizes other than its own: :func:`supports_dynamic_size`, or a
+    learned position table resampled on the fly (``dynamic_img_size``) with no mixer built for a token count."""
+    if supports_dynamic_size(model):
+        return True
+    return bool(getattr(model, "dynamic_img_size", False)) and not has_fixed_mixer(model)
 
 
 def describe(model: nn.Module, cfg: ModelConfig, overrides: dict[str, Any], overlay: dict[str, Any]) -> None:

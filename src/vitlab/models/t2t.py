@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layers import Mlp, sinusoid_1d
+from ..layers.patch_embed import image_size
 from ..mixers.attention import attention_map, attention_softmax_flops
 from ..mixers.base import ElementwiseFlops, TokenLayout
 from ..mixers.external import double_norm_flops
@@ -252,10 +253,8 @@ class TokensToToken(nn.Module):
     def grid_size(self, img_size: int | Sequence[int]) -> tuple[int, int]:
         return self.grids(img_size)[-1]
 
-    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        grids = self.grids(x.shape[-2:])
+    def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
+        grids = self.grids(image_size(x, self.in_chans, traced_size))
         x = self.splits[0](x).transpose(1, 2)  # (B, windows, C·k²), channel-major as nn.Unfold
         for layer, split, grid in zip(self.layers, self.splits[1:], grids):
             x = layer(x)
@@ -398,9 +397,9 @@ class T2TViT(Classifier):
         return self._table_cache[1]
 
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
-        x, grid = self.tokens_to_token(x)
+        x, grid = self.tokens_to_token(x, self.img_size)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + self.position_table(x.shape[1]).to(x.dtype)
+        x = x + self.position_table(1 + grid[0] * grid[1]).to(x.dtype)
         return self.pos_drop(x), TokenLayout(grid, self.num_prefix)
 
     def _trace(

@@ -38,10 +38,11 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import Block, Mlp, resample_pos_embed
-from ..layers.patch_embed import _as_pair
+from ..layers.patch_embed import _as_pair, image_size
 from ..layers.recompute import recompute_active, recomputed
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
+from ..ops.switch import no_autograd
 from .base import Classifier, check_pool, drop_path_rates
 
 
@@ -118,10 +119,8 @@ class PixelEmbed(nn.Module):
             raise ValueError(f"image size {h}x{w} must be a positive multiple of the patch size {ph}x{pw}")
         return h // ph, w // pw
 
-    def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        gh, gw = grid = self.grid_size(x.shape[-2:])
+    def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
+        gh, gw = grid = self.grid_size(image_size(x, self.in_chans, traced_size))
         (ph, pw), b, c = self.patch_size, x.shape[0], self.in_chans
         # (B, C, gh*ph, gw*pw) -> (B*gh*gw, C, ph, pw): the same rows as nn.Unfold + reshape in the official code
         patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b * gh * gw, c, ph, pw)
@@ -132,12 +131,25 @@ class PixelEmbed(nn.Module):
 def _add_to_patches(outer: Tensor, z: Tensor) -> Tensor:
     """``[outer_cls, outer_patches + z]`` as a new tensor. Without autograd the sum is written straight into the
     new tensor (one pass over the tokens, not an add then a concatenation)."""
-    if torch.is_grad_enabled() and (outer.requires_grad or z.requires_grad):
+    if not no_autograd(outer, z):  # (and with the fast paths off, or while torch.fx traces)
         return torch.cat([outer[:, :1], outer[:, 1:] + z], dim=1)
     out = torch.empty_like(outer)
     out[:, :1] = outer[:, :1]
     torch.add(outer[:, 1:], z, out=out[:, 1:])
     return out
+
+
+def check_words(inner: Tensor, outer: Tensor, words_shape: tuple[int, int]) -> None:
+    """ValueError unless the inner tokens ``(B*n, m, c)`` belong to the outer ones ``(B, n + 1, d)``."""
+    b, n1 = outer.shape[:2]
+    if inner.dim() != 3 or inner.shape[0] != b * (n1 - 1) or tuple(inner.shape[1:]) != words_shape:
+        raise ValueError(
+            f"TNTBlock: for outer tokens {tuple(outer.shape)} the inner tokens must be "
+            f"(B*n={b * (n1 - 1)}, m={words_shape[0]}, c={words_shape[1]}), got {tuple(inner.shape)}"
+        )
+
+
+torch.fx.wrap("check_words")  # kept as a call in a torch.fx graph
 
 
 class TNTBlock(nn.Module):
@@ -193,12 +205,8 @@ class TNTBlock(nn.Module):
         """``inner`` (B*n, m, c), ``outer`` (B, n + 1, d) -> updated (inner, outer[, aux])."""
         aux: dict[str, Tensor] = {}
         if self.has_inner:
-            b, n1 = outer.shape[:2]
-            if inner.dim() != 3 or inner.shape[0] != b * (n1 - 1) or tuple(inner.shape[1:]) != self.words_shape:
-                raise ValueError(
-                    f"TNTBlock: for outer tokens {tuple(outer.shape)} the inner tokens must be "
-                    f"(B*n={b * (n1 - 1)}, m={self.words_shape[0]}, c={self.words_shape[1]}), got {tuple(inner.shape)}"
-                )
+            check_words(inner, outer, self.words_shape)
+            b = outer.shape[0]
             inner = self.inner(inner, inner_layout or TokenLayout(), return_aux=return_aux)
             if return_aux:
                 inner, inner_aux = inner
@@ -323,8 +331,10 @@ class TNT(Classifier):
 
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.pixel_embed.grid_size(size)
-        if grid != self.grid:
-            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+        if self.pos_embed is not None and grid != self.grid:  # (the ablations without a patch table: none)
+            self.pos_embed = nn.Parameter(
+                resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix), self.pos_embed.requires_grad
+            )
         self.grid = grid
 
     def init_weights(self) -> None:
@@ -334,7 +344,7 @@ class TNT(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
-        inner, grid = self.pixel_embed(x)
+        inner, grid = self.pixel_embed(x, self.img_size)
         if self.pos_embed is not None and grid != self.grid and not self.dynamic_img_size:
             ph, pw = self.patch_size
             raise ValueError(

@@ -167,9 +167,13 @@ class VisionTransformer(Classifier):
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.patch_embed.grid_size(size)
         if self.pos_embed is not None and grid != self.grid:
-            self.pos_embed = nn.Parameter(resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix))
+            self.pos_embed = nn.Parameter(
+                resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix), self.pos_embed.requires_grad
+            )
             for key, table in self.block_pos_embed.items():
-                self.block_pos_embed[key] = nn.Parameter(resample_pos_embed(table, grid, self.grid, self.num_prefix))
+                self.block_pos_embed[key] = nn.Parameter(
+                    resample_pos_embed(table, grid, self.grid, self.num_prefix), table.requires_grad
+                )
         for blk in self.blocks:  # AFT-full/local: position biases built for a token count are resampled
             if isinstance(getattr(blk.mixer, "resample", None), bool) and grid != self.grid:
                 blk.mixer.resample = True
@@ -177,7 +181,7 @@ class VisionTransformer(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
-        x, grid = self.patch_embed(x)
+        x, grid = self.patch_embed(x, self.img_size)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
         x = torch.cat([*prefix, x], dim=1)
         layout = TokenLayout(grid, self.num_prefix)
@@ -216,11 +220,16 @@ class VisionTransformer(Classifier):
         """Pooled features (``pre_logits``) or logits; DeiT's two heads and Refined-ViT's aux head when present.
 
         With ``global_pool=''`` every token goes through the main head only: the distillation and
-        token-labelling heads combine pooled logits, so they have no per-token meaning.
+        token-labelling heads combine pooled logits, so they have no per-token meaning. DeiT's pre-logits are
+        the average of the class and distillation tokens (timm's), so that a model without a head
+        (``num_classes=0``) returns them.
         """
         pooled = self.pool(x)
-        if pre_logits or not self.global_pool:
-            return pooled if pre_logits else self.head(pooled)
+        if pre_logits:
+            distilled = self.head_dist is not None and self.global_pool == "token"
+            return (pooled + x[:, 1]) / 2 if distilled else pooled
+        if not self.global_pool:
+            return self.head(pooled)
         logits = self.head(pooled)
         if self.head_dist is not None:
             logits_dist = self.head_dist(x[:, 1])

@@ -1,4 +1,4 @@
-"""The AFT cores (paper Eq. 2 and 6), exact for keys and biases of any magnitude, and their decoding states.
+"""The AFT cores (paper Eq. 2 and 6), exact for keys and biases of any magnitude (decoding states: :mod:`.aft_decode`).
 
 AFT replaces dot-product attention by a per-channel weighted average whose weights combine the keys with learned
 pair-wise position biases::
@@ -31,7 +31,7 @@ from torch import Tensor
 from .aft_banded import banded_sums
 from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
 from .aft_simple import aft_simple_qkv, context
-from .switch import capturing_graph, eager_fast_path, no_autograd, traced_or_exported
+from .switch import capturing_graph, eager_fast_path, fx_tracing, no_autograd, traced_or_exported
 
 # Every max-shifted weight is <= 1. A shifted denominator >= 1e-20 is a sum whose contributing terms are products
 # of normal fp32 factors (accurate); below it the leading terms may have underflowed: the entry is recomputed.
@@ -108,7 +108,7 @@ def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: Bi
 def _data_checks_allowed(t: Tensor) -> bool:
     """Whether a data-dependent branch may run: not on the meta device (MAC counting) and not while a graph is
     traced or exported (TorchScript trace, ONNX), which records the fast path only."""
-    return t.device.type != "meta" and not traced_or_exported()
+    return not fx_tracing() and t.device.type != "meta" and not traced_or_exported()
 
 
 def _gate(q: Tensor, y: Tensor) -> Tensor:
@@ -247,7 +247,8 @@ def aft_simple_fused(qkv: Tensor, causal: bool = False) -> Tensor:
     the fast paths on, :func:`~vitlab.ops.aft_simple.aft_simple_qkv` (the gradient of ``qkv`` in one buffer);
     otherwise the composite form on its three views, which a captured graph differentiates itself."""
     if causal or not eager_fast_path():
-        return aft_simple(*qkv.chunk(3, -1), causal)
+        q, k, v = qkv.chunk(3, -1)  # unpacked by name: torch.fx cannot star-unpack a symbol
+        return aft_simple(q, k, v, causal)
     return aft_simple_qkv(qkv)
 
 
@@ -330,12 +331,40 @@ def aft_conv(
     return out
 
 
+# ``patch_sums(x, x_pre, kernel, scale, per_chan, grid)``: L(x) of the patches (B, H·W, C + h) of
+# :func:`_aft_conv_composite`; ``per_chan`` (C + h,) is the head of each channel of the key context
+PatchSums = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor, tuple[int, int]], Tensor]
+
+
+def _conv_patch_sums(
+    x: Tensor, x_pre: Tensor, kernel: Tensor, scale: Tensor | None, per_chan: Tensor, grid: tuple[int, int]
+) -> Tensor:
+    """AFT-conv's sums of the patches (B, H·W, C + h) from their key context ``x`` (B, H·W, C + h) and the prefix
+    tokens' ``x_pre`` (B, P, C + h): the window's depth-wise convolution with ``kernel`` (h, s, s) plus ``scale``
+    (h,) times the sum outside the window and over the prefix (None: the window only)."""
+    b, _, cx = x.shape
+    s = kernel.shape[-1]
+    x_grid = x.transpose(1, 2).reshape(b, cx, *grid)
+    nd = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=cx)  # (B, C + h, H, W)
+    if scale is not None:
+        outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
+        nd = nd + scale[per_chan][:, None, None] * outside
+    return nd.flatten(2).transpose(1, 2)
+
+
 def _aft_conv_composite(
-    qkv: Tensor, w: Tensor, grid: tuple[int, int], num_prefix: int, global_context: bool, query: bool
+    qkv: Tensor,
+    w: Tensor,
+    grid: tuple[int, int],
+    num_prefix: int,
+    global_context: bool,
+    query: bool,
+    patch_sums: PatchSums = _conv_patch_sums,
 ) -> Tensor:
     """:func:`aft_conv` as composite operations on token-major ``(B, N, C + h)`` key contexts: what autograd
-    differentiates and graph capture records, with the exact repair of underflowed entries (:func:`_ratio`)."""
-    h, s = w.shape[0], w.shape[-1]
+    differentiates and graph capture records, with the exact repair of underflowed entries (:func:`_ratio`).
+    ``patch_sums`` forms the patches' sums (the GPU kernels: :func:`vitlab.ops.triton_aft_conv.aft_conv_triton`)."""
+    h = w.shape[0]
     q, k, v = split_qkv(qkv, h, query)
     b, n, c = v.shape
     r = c // h
@@ -343,79 +372,10 @@ def _aft_conv_composite(
     x = torch.cat([(ek.unsqueeze(-1) * v.view(b, n, h, r)).flatten(2), ek], -1)  # (B, N, C + h)
     kernel, scale = kernel_and_scale(w, global_context)  # (h, s, s) <= 1; e^{-m} (h,) or None
     per_chan = torch.cat([torch.arange(h, device=w.device).repeat_interleave(r), torch.arange(h, device=w.device)])
-    x_pre, x_grid = x[:, :num_prefix], x[:, num_prefix:].transpose(1, 2).reshape(b, c + h, *grid)
-    nd = F.conv2d(x_grid, kernel[per_chan].unsqueeze(1), padding=s // 2, groups=c + h)  # (B, C + h, H, W)
-    if scale is not None:
-        outside = _outside_window_sum(x_grid, s) + x_pre.sum(1)[..., None, None]
-        nd = nd + scale[per_chan][:, None, None] * outside
+    nd = patch_sums(x[:, num_prefix:], x[:, :num_prefix], kernel, scale, per_chan, grid)  # (B, H·W, C + h)
+    if num_prefix:  # (only with the global context) every prefix token's sums: all tokens, weighted e^{-m}
         prefix = scale[per_chan] * x.sum(1, keepdim=True).expand(b, num_prefix, c + h)
-        nd = torch.cat([prefix, nd.flatten(2).transpose(1, 2)], 1)  # (B, N, C + h)
-    else:  # no prefix tokens without the global context
-        nd = nd.flatten(2).transpose(1, 2)
+        nd = torch.cat([prefix, nd], 1)  # (B, N, C + h)
     rows = partial(_conv_bias_rows, w, grid, num_prefix, n, 0.0 if global_context else float("-inf"))
     y = _ratio(nd[..., :c].view(b, n, h, r), nd[..., c:], k, v.view(b, n, h, r), rows)
     return y.reshape(b, n, c) if q is None else _gate(q, y.reshape(b, n, c))
-
-
-# AFT-full/local decoding rescales its cache only when a key exceeds the running reference by this much (nats):
-# the cached terms stay <= e^20 (sums of T of them are far from fp32 overflow) and the O(t·d) rescale is rare
-RESCALE_MARGIN = 20.0
-
-
-class RunningSums:
-    """Decoding state of causal AFT-simple (and AFT-local without a bias): running per-channel sums
-    ``Σ e^{K_t'-m} V_t'`` and ``Σ e^{K_t'-m}`` with their running maximum m, O(d) state and work per step.
-    When a new key exceeds m, both sums are rescaled by ``e^{m-m'}``."""
-
-    def __init__(self) -> None:
-        self.m = self.num = self.den = None
-
-    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
-        """Take in position t's key and value (B, C); its output before the projection."""
-        if self.m is None:
-            self.m, self.num, self.den = k, v, torch.ones_like(k)
-        else:
-            m = torch.maximum(self.m, k)
-            old, new = (self.m - m).exp(), (k - m).exp()
-            self.m, self.num, self.den = m, self.num * old + new * v, self.den * old + new
-        return torch.sigmoid(q) * self.num / self.den  # den >= 1: the maximal key contributes e^0
-
-
-class PrefixCache:
-    """Decoding state of causal AFT-full/local: the prefix's ``[e^{K-m} V, e^{K-m}]`` (B, T, 2C) and the raw
-    K, V (for the exact fallback of :func:`_ratio`). m is a per-channel reference, raised (and the cache
-    rescaled) when a key exceeds it by more than :data:`RESCALE_MARGIN`. Position t's output is one weighted
-    sum over the cache with the bias row ``e^{w[t, :t+1] - max}`` (paper Eq. 2) of ``bias_row(t)``."""
-
-    def __init__(
-        self, bias_row: Callable[[int], Tensor], batch: int, max_len: int, channels: int, like: Tensor
-    ) -> None:
-        self.bias_row = bias_row
-        self.ctx = like.new_zeros(batch, max_len, 2 * channels, dtype=torch.float32)
-        self.k = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
-        self.v = like.new_zeros(batch, max_len, channels, dtype=torch.float32)
-        self.m: Tensor | None = None
-
-    def advance(self, q: Tensor, k: Tensor, v: Tensor, t: int) -> Tensor:
-        """Take in position t's key and value (B, C); its output before the projection."""
-        c = k.shape[-1]
-        if self.m is None:
-            self.m = k
-        elif bool((k > self.m + RESCALE_MARGIN).any()):  # rescale the cached terms to the new maximum
-            m = torch.maximum(self.m, k)
-            scale = (self.m - m).exp()[:, None]
-            self.ctx[:, :t, :c] *= scale
-            self.ctx[:, :t, c:] *= scale
-            self.m = m
-        ek = (k - self.m).exp()  # <= e^RESCALE_MARGIN
-        self.ctx[:, t, :c] = ek * v
-        self.ctx[:, t, c:] = ek
-        self.k[:, t], self.v[:, t] = k, v
-        row = self.bias_row(t)
-        weights = (row - row.max()).exp()  # (t + 1,), the row maximum is finite (w[t, t] is never excluded)
-        b = self.ctx.shape[0]
-        num, den = torch.bmm(weights.expand(b, 1, t + 1), self.ctx[:, : t + 1])[:, 0].chunk(2, -1)
-        # one query position; an underflowed entry is recomputed from the raw prefix with this row
-        prefix_k, prefix_v = self.k[:, : t + 1], self.v[:, : t + 1, :, None]
-        y = _ratio(num[:, None, :, None], den[:, None], prefix_k, prefix_v, lambda ti, g: row.expand(len(ti), -1))
-        return torch.sigmoid(q) * y[:, 0, :, 0]

@@ -34,8 +34,11 @@ from torch.autograd.function import once_differentiable
 def split_qkv(qkv: Tensor, heads: int, query: bool) -> tuple[Tensor | None, Tensor, Tensor]:
     """``[Q | K | V]`` (B, N, C + h + C), or ``[K | V]`` without the query, as views q (or None), k, v."""
     c = (qkv.shape[-1] - heads) // 2 if query else qkv.shape[-1] - heads
-    q, k, v = qkv.split([c, heads, c], -1) if query else (None, *qkv.split([heads, c], -1))
-    return q, k, v
+    if query:
+        q, k, v = qkv.split([c, heads, c], -1)
+        return q, k, v
+    k, v = qkv.split([heads, c], -1)  # unpacked by name: torch.fx cannot star-unpack a symbol
+    return None, k, v
 
 
 def kernel_and_scale(w: Tensor, global_context: bool) -> tuple[Tensor, Tensor | None]:

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .switch import fx_tracing
+
 
 def context(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``s = Σ_t softmax_t(K) V_t`` (B, 1, C) from key and value views (B, T, C), with the keys' maxima and the
@@ -58,7 +60,7 @@ def aft_simple_qkv(qkv: Tensor) -> Tensor:
     """Non-causal AFT-simple, ``sigmoid(Q_t) ⊙ Σ_t' softmax_t'(K)_t' V_t'``, from the fused projection ``qkv``
     (B, T, 3C) = ``[Q | K | V]``; (B, T, C). The same values as :func:`vitlab.ops.aft.aft_simple` on its three
     views, with the lean backward pass of this module's docstring."""
-    if torch.is_grad_enabled() and qkv.requires_grad:
+    if not fx_tracing() and torch.is_grad_enabled() and qkv.requires_grad:
         return _AFTSimpleQKV.apply(qkv)
     q, k, v = qkv.chunk(3, -1)
     s = context(k, v)[0]  # its (B, T, C) buffer is freed before the sigmoid's is allocated

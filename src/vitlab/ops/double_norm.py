@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .switch import eager_fast_path, fast_paths_enabled
+from .switch import eager_fast_path, fast_paths_enabled, fx_tracing
 from .triton_support import triton_runs_on
 
 
@@ -68,7 +68,7 @@ def double_normalize(
 
         if supports(logits, token_dim, memory_dim):
             return double_normalize_triton(logits, token_dim, eps, inplace)
-    low = logits.dtype in (torch.float16, torch.bfloat16)
+    low = not fx_tracing() and logits.dtype in (torch.float16, torch.bfloat16)  # fx: a symbol without a dtype
     if not low and not inplace and eager_fast_path():
         return _DoubleNormalize.apply(logits, token_dim, memory_dim, eps)
     inplace = inplace and fast_paths_enabled()

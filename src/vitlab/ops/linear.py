@@ -48,6 +48,8 @@ def onednn_mode(x: Tensor, weight: Tensor) -> str | None:
     recorded by autograd), ``"train"`` (:class:`vitlab.ops.onednn.OneDNNLinear`, or inside ``torch.compile``
     :func:`vitlab.ops.onednn.compiled_linear`: fp32 while autograd records) or None (the plain operations). The
     call's context is checked once, then the probe's answer for the dtype and mode."""
+    if not fast_paths_enabled():
+        return None
     training = _records(x, weight)
     if training and x.dtype != torch.float32:
         return None
@@ -84,7 +86,12 @@ def fused_linear(linear: nn.Linear, x: Tensor, gelu: bool = False, residual: Ten
     # a replaced layer (a subclass: LoRA, quantised; nn.Identity) runs as it is
     w, b = (linear.weight, linear.bias) if type(linear) is nn.Linear else (None, None)
     # the residual goes into the product when it has the output's shape (the primitive does not broadcast)
-    fits = w is not None and residual is not None and residual.shape == (*x.shape[:-1], w.shape[0])
+    fits = (
+        w is not None
+        and residual is not None
+        and fast_paths_enabled()
+        and residual.shape == (*x.shape[:-1], w.shape[0])
+    )
     inside = residual if fits else None
     mode = None if w is None else onednn_mode(x, w)
     if mode == "infer":

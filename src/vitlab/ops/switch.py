@@ -41,8 +41,15 @@ def set_fast_paths(enabled: bool) -> None:
 
 
 def fast_paths_enabled() -> bool:
-    """Whether the fast paths may run (:func:`set_fast_paths`, ``VITLAB_FAST_PATHS``)."""
-    return _enabled
+    """Whether the fast paths may run (:func:`set_fast_paths`, ``VITLAB_FAST_PATHS``); never while torch.fx traces
+    symbolically (tensors are then symbols: no values, flags or dtypes to choose a path by; the graph records
+    the plain operations)."""
+    return _enabled and not fx_tracing()
+
+
+def fx_tracing() -> bool:
+    """Whether ``torch.fx.symbolic_trace`` (or torchvision's ``create_feature_extractor``) is tracing."""
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
 @contextmanager
@@ -75,10 +82,10 @@ def no_autograd(*tensors: Tensor) -> bool:
     """Whether autograd records nothing on ``tensors`` (inference, no_grad): a core may then reuse its own
     intermediates in place (fewer allocations, less memory traffic; the same values). False with the fast paths
     off, so that the plain path is the one the autograd form takes."""
-    return _enabled and (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors))
+    return fast_paths_enabled() and (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors))
 
 
 def eager_fast_path() -> bool:
     """Whether an eager-only fast path (a hand-differentiated core, an in-place inference form) may run: the
     switch on and no graph being captured."""
-    return _enabled and not capturing_graph()
+    return fast_paths_enabled() and not capturing_graph()

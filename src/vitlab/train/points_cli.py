@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..options import Choice, Int
+from ..options import Choice, Int, seed
 from ..points import POINT_MODELS, build_point_model, open_points
 from ..points.data import SPEC_HELP
 from . import cli as train_cli
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--shapes", type=Int(2), default=64, help="training shapes (default 64; half as many held out)")
     s.add_argument("--points", type=Int(2), default=256, help="points per shape (default 256)")
-    s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    s.add_argument("--seed", type=seed, default=0, help="seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

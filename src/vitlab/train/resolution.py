@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..io import write_csv_atomic, write_json_atomic, write_text_atomic
+from ..options import Int
 from ..report import Column, render_markdown, render_text
 from ..rundir import RunLock
 from .evaluate import evaluate_checkpoint
@@ -69,7 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options only the resolution studies take (``vitlab study`` has the rest)."""
     p.add_argument("--checkpoint", default=None, help="resolution studies: the trained checkpoint to evaluate")
     p.add_argument(
-        "--sizes", type=int, nargs="+", default=None, help="resolution studies: input sizes (default: the paper's)"
+        "--sizes",
+        type=Int(16, 4096),
+        nargs="+",
+        default=None,
+        help="resolution studies: input sizes (default: the paper's)",
     )
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..options import positive_int
+from ..options import positive_int, seed
 from ..seg.data import SPEC_HELP, mask_spec
 from ..seg.infer import INFER_MODES
 from . import cli as train_cli
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--height", type=positive_int, default=48, help="image height (default 48)")
     s.add_argument("--width", type=positive_int, default=64, help="image width (default 64)")
     s.add_argument("--classes", type=positive_int, default=5, help="classes drawn, background included (default 5)")
-    s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    s.add_argument("--seed", type=seed, default=0, help="seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
