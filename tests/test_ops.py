@@ -3,17 +3,20 @@ on any CPU the primitive does not run on, and every model correct in bf16 with t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
 from vitlab import ops
@@ -259,3 +262,23 @@ def test_a_cached_answer_that_no_longer_holds_is_probed_again(unsupported_cpu, m
     stale = probe.Decision(True, True, 1.0, 2.0, "oneDNN faster than aten")
     probe.cache_path().write_text(json.dumps({"float32,infer": dataclasses.asdict(stale)}))
     assert probe.onednn_linear(torch.float32, False).works is False  # the primitive fails here now
+
+
+def test_a_cached_answer_is_checked_in_the_calling_thread_unless_something_surrounds_the_call(monkeypatch, tmp_path):
+    """A thread that runs oneDNN leaves an OpenMP team of its own behind (the process's products then ran slower):
+    the check of a cached answer runs in the caller's thread, and in a thread of its own only under a dispatch
+    mode, a function mode (``torch.device``), autocast or compile tracing, which it must not see."""
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    taken = probe.Decision(True, True, 1.0, 2.0, "oneDNN faster than aten")
+    probe.cache_path().write_text(json.dumps({"float32,infer": dataclasses.asdict(taken)}))
+    threads = []
+    monkeypatch.setattr(probe, "_still_works", lambda *a: threads.append(threading.current_thread()) or True)
+    monkeypatch.setattr(probe, "_probe", lambda *a: pytest.fail("probed although the cache holds the answer"))
+    surroundings = [contextlib.nullcontext(), FlopCounterMode(display=False), torch.device("meta")]
+    surroundings.append(torch.autocast("cpu", dtype=torch.bfloat16))
+    for surrounding in surroundings:
+        monkeypatch.setattr(probe, "_DECISIONS", {})
+        with surrounding:
+            assert probe.onednn_linear(torch.float32, False).taken
+    assert threads[0] is threading.current_thread()
+    assert all(t is not threading.current_thread() for t in threads[1:]) and len(threads) == 4

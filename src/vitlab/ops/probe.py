@@ -12,7 +12,8 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
    GELU and the residual; training: forward and backward; the current thread count), alternating, best of
    :data:`REPEATS`; the path is taken only when it is faster by :data:`MARGIN`.
 
-The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it). The answer is
+The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
+check of a cached answer runs in the caller's thread unless something surrounds the call (:func:`_checked`). The answer is
 kept for the process and in a per-machine cache file (:func:`cache_path`; :func:`reset` forgets both) and
 reported by :func:`decisions`. Under
 ``torch.compile`` the answer is a constant of the graph (the probe runs while tracing).
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..io import WriteError, write_json_atomic
 from . import onednn
@@ -148,12 +150,26 @@ def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
     key = (dtype, training)
     if key not in _DECISIONS:
         cached = _read_cache().get(_name(key))
-        if cached and (not cached["taken"] or _isolated(_still_works, dtype, training)):
+        if cached and (not cached["taken"] or _checked(dtype, training)):
             _DECISIONS[key] = Decision(**cached)
         else:
             _DECISIONS[key] = _isolated(_probe, dtype, training)
             _write_cache()
     return _DECISIONS[key]
+
+
+def _checked(dtype: torch.dtype, training: bool) -> bool:
+    """:func:`_still_works`, in the calling thread where nothing surrounds the call (the usual first forward
+    pass), else in a thread of its own (:func:`_isolated`). A thread that runs oneDNN starts an OpenMP team of
+    its own, and the process's later products ran 8-12 % slower after one (DeiT-Ti's training step, measured
+    side by side in one process), so the thread is kept for the calls that need it."""
+    plain = (
+        _get_current_dispatch_mode() is None
+        and torch._C._len_torch_function_stack() == 0
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+    )
+    return _still_works(dtype, training) if plain else _isolated(_still_works, dtype, training)
 
 
 def _still_works(dtype: torch.dtype, training: bool) -> bool:
