@@ -43,14 +43,14 @@ def relative_attention(attn: Tensor, layout: TokenLayout) -> Tensor:
     return out
 
 
-class RelativeAttention(Analysis):
-    """Self-attention by relative offset, per block and head, averaged over the images (AFT Figure 1)."""
+class _MeanMapsPerBlock(Analysis):
+    """Each block's self-attention maps, reduced per image by :meth:`reduce` and averaged over the images."""
 
-    name = "relative_attention"
+    definition = ""
+    title = ""
+    min_px = 0  # the plot's smallest cell size (0: the plot's default)
 
     def start(self, out):
-        if out["layout"].grid is None:
-            return "the tokens have no patch grid"
         found = self_attention_maps(out)
         if not found:
             return "the model materialises no self-attention maps"
@@ -58,17 +58,15 @@ class RelativeAttention(Analysis):
         self.means = [RunningMean() for _ in found]
         return None
 
+    def reduce(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        raise NotImplementedError
+
     def update(self, out, n):
         for mean, (_, attn) in zip(self.means, self_attention_maps(out)):
-            mean.add(relative_attention(attn, out["layout"]).mean(0), n)
+            mean.add(self.reduce(attn, out["layout"]).mean(0), n)
 
     def result(self) -> dict[str, Any]:
-        return {
-            "definition": "mean over images and query patches of the attention to the key patch at offset (dy, dx); "
-            "row dy + gh - 1, column dx + gw - 1 (centre = the query's own patch); prefix tokens left out",
-            "blocks": self.blocks,
-            "maps": [to_json(m.value) for m in self.means],
-        }
+        return {"definition": self.definition, "blocks": self.blocks, "maps": [to_json(m.value) for m in self.means]}
 
     def plot(self, result, path):
         maps = np.array(result["maps"], dtype=np.float32)[:, : self.ctx.max_heads]
@@ -77,8 +75,26 @@ class RelativeAttention(Analysis):
             path,
             row_labels=[f"block {b}" for b in result["blocks"]],
             col_labels=[f"head {h}" for h in range(maps.shape[1])],
-            title="attention by relative offset (mean over images and queries)",
+            title=self.title,
+            **({"min_px": self.min_px} if self.min_px else {}),
         )
+
+
+class RelativeAttention(_MeanMapsPerBlock):
+    """Self-attention by relative offset, per block and head, averaged over the images (AFT Figure 1)."""
+
+    name = "relative_attention"
+    definition = (
+        "mean over images and query patches of the attention to the key patch at offset (dy, dx); "
+        "row dy + gh - 1, column dx + gw - 1 (centre = the query's own patch); prefix tokens left out"
+    )
+    title = "attention by relative offset (mean over images and queries)"
+
+    def start(self, out):
+        return "the tokens have no patch grid" if out["layout"].grid is None else super().start(out)
+
+    def reduce(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        return relative_attention(attn, layout)
 
     def summary(self, result):
         maps = [np.array(m) for m in result["maps"]]
@@ -86,40 +102,16 @@ class RelativeAttention(Analysis):
         return f"{len(maps)} blocks; attention to the own patch {min(centre):.3f}..{max(centre):.3f} (mean over heads)"
 
 
-class AttentionMatrix(Analysis):
+class AttentionMatrix(_MeanMapsPerBlock):
     """The full attention matrix per block and head, averaged over the images (CPVT's attention-matrix plot)."""
 
     name = "attention_matrix"
+    definition = "attention matrix (query row, key column) per head, mean over images"
+    title = "attention matrices (query x key, mean over images)"
+    min_px = 128
 
-    def start(self, out):
-        found = self_attention_maps(out)
-        if not found:
-            return "the model materialises no self-attention maps"
-        self.blocks = [i for i, _ in found]
-        self.means = [RunningMean() for _ in found]
-        return None
-
-    def update(self, out, n):
-        for mean, (_, attn) in zip(self.means, self_attention_maps(out)):
-            mean.add(attn.double().mean(0), n)
-
-    def result(self) -> dict[str, Any]:
-        return {
-            "definition": "attention matrix (query row, key column) per head, mean over images",
-            "blocks": self.blocks,
-            "maps": [to_json(m.value) for m in self.means],
-        }
-
-    def plot(self, result, path):
-        maps = np.array(result["maps"], dtype=np.float32)[:, : self.ctx.max_heads]
-        plots.map_grid(
-            maps,
-            path,
-            row_labels=[f"block {b}" for b in result["blocks"]],
-            col_labels=[f"head {h}" for h in range(maps.shape[1])],
-            title="attention matrices (query x key, mean over images)",
-            min_px=128,
-        )
+    def reduce(self, attn: Tensor, layout: TokenLayout) -> Tensor:
+        return attn.double()
 
     def summary(self, result):
         maps = [np.array(m) for m in result["maps"]]
