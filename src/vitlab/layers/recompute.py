@@ -26,22 +26,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @contextlib.contextmanager
-def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
-    """Within the block, training BatchNorms update throw-away copies of their running statistics."""
-    kept = [
-        (m, {name: getattr(m, name) for name in BN_BUFFERS})
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-    for m, buffers in kept:
-        for name, value in buffers.items():
+def _buffers_replaced(replacements: list[tuple[nn.Module, dict[str, Tensor]]]) -> Iterator[None]:
+    """Within the block: each module's named buffers are copies of the values given, its own restored after."""
+    kept = [(m, {name: getattr(m, name) for name in values}) for m, values in replacements]
+    for m, values in replacements:
+        for name, value in values.items():
             setattr(m, name, value.clone())
     try:
         yield
@@ -49,6 +45,17 @@ def _batchnorm_stats_frozen(module: nn.Module) -> Iterator[None]:
         for m, buffers in kept:
             for name, value in buffers.items():
                 setattr(m, name, value)
+
+
+def _batchnorm_stats_frozen(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Within the block, training BatchNorms update throw-away copies of their running statistics."""
+    return _buffers_replaced(
+        [
+            (m, {name: getattr(m, name) for name in BN_BUFFERS})
+            for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+        ]
+    )
 
 
 def _counted_draws(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
@@ -62,19 +69,9 @@ def _snapshot_draws(module: nn.Module, snapshot: list) -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def _replay_draws(snapshot: list) -> Iterator[None]:
+def _replay_draws(snapshot: list) -> contextlib.AbstractContextManager[None]:
     """During the recomputation: the buffers as they were before the forward pass (copies, then dropped)."""
-    kept = [(m, {name: getattr(m, name) for name in saved}) for m, saved in snapshot]
-    for m, saved in snapshot:
-        for name, value in saved.items():
-            setattr(m, name, value.clone())
-    try:
-        yield
-    finally:
-        for m, buffers in kept:
-            for name, value in buffers.items():
-                setattr(m, name, value)
+    return _buffers_replaced(snapshot)
 
 
 @contextlib.contextmanager
