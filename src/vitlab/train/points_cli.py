@@ -79,16 +79,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_checkpoint
-    from ..checkpoint.load import load_state_checked
     from ..device import resolve_device
+    from .tasks import load_task_model
 
-    ckpt = load_checkpoint(args.checkpoint)
-    if ckpt.get("config", {}).get("task") != "points":
-        raise ValueError(f"{args.checkpoint} was not written by `vitlab points train`")
+    model, ckpt = load_task_model(args.checkpoint, "points", "points", build_point_model)
     device = resolve_device(args.device)
-    model = build_point_model(ckpt["model_name"], **ckpt["model_kwargs"])
-    load_state_checked(model, ckpt["model"], f"checkpoint {args.checkpoint}")
     ev = evaluate_points(model.to(device), open_points(args.data, "test"), device)
     shown = "  ".join(f"{k} {v:.2f}" for k, v in ev.items() if k != "n")
     print(f"{ckpt['model_name']} on {args.data} ({ev['n']} shapes): {shown}")

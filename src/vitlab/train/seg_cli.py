@@ -89,19 +89,12 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_checkpoint
-    from ..checkpoint.load import load_state_checked
     from ..device import resolve_device
     from ..seg import build_segmenter, evaluate_segmentation, open_masks
+    from .tasks import load_task_model
 
-    ckpt = load_checkpoint(args.checkpoint)
-    if ckpt.get("config", {}).get("task") != "segmentation":
-        raise ValueError(f"{args.checkpoint} was not written by `vitlab seg train`; use `vitlab eval` with it")
+    model, ckpt = load_task_model(args.checkpoint, "segmentation", "seg", build_segmenter, args.ema)
     device = resolve_device(args.device)
-    model = build_segmenter(ckpt["model_name"], **ckpt["model_kwargs"])
-    if args.ema and not ckpt.get("ema"):
-        raise ValueError(f"{args.checkpoint} has no EMA weights (trained without --ema)")
-    load_state_checked(model, ckpt["ema"]["module"] if args.ema else ckpt["model"], f"checkpoint {args.checkpoint}")
     model.to(device)
     crop = int(ckpt["model_kwargs"]["img_size"])
     if args.stride is not None and not 1 <= args.stride <= crop:

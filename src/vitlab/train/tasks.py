@@ -34,3 +34,20 @@ def score_key(cfg: TrainConfig) -> str:
     """The key of the epoch rows' held-out score that chooses ``best.pt`` (higher is better)."""
     task = task_hooks(cfg)
     return task.score if task is not None else "val_top1"
+
+
+def load_task_model(path: str, task: str, command: str, build: Any, ema: bool = False) -> tuple[Any, dict[str, Any]]:
+    """The model a ``vitlab <command> train`` run of ``task`` saved at ``path``, rebuilt by ``build`` (name,
+    **kwargs) with its weights (the EMA's with ``ema``), and the checkpoint; one line for a checkpoint of another
+    task or without EMA weights."""
+    from ..checkpoint import load_checkpoint
+    from ..checkpoint.load import load_state_checked
+
+    ckpt = load_checkpoint(path)
+    if ckpt.get("config", {}).get("task") != task:
+        raise ValueError(f"{path} was not written by `vitlab {command} train`; use `vitlab eval` with a classifier's")
+    if ema and not ckpt.get("ema"):
+        raise ValueError(f"{path} has no EMA weights (trained without --ema)")
+    model = build(ckpt["model_name"], **ckpt["model_kwargs"])
+    load_state_checked(model, ckpt["ema"]["module"] if ema else ckpt["model"], f"checkpoint {path}")
+    return model, ckpt
