@@ -2,7 +2,8 @@
 # timm's own model tests over every vitlab model, and a real Hugging Face Trainer run.
 #
 # Creates a separate virtual environment (default .venv-timm/, git-ignored) with a torch + torchvision pair
-# from PyPI (their CUDA builds; they run on the CPU too), timm pinned, pytest, and transformers; then
+# from the package registry (on Linux their CUDA builds, which run on the CPU too), timm pinned, pytest, and
+# transformers; then
 #   1. runs the test functions of timm's tests/test_models.py (taken from timm's source distribution of the
 #      pinned version, unchanged) over vitlab's registered models, re-parametrised by
 #      scripts/timm_battery/conftest.py (asserts untouched; the few by-design skips are listed there);
@@ -16,19 +17,26 @@
 #   TIMM_PYTHON=/path/to/python scripts/timm_battery.sh   # use an existing environment with timm + pytest
 #   TRAINER_PYTHONS="/a/python /b/python"           # environments with transformers for the Trainer run
 #   SKIP_TRAINER=1                                   # timm's tests only
+#   BATTERY_JOBS=1                                   # one pytest process (default: one per core, pytest-xdist)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 TIMM_VERSION=${TIMM_VERSION:-1.0.31}
 TORCH_PAIR=${TORCH_PAIR:-"torch==2.13.0 torchvision==0.28.0"}
+# Both from one index: pip's user configuration may add a folder of local wheels (a CPU torch) that would be
+# paired with the registry's CUDA torchvision, which then fails at import ("operator torchvision::nms does not
+# exist"); --isolated reads neither that nor PIP_* variables. TORCH_PIP_ARGS="" (or an --index-url) overrides.
+TORCH_PIP_ARGS=${TORCH_PIP_ARGS-"--isolated --disable-pip-version-check"}
 TRANSFORMERS=${TRANSFORMERS:-"transformers>=5,<6 transformers>=4.57,<5"}
 VENV=${TIMM_VENV:-$ROOT/.venv-timm}
 
 if [[ -z "${TIMM_PYTHON:-}" ]]; then
-  if [[ ! -x $VENV/bin/python ]]; then
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q $TORCH_PAIR "timm==$TIMM_VERSION" pytest pytest-timeout safetensors pyyaml numpy pillow
+  if [[ ! -f $VENV/.installed ]]; then  # written last: an install stopped half-way is taken up again
+    [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
+    "$VENV/bin/pip" $TORCH_PIP_ARGS install -q $TORCH_PAIR
+    "$VENV/bin/pip" install -q "timm==$TIMM_VERSION" pytest pytest-timeout pytest-xdist safetensors pyyaml numpy pillow
     "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+    touch "$VENV/.installed"
   fi
   PY=$VENV/bin/python
 else
@@ -47,7 +55,9 @@ cp scripts/timm_battery/conftest.py "$TESTS/conftest.py"
 printf '[pytest]\nfilterwarnings =\n    ignore::pytest.PytestUnknownMarkWarning\n' > "$TESTS/pytest.ini"
 
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-(cd "$TESTS" && "$PY" -m pytest -q -p no:cacheprovider -p no:randomly -rs tests/test_models.py "$@")
+JOBS=${BATTERY_JOBS:-$(nproc)}  # pytest-xdist workers, one thread each
+XDIST=(); if (( JOBS > 1 )); then XDIST=(-n "$JOBS"); fi
+(cd "$TESTS" && "$PY" -m pytest -q -p no:cacheprovider -p no:randomly -rs "${XDIST[@]}" tests/test_models.py "$@")
 
 # a real Trainer with each transformers line, in a venv beside the battery's (its packages seen through a .pth)
 if [[ -z "${SKIP_TRAINER:-}" ]]; then
@@ -56,10 +66,11 @@ if [[ -z "${SKIP_TRAINER:-}" ]]; then
     SITE=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
     for spec in $TRANSFORMERS; do
       TVENV=$VENV-hf-${spec//[^0-9a-z]/}
-      if [[ ! -x $TVENV/bin/python ]]; then
-        "$PY" -m venv "$TVENV"
+      if [[ ! -f $TVENV/.installed ]]; then
+        [[ -x $TVENV/bin/python ]] || "$PY" -m venv "$TVENV"
         echo "$SITE" > "$("$TVENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/battery.pth"
-        "$TVENV/bin/pip" install -q "$spec" accelerate
+        "$TVENV/bin/pip" install -q "$spec" accelerate  # torch is the battery's, seen through battery.pth
+        touch "$TVENV/.installed"
       fi
       TRAINER_PYTHONS="$TRAINER_PYTHONS $TVENV/bin/python"
     done

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .head_mix_terms import BatchNormTerms, running_momentum, token_rows
+from .head_mix_terms import BatchNormTerms, function_args, token_rows
 from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
@@ -139,16 +139,4 @@ def head_mix_batchnorm(
         from .triton_head_mix import head_mix_batchnorm_triton
 
         return head_mix_batchnorm_triton(attn, mix, bn, scale, heads_last)
-    return _HeadMixBatchNorm.apply(
-        attn,
-        mix.weight[:, :, 0, 0],
-        mix.bias,
-        bn.weight,
-        bn.bias,
-        bn.running_mean if bn.track_running_stats else None,
-        bn.running_var if bn.track_running_stats else None,
-        running_momentum(bn),
-        bn.eps,
-        float(scale),
-        heads_last,
-    )
+    return _HeadMixBatchNorm.apply(*function_args(attn, mix, bn, scale, heads_last))

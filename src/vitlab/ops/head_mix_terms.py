@@ -25,6 +25,28 @@ def running_momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
     return 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
 
 
+def function_args(
+    attn: Tensor, mix: nn.Conv2d, bn: nn.modules.batchnorm._BatchNorm, scale: float, heads_last: bool
+) -> tuple:
+    """The arguments both autograd Functions take, in their order: the maps, the mix's weight (G, H) and bias,
+    BatchNorm's affine parameters, running statistics (None where it keeps none), this call's momentum, eps, the
+    output scale and the output layout. Counts the batch in ``bn`` (:func:`running_momentum`)."""
+    tracked = bn.track_running_stats
+    return (
+        attn,
+        mix.weight[:, :, 0, 0],
+        mix.bias,
+        bn.weight,
+        bn.bias,
+        bn.running_mean if tracked else None,
+        bn.running_var if tracked else None,
+        running_momentum(bn),
+        bn.eps,
+        float(scale),
+        heads_last,
+    )
+
+
 class BatchNormTerms(NamedTuple):
     """The per-channel terms of the backward pass of ``c · BN(W A + b)``: ``κ = c γ r``,
     ``slope = κ r m₂``, ``shift = slope μ − κ m₁``, with the output gradient's sum ``s`` and mean of ``g ⊙ x̂``

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from .head_mix_terms import BatchNormTerms, running_momentum, token_rows
+from .head_mix_terms import BatchNormTerms, function_args, token_rows
 
 _BLOCK_L = 64  # map elements (rows of the heads-last view) per tile
 _MAX_PROGRAMS = 1024  # programs of a moments pass: the partial sums stay small (programs x C1 x C2 floats)
@@ -182,16 +182,4 @@ def head_mix_batchnorm_triton(
 ) -> Tensor:
     """:func:`~.head_mix_norm.head_mix_batchnorm` in Triton (:func:`~.head_mix_norm.triton_takes` says which maps): the same values,
     running statistics and gradients, output in the maps' dtype."""
-    return _TritonHeadMixBatchNorm.apply(
-        attn,
-        mix_conv.weight[:, :, 0, 0],
-        mix_conv.bias,
-        bn.weight,
-        bn.bias,
-        bn.running_mean if bn.track_running_stats else None,
-        bn.running_var if bn.track_running_stats else None,
-        running_momentum(bn),
-        bn.eps,
-        float(scale),
-        heads_last,
-    )
+    return _TritonHeadMixBatchNorm.apply(*function_args(attn, mix_conv, bn, scale, heads_last))
