@@ -55,7 +55,7 @@ cp scripts/timm_battery/conftest.py "$TESTS/conftest.py"
 printf '[pytest]\nfilterwarnings =\n    ignore::pytest.PytestUnknownMarkWarning\n' > "$TESTS/pytest.ini"
 
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-JOBS=${BATTERY_JOBS:-$(nproc)}  # pytest-xdist workers, one thread each
+JOBS=${BATTERY_JOBS:-$(getconf _NPROCESSORS_ONLN)}  # pytest-xdist workers, one thread each (nproc would read OMP_NUM_THREADS)
 XDIST=(); if (( JOBS > 1 )); then XDIST=(-n "$JOBS"); fi
 (cd "$TESTS" && "$PY" -m pytest -q -p no:cacheprovider -p no:randomly -rs "${XDIST[@]}" tests/test_models.py "$@")
 

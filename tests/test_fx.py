@@ -50,15 +50,33 @@ def test_symbolic_trace_computes_the_model(name):
         graph(wrong)
 
 
-@pytest.mark.parametrize("name", ["cpvt_mini", "tnt_mini"])
-def test_traced_graph_is_for_the_models_size(name):
-    """A model that takes any size still traces into a graph for its own size (sizes are symbols while
-    tracing); other sizes are refused by the graph in one line."""
+@pytest.mark.parametrize("name", ["tnt_mini", "deit_mini"])
+def test_fixed_size_model_traces_into_a_graph_for_its_size(name):
+    """A model with a position table traces into a graph for its own size (sizes are symbols while tracing);
+    other sizes are refused by the graph in one line."""
     model = build(name).eval()
     graph = torch.fx.symbolic_trace(model)
     c, h, w = model.pretrained_cfg["input_size"]
     with pytest.raises(ValueError, match=rf"expected images of shape \(B, {c}, {h}, {w}\)"):
         graph(torch.randn(1, c, 2 * h, 2 * w))
+
+
+@pytest.mark.parametrize("name", ["cpvt_mini", "aft_conv_mini"])
+def test_any_size_model_traces_into_a_graph_of_any_size(name):
+    """A model whose computation depends on the size only through reshapes (CPVT's PEGs, AFT-conv) traces into
+    a graph that reads each input's size: it computes the model at other sizes, non-square ones included, and
+    refuses a size that is no multiple of the patch in one line."""
+    model = build(name).eval()
+    assert model.pretrained_cfg["fixed_input_size"] is False
+    graph = torch.fx.symbolic_trace(model)
+    c, h, w = model.pretrained_cfg["input_size"]
+    p = model.patch_embed.patch_size[0]
+    for size in [(h, w), (2 * h, w), (h + 2 * p, w + p)]:
+        x = torch.randn(2, c, *size, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(graph(x), model(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="is not divisible by the patch size"):
+        graph(torch.randn(1, c, h + 1, w))
 
 
 @pytest.mark.parametrize("name", ["refiner_vit_mini", "tnt_mini", "aft_full_mini"])
@@ -81,6 +99,10 @@ def test_traced_graph_trains_as_the_model(name):
 @pytest.mark.parametrize("name", vitlab.list_models("*_mini"))
 def test_every_small_model_traces(name):
     model = build(name).eval()
-    x = torch.randn(2, *model.pretrained_cfg["input_size"], generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), model(x), rtol=1e-5, atol=1e-5)
+    graph = torch.fx.symbolic_trace(model)
+    c, h, w = model.pretrained_cfg["input_size"]
+    sizes = [(h, w)] if model.pretrained_cfg["fixed_input_size"] else [(h, w), (h + 32, w + 64)]
+    for size in sizes:  # (every model's patch or stage stride divides 32)
+        x = torch.randn(2, c, *size, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(graph(x), model(x), rtol=1e-5, atol=1e-5)

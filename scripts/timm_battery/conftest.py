@@ -34,16 +34,6 @@ SKIPS = {
 }
 
 
-#: why timm's FX tests skip a model that takes any input size above timm's FX size
-FX_SIZE = "vitlab's torch.fx graphs are built for the model's own input size; timm feeds this one 128 px"
-
-
-def _traced_smaller(name: str) -> bool:
-    """Whether timm's FX tests feed ``name`` another size than its own (it takes any size, above 128 px)."""
-    cfg = plugin.timm_pretrained_cfg(name)
-    return not cfg.get("fixed_input_size") and max(cfg["input_size"][1:]) > 128
-
-
 def _as_list(value) -> list[str]:
     return [value] if isinstance(value, str) and value else list(value or [])
 
@@ -82,8 +72,6 @@ def pytest_collection_modifyitems(config, items):
             dropped.append(item)  # a test of timm's own models
             continue
         short = name.split(".", 1)[1]
-        if "_fx" in item.originalname and _traced_smaller(short):
-            item.add_marker(pytest.mark.skip(reason=FX_SIZE))
         for (test, pattern), reason in SKIPS.items():
             if item.originalname == test and fnmatch.fnmatch(short, pattern):
                 item.add_marker(pytest.mark.skip(reason=reason))

@@ -29,18 +29,37 @@ torch.fx.wrap("check_image")  # a traced graph keeps the check as a call, run on
 def image_size(x: Tensor, in_chans: int, traced_size: Sequence[int] | None = None) -> tuple[int, int]:
     """``(H, W)`` of an image batch ``x``, checked by :func:`check_image`.
 
-    While ``torch.fx`` traces a model, ``x`` is a symbol without sizes and Python cannot branch on them (the
-    grid decides position tables, reshapes, pools); the graph is then built for ``traced_size``, the size
-    the model is built for, and checks each image against it when it runs. The graph is thus a fixed-size
-    one even for a model that takes any size, as timm's FX graphs of its fixed-size models.
+    While ``torch.fx`` traces a model, ``x`` is a symbol without sizes and Python cannot branch on them. A model
+    whose computation depends on the size only through reshapes (no position table, no mixer built for a token
+    count: CPVT, AFT-conv, TNT without a patch table) passes no ``traced_size``: its graph reads ``H`` and ``W``
+    from each input and runs at any size. Any other model passes the size it is built for, and its graph is
+    built for that size and checks each image against it when it runs (as timm's FX graphs of its fixed-size
+    models).
     """
-    if isinstance(x, torch.fx.Proxy):
-        if traced_size is None:
-            raise ValueError("tracing with torch.fx needs the input size the graph is built for")
-        check_image(x, in_chans, traced_size)
+    check_image(x, in_chans, traced_size if isinstance(x, torch.fx.Proxy) else None)
+    if isinstance(x, torch.fx.Proxy) and traced_size is not None:
         return _as_pair(tuple(traced_size))
-    check_image(x, in_chans)
     return (x.shape[-2], x.shape[-1])
+
+
+def check_patch_grid(h: int, w: int, ph: int, pw: int) -> None:
+    """ValueError unless an ``h x w`` image is a positive multiple of the ``ph x pw`` patch."""
+    if h % ph or w % pw or h < ph or w < pw:
+        raise ValueError(
+            f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}: it must be a positive multiple of "
+            "the patch size"
+        )
+
+
+torch.fx.wrap("check_patch_grid")  # a graph of any size keeps the check as a call
+
+
+def patch_grid(img_size: int | Sequence[int], patch_size: tuple[int, int]) -> tuple[int, int]:
+    """The ``(H/p, W/p)`` token grid of an image size, checked (:func:`check_patch_grid`); symbolic sizes of a
+    torch.fx trace give a symbolic grid."""
+    (h, w), (ph, pw) = _as_pair(img_size), patch_size
+    check_patch_grid(h, w, ph, pw)
+    return h // ph, w // pw
 
 
 class PatchEmbed(nn.Module):
@@ -76,11 +95,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(c_in, dim, kernel_size=k, stride=k)
 
     def grid_size(self, img_size: int | Sequence[int]) -> tuple[int, int]:
-        h, w = _as_pair(img_size)
-        ph, pw = self.patch_size
-        if h % ph or w % pw:
-            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}")
-        return h // ph, w // pw
+        return patch_grid(img_size, self.patch_size)
 
     def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
         """``traced_size``: the image size a torch.fx graph is built for (:func:`image_size`)."""

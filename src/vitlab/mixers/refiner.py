@@ -231,7 +231,9 @@ class DistributedLocalAttention(nn.Module):
         out = attn
         for stage in (self.expand, self.local, self.reduce):
             if stage is not None and stage is self.local and self.key_grid:
-                out = stage[1:](key_grid_conv(out, stage[0].weight, layout))
+                out = key_grid_conv(out, stage[0].weight, layout)
+                for layer in list(stage)[1:]:  # one by one: a slice would be a new module torch.fx cannot name
+                    out = layer(out)
             elif stage is not None:  # a fused expansion feeds the depth-wise conv channels-last maps, like HeadMix
                 out = self._run_stage(stage, out, heads_last=stage is self.expand and self.local is not None)
         out = attn + out if self.residual else out

@@ -456,6 +456,15 @@ class Classifier(nn.Module):
         return (self.grid[0] * self.reduction, self.grid[1] * self.reduction)
 
     @property
+    def traced_size(self) -> tuple[int, int] | None:
+        """The input size a torch.fx graph of this model is built for: None where the computation depends on the
+        size only through reshapes (no position table, no mixer built for a token count), so the graph reads the
+        size of each input and runs at any size (:func:`~vitlab.layers.patch_embed.image_size`)."""
+        from .registry import supports_dynamic_size  # the registry builds on this module
+
+        return None if supports_dynamic_size(self) else self.img_size
+
+    @property
     def in_chans(self) -> int:
         return int(self.patch_embed.in_chans)
 

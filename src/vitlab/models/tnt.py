@@ -38,11 +38,11 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import Block, Mlp, resample_pos_embed
-from ..layers.patch_embed import _as_pair, image_size
+from ..layers.patch_embed import _as_pair, image_size, patch_grid
 from ..layers.recompute import recompute_active, recomputed
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
-from ..ops.switch import no_autograd
+from ..ops.switch import fx_tracing, no_autograd
 from .base import Classifier, check_pool, drop_path_rates
 
 
@@ -113,11 +113,7 @@ class PixelEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, inner_dim, kernel_size=7, stride=inner_stride, padding=3)
 
     def grid_size(self, img_size: int | Sequence[int]) -> tuple[int, int]:
-        h, w = _as_pair(img_size)
-        ph, pw = self.patch_size
-        if h % ph or w % pw or h < ph or w < pw:
-            raise ValueError(f"image size {h}x{w} must be a positive multiple of the patch size {ph}x{pw}")
-        return h // ph, w // pw
+        return patch_grid(img_size, self.patch_size)
 
     def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
         gh, gw = grid = self.grid_size(image_size(x, self.in_chans, traced_size))
@@ -344,7 +340,7 @@ class TNT(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
-        inner, grid = self.pixel_embed(x, self.img_size)
+        inner, grid = self.pixel_embed(x, self.traced_size if fx_tracing() else None)
         if self.pos_embed is not None and grid != self.grid and not self.dynamic_img_size:
             ph, pw = self.patch_size
             raise ValueError(
