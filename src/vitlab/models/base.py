@@ -460,8 +460,6 @@ class Classifier(nn.Module):
         """The input size a torch.fx graph of this model is built for: None where the computation depends on the
         size only through reshapes (no position table, no mixer built for a token count), so the graph reads the
         size of each input and runs at any size (:func:`~vitlab.layers.patch_embed.image_size`)."""
-        from .registry import supports_dynamic_size  # the registry builds on this module
-
         return None if supports_dynamic_size(self) else self.img_size
 
     @property
@@ -548,3 +546,25 @@ def feature_extractor(
             f"(feature_cls='getter', the default); leave it unset or pass 'getter'"
         )
     return FeatureGetter(model, out_indices, **kw)
+
+
+def supports_dynamic_size(model: nn.Module, resample: bool = False) -> bool:
+    """Whether ``model`` runs at input sizes other than the one it was built for (a multiple of its patch).
+
+    Without ``resample``: as built, with one computation for every size -- no learned position table and no
+    mixer built for a fixed token count (CPVT's PEGs, AFT-conv, TNT without a patch table): what an exported
+    graph with a dynamic height and width needs (resampling a table is traced at the example's size). With
+    ``resample``: also once its fixed-size tables are resampled to the input (ViT's and TNT's position table,
+    ``dynamic_img_size``; AFT-full/local's position biases, the mixers' ``resample``): what evaluating trained
+    weights at another resolution needs. T2T-ViT and the pyramid CPVT are built for one size either way.
+    """
+    if not hasattr(model, "dynamic_img_size"):  # the architectures that can resample their table say so
+        return False
+    if resample:
+        return True
+    return model.pos_embed is None and not has_fixed_mixer(model)
+
+
+def has_fixed_mixer(model: nn.Module) -> bool:
+    """Whether a mixer of ``model`` is built for one token count (AFT-full/local's position biases)."""
+    return any(getattr(m, "max_len", None) for m in model.modules() if m is not model)

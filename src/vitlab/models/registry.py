@@ -12,7 +12,7 @@ from torch import nn
 
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ..registry import Registry
-from .base import feature_extractor
+from .base import feature_extractor, has_fixed_mixer, supports_dynamic_size
 from .pyramid import PyramidCPVT
 from .t2t import T2TViT
 from .timm_cfg import TIMM_CFG_KEYS
@@ -199,28 +199,6 @@ def build_model(
     model = MODELS.create(name, **overrides)
     describe(model, cfg, overrides, overlay)
     return feature_extractor(model, out_indices, feature_cls) if features_only else model
-
-
-def supports_dynamic_size(model: nn.Module, resample: bool = False) -> bool:
-    """Whether ``model`` runs at input sizes other than the one it was built for (a multiple of its patch).
-
-    Without ``resample``: as built, with one computation for every size -- no learned position table and no
-    mixer built for a fixed token count (CPVT's PEGs, AFT-conv, TNT without a patch table): what an exported
-    graph with a dynamic height and width needs (resampling a table is traced at the example's size). With
-    ``resample``: also once its fixed-size tables are resampled to the input (ViT's and TNT's position table,
-    ``dynamic_img_size``; AFT-full/local's position biases, the mixers' ``resample``): what evaluating trained
-    weights at another resolution needs. T2T-ViT and the pyramid CPVT are built for one size either way.
-    """
-    if not hasattr(model, "dynamic_img_size"):  # the architectures that can resample their table say so
-        return False
-    if resample:
-        return True
-    return model.pos_embed is None and not has_fixed_mixer(model)
-
-
-def has_fixed_mixer(model: nn.Module) -> bool:
-    """Whether a mixer of ``model`` is built for one token count (AFT-full/local's position biases)."""
-    return any(getattr(m, "max_len", None) for m in model.modules() if m is not model)
 
 
 def accepts_any_size(model: nn.Module) -> bool:
