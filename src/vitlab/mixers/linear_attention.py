@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import TokenLayout, TokenMixer, check_divisible, merge_heads, split_heads
-from .random_features import favor_features, orthogonal_gaussian, redraw_due
+from .random_features import advance_draw, favor_features, orthogonal_gaussian
 
 CHUNK = 64  # positions per chunk of the causal form
 
@@ -208,10 +208,7 @@ class Performer(LinearAttention):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.training:
-            if redraw_due(int(self.forwards), self.redraw_every):
-                count = int(self.forwards) // self.redraw_every
-                self.projection.copy_(self.draw(count))
-            self.forwards += 1
+            advance_draw(self, self.projection)
         return super().mix(x, layout, attn_prev, return_aux)
 
 

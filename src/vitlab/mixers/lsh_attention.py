@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import TokenLayout, TokenMixer, check_divisible, merge_heads, split_heads
-from .random_features import random_rotations, redraw_due
+from .random_features import advance_draw, random_rotations
 
 SELF_LOGIT = -1e5  # a token's logit for itself: it attends to itself only when alone
 
@@ -137,9 +137,7 @@ class LSHAttention(RecomputeDecoding, TokenMixer):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.training:
-            if redraw_due(int(self.forwards), self.redraw_every):
-                self.rotations.copy_(self.draw(int(self.forwards) // self.redraw_every))
-            self.forwards += 1
+            advance_draw(self, self.rotations)
         qk, v = split_heads(self.qk(x), self.num_heads), split_heads(self.v(x), self.num_heads)
         # the core in fp32 even under autocast: the self logit -1e5 is -inf in fp16, and a lone token's row with it
         with torch.autocast(x.device.type, enabled=False):

@@ -17,6 +17,16 @@ def redraw_due(forwards: int, every: int) -> bool:
     return every > 0 and forwards % every == 0
 
 
+def advance_draw(module: torch.nn.Module, drawn: Tensor) -> None:
+    """One training forward of a module whose randomness is redrawn (its ``forwards`` buffer, ``redraw_every``
+    and ``draw(count)``): the draw of number ``forwards // redraw_every`` copied into ``drawn`` when
+    :func:`redraw_due`, then the forward counted."""
+    forwards = int(module.forwards)  # read once: on a GPU each read waits for the device
+    if redraw_due(forwards, module.redraw_every):
+        drawn.copy_(module.draw(forwards // module.redraw_every))
+    module.forwards += 1
+
+
 def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> Tensor:
     """``m`` random directions in R^d (m, d), orthogonal within each block of d (Performer, §2.4 ORF): the rows of
     Q from the QR decomposition of a Gaussian d x d matrix, each scaled to the norm of a Gaussian d-vector, so that
@@ -48,4 +58,4 @@ def random_rotations(d: int, buckets: int, rounds: int, generator: torch.Generat
     return torch.randn(rounds, d, buckets // 2, generator=generator)
 
 
-__all__ = ["favor_features", "orthogonal_gaussian", "random_rotations", "redraw_due"]
+__all__ = ["advance_draw", "favor_features", "orthogonal_gaussian", "random_rotations", "redraw_due"]
