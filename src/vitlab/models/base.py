@@ -25,6 +25,7 @@ from ..layers import Block
 from ..layers.recompute import recompute_active, recomputed
 from ..mixers import build as build_mixer
 from ..mixers.base import TokenLayout, TokenMixer
+from ..ops.switch import fx_tracing
 
 MixerSpec = str | tuple[str, dict[str, Any]]
 #: timm's global pools: '' (none: every token goes to the head), the class token, and reductions over the
@@ -459,8 +460,11 @@ class Classifier(nn.Module):
     def traced_size(self) -> tuple[int, int] | None:
         """The input size a torch.fx graph of this model is built for: None where the computation depends on the
         size only through reshapes (no position table, no mixer built for a token count), so the graph reads the
-        size of each input and runs at any size (:func:`~vitlab.layers.patch_embed.image_size`)."""
-        return None if supports_dynamic_size(self) else self.img_size
+        size of each input and runs at any size (:func:`~vitlab.layers.patch_embed.image_size`). None outside
+        tracing (an eager call reads its input's size; the module walk is skipped)."""
+        if not fx_tracing() or supports_dynamic_size(self):
+            return None
+        return self.img_size
 
     @property
     def in_chans(self) -> int:

@@ -30,7 +30,6 @@ from ..mixers.attention import attention_map, attention_softmax_flops
 from ..mixers.base import ElementwiseFlops, TokenLayout
 from ..mixers.external import double_norm_flops
 from ..ops.double_norm import double_normalize
-from ..ops.switch import fx_tracing
 from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 # (kernel, stride, padding) of each soft split; T2T-ViT's strides 4·2·2 give a 14x14 grid at 224 px
@@ -398,7 +397,7 @@ class T2TViT(Classifier):
         return self._table_cache[1]
 
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
-        x, grid = self.tokens_to_token(x, self.traced_size if fx_tracing() else None)
+        x, grid = self.tokens_to_token(x, self.traced_size)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = x + self.position_table(1 + grid[0] * grid[1]).to(x.dtype)
         return self.pos_drop(x), TokenLayout(grid, self.num_prefix)

@@ -42,7 +42,7 @@ from ..layers.patch_embed import _as_pair, image_size, patch_grid
 from ..layers.recompute import recompute_active, recomputed
 from ..mixers import Attention
 from ..mixers.base import TokenLayout
-from ..ops.switch import fx_tracing, no_autograd
+from ..ops.switch import no_autograd
 from .base import Classifier, check_pool, drop_path_rates
 
 
@@ -340,7 +340,7 @@ class TNT(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, Tensor, TokenLayout]:
-        inner, grid = self.pixel_embed(x, self.traced_size if fx_tracing() else None)
+        inner, grid = self.pixel_embed(x, self.traced_size)
         if self.pos_embed is not None and grid != self.grid and not self.dynamic_img_size:
             ph, pw = self.patch_size
             raise ValueError(

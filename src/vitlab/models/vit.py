@@ -17,7 +17,6 @@ from torch import Tensor, nn
 
 from ..layers import PatchEmbed, PositionEncodingGenerator, resample_pos_embed, sincos_2d
 from ..mixers.base import TokenLayout
-from ..ops.switch import fx_tracing
 from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 
@@ -182,7 +181,7 @@ class VisionTransformer(Classifier):
 
     # --------------------------------------------------------------- forward
     def _embed(self, x: Tensor) -> tuple[Tensor, TokenLayout]:
-        x, grid = self.patch_embed(x, self.traced_size if fx_tracing() else None)
+        x, grid = self.patch_embed(x, self.traced_size)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
         x = torch.cat([*prefix, x], dim=1)
         layout = TokenLayout(grid, self.num_prefix)
