@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from vitlab.device import resolve_device, time_call
+from vitlab.common.device import resolve_device, time_call
 from vitlab.mixers.attention import HeadMix
 from vitlab.ops import fast_paths
 from vitlab.ops.double_norm import double_normalize

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("vitlab.cli", "vitlab.train.cli", "vitlab.train.evaluate", "vitlab.train.compare", "vitlab.catalog",
-         "vitlab.bench.models", "vitlab.bench.mixers", "vitlab.analysis.cli", "vitlab.convert_cli", "vitlab.export",
-         "vitlab.lm.cli", "vitlab.data_cli", "vitlab.bench.data")  # fmt: skip
+TOOLS = ("vitlab.cli", "vitlab.engine.arguments", "vitlab.engine.evaluate", "vitlab.experiments.runner", "vitlab.cli.models",
+         "vitlab.bench.models", "vitlab.bench.mixers", "vitlab.cli.analyze", "vitlab.cli.convert", "vitlab.interop.export",
+         "vitlab.cli.lm", "vitlab.cli.data", "vitlab.bench.data")  # fmt: skip
 TINY = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",
     "--train-limit", "64", "--holdout", "100", "--batch-size", "32", "--threads", "1", "--no-progress",
@@ -109,7 +109,7 @@ def build_fixtures(root: Path) -> Fixtures:
     from PIL import Image
 
     from vitlab.checkpoint import load_checkpoint, save_checkpoint
-    from vitlab.convert import save_weights
+    from vitlab.interop import save_weights
 
     fx = Fixtures(root)
     (root / "outs").mkdir()

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
-from vitlab.convert import detect_source, load_reference
+from vitlab.engine.optim import param_groups
+from vitlab.interop import detect_source, load_reference
 from vitlab.layers import Block, ExternalAttentionConv, PositionEncodingGenerator, TokenBatchNorm
 from vitlab.mixers import Attention, TokenLayout
 from vitlab.models import TNT, PyramidCPVT, T2TViT
 from vitlab.models.t2t import TokenPerformerAttention
-from vitlab.optim import param_groups
 
 LAYOUT = TokenLayout((4, 5), 1)
 

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from test_aft import naive_conv_paper
-from vitlab.distributed import World
+from vitlab.common.distributed import World
+from vitlab.engine.config import TrainConfig, TrainingError
+from vitlab.engine.loop import forward_backward
+from vitlab.engine.setup import setup
 from vitlab.mixers import AFTConv, TokenLayout
 from vitlab.models import VisionTransformer, build_model
-from vitlab.train.config import TrainConfig, TrainingError
-from vitlab.train.engine import forward_backward
-from vitlab.train.setup import setup
 
 
 def small_vit(**kw) -> VisionTransformer:

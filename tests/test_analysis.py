@@ -13,7 +13,8 @@ import torch
 
 import vitlab
 from vitlab import cli as vitlab_cli
-from vitlab.analysis import analyze, metrics, parse_what
+from vitlab.analysis import analyze, parse_what
+from vitlab.measure import maps as metrics
 
 # ------------------------------------------------------------------------------ naive references
 

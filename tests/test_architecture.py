@@ -20,36 +20,43 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 FRONT = ("vitlab.cli", "vitlab.__main__")
 TOOLS = (
-    "vitlab.train",
+    "vitlab.engine",
     "vitlab.bench",
     "vitlab.analysis",
-    "vitlab.lm",
-    "vitlab.export",
-    "vitlab.catalog",
-    "vitlab.convert_cli",
-    "vitlab.integrations",
-    "vitlab.data_cli",
+    "vitlab.tasks.lm",
+    "vitlab.interop.export",
+    "vitlab.cli.models",
+    "vitlab.cli.convert",
+    "vitlab.interop",
+    "vitlab.cli.data",
 )
 # the package itself: `import vitlab` gives the public API (create_model with weights, from_pretrained, ...)
 PUBLIC = "vitlab"
 SERVICES = (
     "vitlab.checkpoint",
-    "vitlab.convert",
+    "vitlab.interop",
     "vitlab.measure",
-    "vitlab.optim",
-    "vitlab.report",
-    "vitlab.rundir",
-    "vitlab.pretrained",
-    "vitlab.distributed",
-    "vitlab.tracking",
-    "vitlab.seg",
-    "vitlab.points",
+    "vitlab.engine.optim",
+    "vitlab.common.report",
+    "vitlab.common.rundir",
+    "vitlab.interop.pretrained",
+    "vitlab.common.distributed",
+    "vitlab.engine.tracking",
+    "vitlab.tasks.segmentation",
+    "vitlab.tasks.points",
 )
 # the core, lowest first: a module may import lower ranks and its own unit; the kernel layer (ops) and the data
 # path share the lowest rank and never import each other
 CORE = {"vitlab.ops": 0, "vitlab.data": 0, "vitlab.mixers": 1, "vitlab.layers": 2, "vitlab.models": 3}
-FOUNDATION = ("vitlab.io", "vitlab.runtime", "vitlab.registry", "vitlab.options", "vitlab.extras", "vitlab.device")
-# a string that names a module, alone or with an attribute: "vitlab.train.compare:train_case"
+FOUNDATION = (
+    "vitlab.common.io",
+    "vitlab.common.runtime",
+    "vitlab.common.registry",
+    "vitlab.common.options",
+    "vitlab.common.extras",
+    "vitlab.common.device",
+)
+# a string that names a module, alone or with an attribute: "vitlab.experiments.runner:train_case"
 MODULE_STRING = re.compile(r"^vitlab(\.\w+)+(:\w+)?$")
 
 
@@ -194,26 +201,28 @@ def test_the_checker_rejects_each_kind_of_violation():
     """``violations`` fed synthetic graphs: each rule must be able to fail, and a clean graph passes."""
     clean = {
         "vitlab.__main__": {"vitlab.cli"},
-        "vitlab.cli": {"vitlab.extras"},
-        "vitlab.train.cli": {"vitlab.train.engine", "vitlab.pretrained", "vitlab.report"},
-        "vitlab.train.engine": {"vitlab.models.vit", "vitlab.data.loader"},
-        "vitlab.pretrained": {"vitlab.checkpoint.load", "vitlab.models.registry"},
-        "vitlab.checkpoint.load": {"vitlab.models.registry", "vitlab.io"},
+        "vitlab.cli": {"vitlab.common.extras"},
+        "vitlab.engine.arguments": {"vitlab.engine.loop", "vitlab.interop.pretrained", "vitlab.common.report"},
+        "vitlab.engine.loop": {"vitlab.models.vit", "vitlab.data.loader"},
+        "vitlab.interop.pretrained": {"vitlab.checkpoint.load", "vitlab.models.registry"},
+        "vitlab.checkpoint.load": {"vitlab.models.registry", "vitlab.common.io"},
         "vitlab.models.vit": {"vitlab.layers.block", "vitlab.mixers.attention", "vitlab.ops.linear"},
         "vitlab.layers.block": {"vitlab.mixers.attention"},
-        "vitlab.mixers.attention": {"vitlab.ops.linear", "vitlab.registry"},
-        "vitlab.data.loader": {"vitlab.data.spec", "vitlab.io"},
+        "vitlab.mixers.attention": {"vitlab.ops.linear", "vitlab.common.registry"},
+        "vitlab.data.loader": {"vitlab.data.spec", "vitlab.common.io"},
     }
     assert violations(clean) == []
     cases = {
         "imports a higher layer": {"vitlab.mixers.aft": {"vitlab.layers.block"}},
         "core units of one rank": {"vitlab.data.loader": {"vitlab.ops.linear"}},
-        "tools never import each other": {"vitlab.bench.models": {"vitlab.train.compare"}},
-        "only vitlab.__main__ imports the front door": {"vitlab.train.cli": {"vitlab.cli"}},
+        "tools never import each other": {"vitlab.bench.models": {"vitlab.experiments.runner"}},
+        "only vitlab.__main__ imports the front door": {"vitlab.engine.arguments": {"vitlab.cli"}},
         "cycle": {"vitlab.layers.block": {"vitlab.layers.mlp"}, "vitlab.layers.mlp": {"vitlab.layers.block"}},
-        "imports a higher layer (vitlab.train above vitlab.measure)": {
+        "imports a higher layer (vitlab.engine above vitlab.measure)": {
             "vitlab.measure.process": imports_of(
-                "vitlab.measure.process", 'TARGET = "vitlab.train.compare:train_case"', {"vitlab.train.compare"}
+                "vitlab.measure.process",
+                'TARGET = "vitlab.experiments.runner:train_case"',
+                {"vitlab.experiments.runner"},
             )
         },
     }
@@ -235,19 +244,19 @@ def test_string_references_to_modules_are_imports():
 
 def test_the_checker_sees_violations():
     # the rules above must be able to fail: a tool importing another tool, and a service importing a tool
-    assert layer("vitlab.bench.models")[0] == layer("vitlab.train.compare")[0] == 4
-    assert layer("vitlab.bench.models")[1] != layer("vitlab.train.compare")[1]
+    assert layer("vitlab.bench.models")[0] == layer("vitlab.experiments.runner")[0] == 4
+    assert layer("vitlab.bench.models")[1] != layer("vitlab.experiments.runner")[1]
     assert layer("vitlab.measure.flops")[0] < layer("vitlab.bench.models")[0]
-    assert layer("vitlab.convert_cli")[0] > layer("vitlab.convert.load")[0]
-    assert layer("vitlab.data_cli")[0] > layer("vitlab.data.spec")[0]
+    assert layer("vitlab.cli.convert")[0] > layer("vitlab.interop.convert")[0]
+    assert layer("vitlab.cli.data")[0] > layer("vitlab.data.spec")[0]
     assert layer("vitlab.mixers.aft")[0] < layer("vitlab.layers.block")[0] < layer("vitlab.models.vit")[0]
     # the public front sits above the services it re-exports and below the tools
-    assert layer("vitlab.pretrained")[0] < layer("vitlab")[0] < layer("vitlab.export")[0]
-    assert layer("vitlab.models.folder")[0] < layer("vitlab.pretrained")[0]
+    assert layer("vitlab.interop.pretrained")[0] < layer("vitlab")[0] < layer("vitlab.interop.export")[0]
+    assert layer("vitlab.models.folder")[0] < layer("vitlab.interop.pretrained")[0]
 
 
 def test_every_command_is_a_tool():
-    """Each ``vitlab`` subcommand runs a module of the tools layer (``study`` lives with compare in vitlab.train,
+    """Each ``vitlab`` subcommand runs a module of the tools layer (``study`` lives with compare in vitlab.engine,
     whose training and table code it reuses)."""
     from vitlab.cli import COMMANDS
 
@@ -255,7 +264,10 @@ def test_every_command_is_a_tool():
     for command, (module, _) in COMMANDS.items():
         assert module in mods, f"{command}: {module} is not a module of the package"
         assert layer(module)[0] == 4, f"{command}: {module} is not in the tools layer"
-    assert COMMANDS["study"][0] == "vitlab.train.study" and layer("vitlab.train.study")[1] == "vitlab.train"
+    assert (
+        COMMANDS["study"][0] == "vitlab.experiments.reproduce"
+        and layer("vitlab.experiments.reproduce")[1] == "vitlab.engine"
+    )
     assert layer("vitlab.measure.maps")[0] == 3  # the attention-map measures are a service (analysis and study)
 
 
@@ -287,11 +299,11 @@ def test_the_checkpoint_package_stands_below_convert_and_above_distributed():
     """convert reads files through the checkpoint package (its one safe loader), never the other way;
     the checkpoint package's sharded checkpoints use distributed's process group, never the other way."""
     edges = _package_edges(SERVICES)
-    assert ("vitlab.convert", "vitlab.checkpoint") in edges
-    assert ("vitlab.checkpoint", "vitlab.convert") not in edges
-    assert ("vitlab.distributed", "vitlab.checkpoint") not in edges
+    assert ("vitlab.interop", "vitlab.checkpoint") in edges
+    assert ("vitlab.checkpoint", "vitlab.interop") not in edges
+    assert ("vitlab.common.distributed", "vitlab.checkpoint") not in edges
     bad = [f"{n} -> {d}" for n, deps in graph().items() if n.startswith("vitlab.checkpoint") for d in deps
-           if owner(d, TOOLS) or d.startswith("vitlab.convert")]  # fmt: skip
+           if owner(d, TOOLS) or d.startswith("vitlab.interop")]  # fmt: skip
     assert not bad, "\n".join(bad)
 
 

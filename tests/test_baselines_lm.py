@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from vitlab.lm import create_lm, lm_config
-from vitlab.lm.baseline_configs import BASELINE_ROWS
-from vitlab.lm.decode import generate
-from vitlab.lm.model import shift_right
+from vitlab.tasks.lm import create_lm, lm_config
+from vitlab.tasks.lm.baselines import BASELINE_ROWS
+from vitlab.tasks.lm.decode import generate
+from vitlab.tasks.lm.model import shift_right
 
 TINY = [n for n in BASELINE_ROWS if n.startswith("tiny_")]
 RECOMPUTED = {"tiny_reformer"}  # decodes by recomputing the prefix (no incremental form)
@@ -102,7 +102,7 @@ def test_performer_redraws_are_the_same_after_resume():
 
 
 def test_bench_runs_a_baseline_case():
-    from vitlab.lm import bench
+    from vitlab.tasks.lm import bench
 
     step = bench.prepare_case("performer", T=64, layers=1, dim=32, batch=1)
     step.fn()

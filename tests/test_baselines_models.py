@@ -31,7 +31,7 @@ def test_resnet50_trains():
 
 @pytest.mark.slow
 def test_resnet50_teaches_as_torchscript(tmp_path):
-    from vitlab.train.distill import load_teacher
+    from vitlab.distill.teacher import load_teacher
 
     torch.manual_seed(0)
     model = resnet50(num_classes=5, in_chans=1).eval()

@@ -299,7 +299,7 @@ def test_derive_uses_the_median_call_and_the_run_best_gemm():
 def test_unknown_model_and_bad_options_are_clear_errors():
     with pytest.raises(ValueError, match="closest: deit_small"):
         bench.resolve(_args("deit_smal_patch16_224"))
-    with pytest.raises(SystemExit):  # checked while parsing (vitlab.options)
+    with pytest.raises(SystemExit):  # checked while parsing (vitlab.common.options)
         _args("deit_mini", "--batch", "0")
     with pytest.raises(ValueError, match="name at least one model"):
         bench.resolve(_args())

@@ -1,4 +1,4 @@
-"""vitlab.pretrained.load_model: one way from a name, a training checkpoint or a weights file to a model."""
+"""vitlab.interop.pretrained.load_model: one way from a name, a training checkpoint or a weights file to a model."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 import vitlab
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
-from vitlab.convert import save_weights
-from vitlab.pretrained import load_model
+from vitlab.interop import save_weights
+from vitlab.interop.pretrained import load_model
 
 KWARGS = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7)
 

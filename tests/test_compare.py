@@ -10,9 +10,9 @@ import torch
 
 import vitlab
 from vitlab.cli import main as cli_main
+from vitlab.common.report import render_markdown, render_text
+from vitlab.experiments.runner import COLUMNS, TEXT_COLUMNS, adapt_to_size, method_of
 from vitlab.measure.flops import count_macs
-from vitlab.report import render_markdown, render_text
-from vitlab.train.compare import COLUMNS, TEXT_COLUMNS, adapt_to_size, method_of
 
 
 def test_adaptation_gives_a_4x4_grid_on_mnist():
@@ -87,7 +87,7 @@ def test_compare_resume_reuses_finished_and_continues_unfinished(tmp_path, capsy
     # cpvt_mini loses its result and its last epoch: it is resumed, deit_mini is reused
     (out / "cpvt_mini" / "result.json").unlink()
     ckpt = torch.load(out / "cpvt_mini" / "last.pt", weights_only=True)
-    from vitlab.train import save_checkpoint
+    from vitlab.engine import save_checkpoint
 
     save_checkpoint(
         {**{k: v for k, v in ckpt.items() if k not in ("format", "version")}, "epoch": 1}, out / "cpvt_mini" / "last.pt"

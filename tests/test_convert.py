@@ -13,7 +13,7 @@ import torch
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
-from vitlab.convert import (
+from vitlab.interop import (
     DEIT_TO_AFT_EXCLUDE,
     LoadReport,
     detect_source,

@@ -22,11 +22,11 @@ import vitlab
 from test_compile import loss_and_grads
 from test_inference_mode import DIM, GRID, MIXER_CASES, N, check_eval_then_train
 from test_lm import TINY, randomise_biases
-from vitlab.device import set_tf32
+from vitlab.common.device import set_tf32
 from vitlab.layers import DropPath
-from vitlab.lm import create_lm, shift_right
-from vitlab.lm.decode import generate
 from vitlab.mixers import TokenLayout, build
+from vitlab.tasks.lm import create_lm, shift_right
+from vitlab.tasks.lm.decode import generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

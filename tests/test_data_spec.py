@@ -133,7 +133,7 @@ def opened(monkeypatch) -> list[tuple[str, str]]:
         return real(spec, split, **kw)
 
     monkeypatch.setattr(factory, "open_source", spy)
-    for module in ("vitlab.data", "vitlab.train.data", "vitlab.analysis.inputs", "vitlab.train.study"):
+    for module in ("vitlab.data", "vitlab.engine.data", "vitlab.analysis.inputs", "vitlab.experiments.reproduce"):
         mod = __import__(module, fromlist=["open_source"])
         if hasattr(mod, "open_source"):
             monkeypatch.setattr(mod, "open_source", spy)
@@ -156,9 +156,9 @@ def test_train_eval_and_analyze_open_their_data_through_the_factory(opened, tmp_
 
 
 def test_study_and_relabel_open_their_data_through_the_factory(opened, tmp_path):
-    from vitlab.train.config import TrainConfig
-    from vitlab.train.relabel import image_files
-    from vitlab.train.study import heldout_images
+    from vitlab.distill.relabel import image_files
+    from vitlab.engine.config import TrainConfig
+    from vitlab.experiments.reproduce import heldout_images
 
     plan = SimpleNamespace(configs={"row": TrainConfig(data="mnist", holdout=100)}, img_size=28)
     assert heldout_images(plan).shape == (64, 1, 28, 28)
@@ -175,9 +175,9 @@ def test_folder_means_one_thing_in_train_eval_and_analyze(tmp_path):
     """The held-out part of a flat folder: the same classes, order and files for training's evaluation and
     `vitlab eval` of its checkpoint; analyze looks at the same folder's first images."""
     from vitlab.analysis.inputs import load_images
-    from vitlab.train.config import TrainConfig
-    from vitlab.train.data import load_data
-    from vitlab.train.evaluate import _eval_split
+    from vitlab.engine.config import TrainConfig
+    from vitlab.engine.data import load_data
+    from vitlab.engine.evaluate import _eval_split
 
     root = _tree(tmp_path / "flat", classes=("dog", "cat", "eel"), per_class=5)
     spec = DataSpec.parse(f"folder:{root}")

@@ -1,4 +1,4 @@
-"""One device story (vitlab.device): --device in every command, autocast choices, timing and memory on the
+"""One device story (vitlab.common.device): --device in every command, autocast choices, timing and memory on the
 device; the GPU paths (CUDA event timing, GPU peak memory, GEMM probe, fused AdamW, fp16 with a gradient
 scaler, NCCL) run where CUDA is present and are skipped otherwise."""
 
@@ -14,10 +14,10 @@ import torch
 
 import vitlab
 from vitlab.cli import main as cli_main
-from vitlab.device import amp_dtype, device_memory, resolve_device, set_tf32, time_call
+from vitlab.common.device import amp_dtype, device_memory, resolve_device, set_tf32, time_call
+from vitlab.common.options import device as parse_device
+from vitlab.engine.optim import create_optimizer
 from vitlab.measure.gemm import measure_gemm
-from vitlab.optim import create_optimizer
-from vitlab.options import device as parse_device
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -115,7 +115,7 @@ def test_cuda_timing_waits_for_the_kernels():
 
 @needs_cuda
 def test_cuda_peak_memory_after_a_reset():
-    from vitlab.device import reset_peak_memory
+    from vitlab.common.device import reset_peak_memory
 
     dev = torch.device("cuda")
     reset_peak_memory(dev)

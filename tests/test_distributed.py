@@ -1,7 +1,7 @@
 """Training across processes on the CPU (gloo), as CI runs it: DDP on two "nodes" of localhost (two torchrun
 launches meeting at a rendezvous endpoint), FSDP2 against one process, sharded checkpoints resumed on another
 number of processes, ``vitlab lm train`` under DDP with gradient accumulation; and the safe reading of
-sharded checkpoints (:mod:`vitlab.distributed`).
+sharded checkpoints (:mod:`vitlab.common.distributed`).
 
 Why the runs agree: without augmentation, dropout and stochastic depth, every process count sees the same
 samples in the same global batches (rank r takes every r-th sample of the global order), and DDP / FSDP
@@ -27,8 +27,8 @@ import torch
 import vitlab
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
 from vitlab.checkpoint.sharded import ShardError, read_sharded_weights, save_sharded
-from vitlab.distributed import World
-from vitlab.optim import create_optimizer
+from vitlab.common.distributed import World
+from vitlab.engine.optim import create_optimizer
 
 # a tiny DeiT (4x4 grid of 7-px patches, 1 block of width 32) on 128 digits: 4 steps of 32 per epoch
 TINY_RUN = [

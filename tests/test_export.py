@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.export import (
+from vitlab.interop.export import (
     check_exports,
     example_input,
     export_onnx,
@@ -123,11 +123,11 @@ def test_dynamic_size_support():
 def test_one_dynamic_size_rule_for_export_and_eval():
     """``vitlab export`` and ``vitlab eval`` ask the models' one rule: as built (export) or with its tables
     resampled (eval); a model that runs at any size as built also runs once resampled."""
-    import vitlab.export
+    import vitlab.interop.export
+    from vitlab.engine.evaluate import resample_tables
     from vitlab.models import supports_dynamic_size as rule
-    from vitlab.train.evaluate import resample_tables
 
-    assert vitlab.export.supports_dynamic_size is rule
+    assert vitlab.interop.export.supports_dynamic_size is rule
     for name in vitlab.list_models():
         with torch.device("meta"):
             model = vitlab.create_model(name)

@@ -74,7 +74,7 @@ def test_evaluation_skips_and_counts_an_unreadable_image_never_substitutes(tmp_p
     with pytest.warns(UserWarning, match="unreadable image skipped"):
         labels = [int(v) for _, y in loader for v in y]
     assert Counter(labels) == Counter({0: 3, 1: 3}) and len(loader.bad_files) == 2
-    from vitlab.train.engine import evaluate
+    from vitlab.engine.loop import evaluate
 
     class Constant(nn.Module):
         def forward(self, x):
@@ -133,7 +133,7 @@ def test_write_failures_are_one_line(tmp_path, capsys, monkeypatch):
                           "--shard-size", "100"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "file-size limit" in out.stderr, out.stderr
     assert not list((tmp_path / "w").glob("*.tar"))
-    import vitlab.rundir as rundir
+    import vitlab.common.rundir as rundir
 
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / ".vitlab.lock"))

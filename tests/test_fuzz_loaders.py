@@ -23,9 +23,9 @@ import torch
 
 import vitlab
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
-from vitlab.convert import read_checkpoint, save_weights
 from vitlab.data.readers import read_cifar_batch
-from vitlab.pretrained import load_model
+from vitlab.interop import read_checkpoint, save_weights
+from vitlab.interop.pretrained import load_model
 
 KWARGS = dict(img_size=8, in_chans=1, num_classes=3, patch_size=4, embed_dim=8, depth=1, num_heads=2)
 PROJECT_ERRORS = (ValueError, FileNotFoundError)

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import vitlab
-from vitlab.extras import MissingExtra
-from vitlab.integrations import timm as timm_plugin
-from vitlab.integrations.hf import TrainerModel
+from vitlab.common.extras import MissingExtra
+from vitlab.interop import timm as timm_plugin
+from vitlab.interop.hf import TrainerModel
 
 
 @dataclasses.dataclass
@@ -242,7 +242,7 @@ def test_what_the_trainer_saves_loads_back(tmp_path):
     save_model()); the callback adds config.json; vitlab reads either form back with identical logits."""
     from safetensors.torch import save_file
 
-    from vitlab.integrations.hf import save_folder
+    from vitlab.interop.hf import save_folder
 
     torch.manual_seed(0)
     model = vitlab.create_model("deit_mini", num_classes=3).eval()

@@ -1,4 +1,4 @@
-"""Causal sequence models (vitlab.lm): causality, incremental decoding == full forward, bits/dim, data layout
+"""Causal sequence models (vitlab.tasks.lm): causality, incremental decoding == full forward, bits/dim, data layout
 and augmentation, overfitting, CLI, bad input. The banded causal AFT-local core is tested in test_aft.py."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import DATA
-from vitlab.lm import CausalLM, bits_per_dim, create_lm, list_lms, lm_config, shift_right
-from vitlab.lm.data import ByteData, ImageSequences, augment_images, images_to_sequences, sequences_to_images
-from vitlab.lm.decode import IncrementalDecoder, generate
 from vitlab.mixers import AFTLocal
+from vitlab.tasks.lm import CausalLM, bits_per_dim, create_lm, list_lms, lm_config, shift_right
+from vitlab.tasks.lm.data import ByteData, ImageSequences, augment_images, images_to_sequences, sequences_to_images
+from vitlab.tasks.lm.decode import IncrementalDecoder, generate
 
 CIFAR = DATA / "cifar10" / "cifar-10-batches-py-first1017"
 SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
@@ -146,7 +146,7 @@ def test_bits_per_dim_on_known_distributions():
 
 
 def test_evaluate_reports_8_bits_for_a_uniform_model(tmp_path):
-    from vitlab.lm.train import evaluate
+    from vitlab.tasks.lm.train import evaluate
 
     path = tmp_path / "t.bin"
     path.write_bytes(bytes(range(256)) * 3)
@@ -442,8 +442,8 @@ def test_recomputed_core_gives_the_same_outputs_and_gradients():
 
 
 def test_bench_case_and_ratios():
-    from vitlab.lm import bench
-    from vitlab.lm import targets as lm_targets
+    from vitlab.tasks.lm import bench
+    from vitlab.tasks.lm import targets as lm_targets
 
     step = bench.prepare_case("aft_local_rc", T=64, layers=1, dim=32, batch=1)
     step.fn()
@@ -502,7 +502,7 @@ def test_bias_dim_full_from_the_command_line(tmp_path):
     import argparse
 
     from vitlab.cli import main
-    from vitlab.lm.cli import FULL_BIAS, bias_dim
+    from vitlab.cli.lm import FULL_BIAS, bias_dim
 
     assert bias_dim("full") == bias_dim("None") == FULL_BIAS and bias_dim("64") == 64
     for bad in ("0", "-3", "wide"):

@@ -9,7 +9,7 @@ import torch
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
-from vitlab.convert import rename_keys
+from vitlab.interop import rename_keys
 from vitlab.layers import PositionEncodingGenerator
 from vitlab.mixers import TokenLayout
 from vitlab.models import VisionTransformer, get_config

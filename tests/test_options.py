@@ -1,4 +1,4 @@
-"""Every flag is checked while the command line is parsed (vitlab.options): a bad value is one line naming the
+"""Every flag is checked while the command line is parsed (vitlab.common.options): a bad value is one line naming the
 flag, the value and what is allowed, exit code 2, before any work. Also: the corrected messages, out of memory
 as one line in every command, non-finite weights and one-class data said, refused pickles never run."""
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import vitlab
-from vitlab import options as opt
 from vitlab.checkpoint import save_checkpoint
 from vitlab.checkpoint.safeload import NonFiniteWeightsWarning
 from vitlab.cli import COMMANDS, build_parser
 from vitlab.cli import main as cli_main
+from vitlab.common import options as opt
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT on the embedded MNIST: 4x4 grid of 7-px patches, 1 block of width 32
@@ -117,7 +117,7 @@ def test_keyword_values_are_checked_against_the_signature():
 
 
 def test_every_numeric_flag_of_every_command_has_a_validated_type():
-    """No plain ``type=int`` / ``type=float`` in any command's options: each names its range (vitlab.options)."""
+    """No plain ``type=int`` / ``type=float`` in any command's options: each names its range (vitlab.common.options)."""
 
     def parsers(parser: argparse.ArgumentParser):
         yield parser
@@ -130,7 +130,7 @@ def test_every_numeric_flag_of_every_command_has_a_validated_type():
     for command in COMMANDS:
         for parser in parsers(build_parser(command)):
             plain += [f"{parser.prog} {'/'.join(a.option_strings)}" for a in parser._actions if a.type in (int, float)]
-    assert not plain, "flags without a range (use a vitlab.options type): " + ", ".join(plain)
+    assert not plain, "flags without a range (use a vitlab.common.options type): " + ", ".join(plain)
 
 
 # --------------------------------------------------------------------------- each bad flag of the issue
@@ -139,8 +139,8 @@ def test_every_numeric_flag_of_every_command_has_a_validated_type():
 @pytest.fixture
 def no_training(monkeypatch):
     """Parse-time errors run no work: the training loop must never be reached."""
-    from vitlab.lm import train as lm_train
-    from vitlab.train import engine
+    from vitlab.engine import loop as engine
+    from vitlab.tasks.lm import train as lm_train
 
     def refuse(*args, **kwargs):
         raise AssertionError("work started for an invalid option")
@@ -287,7 +287,7 @@ def test_lm_sample_options_of_the_other_kind_of_model_are_refused(checkpoints, c
 
 def test_one_class_of_training_data_is_said():
     from vitlab.data import ImageDataset
-    from vitlab.train.setup import warn_one_class
+    from vitlab.engine.setup import warn_one_class
 
     def data(labels):
         return ImageDataset(
@@ -334,7 +334,7 @@ def test_out_of_memory_is_one_line_in_any_command(error, monkeypatch, capsys):
 
 
 def test_out_of_memory_in_analyze_is_one_line(tmp_path, monkeypatch, capsys):
-    from vitlab.analysis import cli as analysis_cli
+    from vitlab.cli import analyze as analysis_cli
 
     def oom(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes.")
@@ -352,7 +352,7 @@ def test_a_torchscript_export_that_hits_the_file_size_limit_is_one_line(tmp_path
     """torch's own file writer aborts the whole process when a write fails; vitlab writes the bytes itself."""
     out = tmp_path / "m.pt"
     code = (
-        "import resource, signal, sys, torch\nfrom vitlab.export import to_torchscript\n"
+        "import resource, signal, sys, torch\nfrom vitlab.interop.export import to_torchscript\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nresource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
         "try:\n    to_torchscript(torch.nn.Linear(64, 64), torch.randn(1, 64), sys.argv[1])\n"
         "except ValueError as e:\n    sys.exit(str(e))"

@@ -1,4 +1,4 @@
-"""Point clouds (:mod:`vitlab.points`, ``vitlab points``): offset attention with external attention against the
+"""Point clouds (:mod:`vitlab.tasks.points`, ``vitlab points``): offset attention with external attention against the
 paper's equations, the metrics against direct counting, the ShapeNet-Part and ModelNet40 (HDF5) readers on
 generated files in the real layouts, and a classifier trained through the engine on a ModelNet40-layout file."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from vitlab.cli import main
-from vitlab.points import build_point_model, classification_accuracy, open_points, part_miou, part_predictions
-from vitlab.points.data import part_ranges
-from vitlab.points.models import OffsetAttention
-from vitlab.points.synth import make_shapenet_part
+from vitlab.tasks.points import build_point_model, classification_accuracy, open_points, part_miou, part_predictions
+from vitlab.tasks.points.data import part_ranges
+from vitlab.tasks.points.models import OffsetAttention
+from vitlab.tasks.points.synth import make_shapenet_part
 
 
 def test_offset_attention_is_f_plus_lbr_of_f_minus_external_attention():
@@ -96,7 +96,7 @@ def test_modelnet40_without_h5py_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_classifier_trains_on_a_modelnet40_hdf5_file(tmp_path, capsys):
     pytest.importorskip("h5py")
-    from vitlab.points.synth import make_modelnet40
+    from vitlab.tasks.points.synth import make_modelnet40
 
     root = make_modelnet40(tmp_path / "mn", train=64, test=32, points=128, classes=4)
     out = tmp_path / "run"

@@ -32,10 +32,10 @@ from test_convert import (
 )
 from vitlab.checkpoint import save_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.convert import rename_key
-from vitlab.io import write_safetensors_atomic
+from vitlab.common.io import write_safetensors_atomic
+from vitlab.interop import rename_key
+from vitlab.interop.pretrained import find_weights, weights_dir
 from vitlab.models import build_model
-from vitlab.pretrained import find_weights, weights_dir
 
 # (registered model, golden file, options giving the golden's small configuration, source, nesting)
 OFFICIAL = [

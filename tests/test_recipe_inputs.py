@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from vitlab.cli import main as cli_main
-from vitlab.train.recipes import MAX_ALIASES, apply_recipe, load_recipe, shipped_recipes
+from vitlab.engine.recipes import MAX_ALIASES, apply_recipe, load_recipe, shipped_recipes
 
 
 def _refused(capsys, recipe: Path, *extra: str) -> str:

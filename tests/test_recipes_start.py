@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import torch
 
+from vitlab.common.distributed import World
 from vitlab.data.synth import synthesize
-from vitlab.distributed import World
+from vitlab.engine.config import TrainConfig
+from vitlab.engine.loop import forward_backward, optimizer_step, train
+from vitlab.engine.recipes import load_recipe, paper_line, shipped_recipes
+from vitlab.engine.setup import setup
+from vitlab.experiments.papers import STUDIES
+from vitlab.experiments.runner import adapt_to_size
 from vitlab.models import get_config, list_models
-from vitlab.train.compare import adapt_to_size
-from vitlab.train.config import TrainConfig
-from vitlab.train.engine import forward_backward, optimizer_step, train
-from vitlab.train.recipes import load_recipe, paper_line, shipped_recipes
-from vitlab.train.setup import setup
-from vitlab.train.studies import STUDIES
 
 RECIPES = list(shipped_recipes())
 SIZE_WORDS = {"ti", "s", "m", "b", "l", "tiny", "small", "medium", "base", "large", "distilled"}

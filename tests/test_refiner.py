@@ -10,7 +10,7 @@ import torch
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
-from vitlab.convert import rename_keys
+from vitlab.interop import rename_keys
 from vitlab.mixers import Attention, DistributedLocalAttention, RefinerAttention, build
 from vitlab.mixers.refiner import SameDepthwiseConv2d
 

@@ -1,4 +1,4 @@
-"""vitlab.registry: the one mechanism behind the vision-model and LM registries, and its errors."""
+"""vitlab.common.registry: the one mechanism behind the vision-model and LM registries, and its errors."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 import vitlab
-from vitlab.lm import LM_CONFIGS, list_lms
-from vitlab.registry import Registry, check_options, unknown_name_error
+from vitlab.common.registry import Registry, check_options, unknown_name_error
+from vitlab.tasks.lm import LM_CONFIGS, list_lms
 
 
 @dataclass

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import vitlab.io
+import vitlab.common.io
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.convert.load import save_weights
-from vitlab.io import (
+from vitlab.common.io import (
     WriteError,
     check_writable_file,
     check_writable_folder,
@@ -31,7 +30,8 @@ from vitlab.io import (
     write_json_atomic,
     write_text_atomic,
 )
-from vitlab.rundir import LOCK_NAME, RunDirError, RunLock
+from vitlab.common.rundir import LOCK_NAME, RunDirError, RunLock
+from vitlab.interop.convert import save_weights
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT: 4x4 grid of 7-px patches, 1 block of width 32, 64 images: about a second per epoch
@@ -90,7 +90,7 @@ def test_a_second_writer_is_refused_with_the_owner_named(tmp_path, capsys):
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
     out = tmp_path / "run"
     holder = python(
-        "import sys, time\nfrom vitlab.rundir import RunLock\n"
+        "import sys, time\nfrom vitlab.common.rundir import RunLock\n"
         "lock = RunLock(sys.argv[1], 'vitlab train')\nprint('locked', flush=True)\ntime.sleep(120)",
         str(out),
     )
@@ -193,7 +193,7 @@ def test_a_kill_between_checkpoint_and_log_write_loses_no_row(tmp_path, capsys):
 
 
 def test_force_moves_the_old_run_aside_even_if_the_new_run_crashes(tmp_path, monkeypatch, capsys):
-    from vitlab.train import engine
+    from vitlab.engine import loop as engine
 
     out = tmp_path / "run"
     assert train(out) == 0
@@ -216,10 +216,10 @@ def test_force_moves_the_old_run_aside_even_if_the_new_run_crashes(tmp_path, mon
 
 def killed_at(where: str, out: Path, *extra: str) -> None:
     """``vitlab train`` into ``out``, SIGKILLed by itself when it reaches ``where`` (``module.function`` in
-    ``vitlab.train``; a real kill: no handler, no finally, no lock release)."""
+    ``vitlab.engine``; a real kill: no handler, no finally, no lock release)."""
     module, name = where.split(".")
     proc = python(
-        f"import os, signal, sys\nfrom vitlab.train import {module}\n"
+        f"import os, signal, sys\nfrom vitlab.engine import {module}\n"
         f"assert hasattr({module}, {name!r}), 'nothing to patch'\n"
         f"setattr({module}, {name!r}, lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))\n"
         "from vitlab.cli import main\nsys.exit(main(sys.argv[1:]))",
@@ -298,7 +298,7 @@ def test_wrong_output_paths_are_one_line_before_any_work(tmp_path, monkeypatch, 
         assert f"{tmp_path} is a folder; give a file name" in one_line_error(capsys)
     with pytest.raises(WriteError, match="is a folder"):
         check_writable_file(tmp_path)
-    monkeypatch.setattr(vitlab.io.os, "access", lambda *a, **k: False)  # what a read-only or foreign folder says
+    monkeypatch.setattr(vitlab.common.io.os, "access", lambda *a, **k: False)  # what a read-only or foreign folder says
     with pytest.raises(WriteError, match="cannot write in"):
         check_writable_folder(tmp_path / "new")
 
@@ -306,7 +306,7 @@ def test_wrong_output_paths_are_one_line_before_any_work(tmp_path, monkeypatch, 
 def test_too_little_space_for_a_checkpoint_is_one_line_before_training(tmp_path, monkeypatch, capsys):
     import shutil
 
-    from vitlab import rundir
+    from vitlab.common import rundir
 
     monkeypatch.setattr(rundir.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 2**20))
     assert train(tmp_path / "run") == 2
@@ -320,7 +320,7 @@ def test_a_failed_write_is_one_line_and_the_previous_file_is_intact(tmp_path, mo
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(vitlab.io.os, "fsync", full)
+    monkeypatch.setattr(vitlab.common.io.os, "fsync", full)
     with pytest.raises(WriteError, match=r"could not write .*a.txt: no space left .*ENOSPC.*previous a.txt is intact"):
         write_text_atomic(path, "new")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["a.txt"]

@@ -1,4 +1,4 @@
-"""The allocator policy of the vitlab command (vitlab.runtime): freed activations are reused, not page-faulted."""
+"""The allocator policy of the vitlab command (vitlab.common.runtime): freed activations are reused, not page-faulted."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_keep_policy_reuses_freed_blocks_without_page_faults():
 
 
 def test_env_setting_is_checked(monkeypatch):
-    from vitlab import runtime
+    from vitlab.common import runtime
 
     monkeypatch.setenv("VITLAB_ALLOCATOR", "jemalloc")
     with pytest.raises(ValueError, match="VITLAB_ALLOCATOR must be 'keep' or 'default'"):

@@ -1,4 +1,4 @@
-"""Semantic segmentation (:mod:`vitlab.seg`, ``vitlab seg``): metrics and sliding windows against direct
+"""Semantic segmentation (:mod:`vitlab.tasks.segmentation`, ``vitlab seg``): metrics and sliding windows against direct
 implementations, the VOC / ADE20K readers on generated folders in the real layouts, the joint transform's
 alignment of image and mask, the models over a pyramid and a plain ViT, and ``vitlab seg train`` learning,
 resuming bit for bit and evaluating with sliding windows."""
@@ -15,12 +15,12 @@ from torch import nn
 
 from vitlab.checkpoint import load_checkpoint
 from vitlab.cli import main
-from vitlab.seg import ConfusionMatrix, build_segmenter, iou_from_confusion, open_masks, predict
-from vitlab.seg.data import JointTransform, SegLoader
-from vitlab.seg.infer import window_starts
-from vitlab.seg.metrics import confusion
-from vitlab.seg.models import Head, plain_levels
-from vitlab.seg.synth import make_mask_folder
+from vitlab.tasks.segmentation import ConfusionMatrix, build_segmenter, iou_from_confusion, open_masks, predict
+from vitlab.tasks.segmentation.data import JointTransform, SegLoader
+from vitlab.tasks.segmentation.infer import window_starts
+from vitlab.tasks.segmentation.metrics import confusion
+from vitlab.tasks.segmentation.models import Head, plain_levels
+from vitlab.tasks.segmentation.synth import make_mask_folder
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def majority_miou(ds) -> float:
 def test_seg_train_learns_resumes_bit_identically_and_evaluates(voc, tmp_path, capsys, monkeypatch):
     """A run stopped just after a mid-epoch checkpoint (step 18 of 24, inside epoch 5), then resumed, ends with
     the weights of an uninterrupted run, bit for bit; the held-out mIoU beats the majority-class answer."""
-    import vitlab.train.engine as engine
+    import vitlab.engine.loop as engine
 
     args = [*RUN, "--data", f"voc:{voc}", "--lr", "1e-2", "--warmup-epochs", "0.25", "--epochs", "6"]
     assert main(["seg", "train", *args, "--out", str(tmp_path / "a")]) == 0
@@ -257,8 +257,8 @@ def test_seg_cli_refuses_what_it_cannot_do(voc, tmp_path, capsys):
 
 
 def test_segmentation_studies_pass_their_switch_to_the_small_rows(capsys):
-    from vitlab.train.studies import STUDIES
-    from vitlab.train.study import variants
+    from vitlab.experiments.papers import STUDIES
+    from vitlab.experiments.reproduce import variants
 
     memory = variants(STUDIES.get("ea-seg-memory"), "small")
     assert [v.model_args["memory_size"] for v in memory] == [8, 32, 64, 256]
@@ -270,7 +270,7 @@ def test_segmentation_studies_pass_their_switch_to_the_small_rows(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ea-seg-head", "ea-seg-norm", "ea-seg-memory"])
 def test_segmentation_studies_end_to_end(name, voc, tmp_path):
-    from vitlab.train.studies import STUDIES
+    from vitlab.experiments.papers import STUDIES
 
     out = tmp_path / name
     assert main(["study", name, "--data", f"voc:{voc}", "--seeds", "1", "--epochs", "1", "--out", str(out)]) == 0

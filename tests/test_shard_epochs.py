@@ -151,7 +151,7 @@ def test_a_pattern_is_never_its_own_held_out_set(tmp_path, capsys):
 
 def test_training_on_plain_shards_evaluates_on_the_named_held_out_shards(tmp_path):
     """`vitlab train --data wds:train=...,val=... --num-classes N` trains on one set and reports the other's size."""
-    from vitlab.train import TrainConfig, train
+    from vitlab.engine import TrainConfig, train
 
     train_p = write_numbered_shards(tmp_path / "s", (6, 6))
     val_p = write_numbered_shards(tmp_path / "s", (5,), prefix="val")

@@ -11,11 +11,11 @@ import torch
 
 import vitlab
 from vitlab.cli import main as cli_main
+from vitlab.experiments.papers import STUDIES
+from vitlab.experiments.reproduce import add_arguments, read_recipe, resolve
+from vitlab.experiments.runner import adapt_to_size
 from vitlab.models import get_config
-from vitlab.seg import build_segmenter
-from vitlab.train.compare import adapt_to_size
-from vitlab.train.studies import STUDIES
-from vitlab.train.study import add_arguments, read_recipe, resolve
+from vitlab.tasks.segmentation import build_segmenter
 
 NAMES = STUDIES.names()
 QUICK = ("cpvt-padding", "aft-global")  # in the default suite
@@ -160,9 +160,9 @@ def test_every_other_study_end_to_end(name, tmp_path):
 def test_resolution_study_evaluates_one_checkpoint_at_each_size(tmp_path, capsys):
     """`vitlab study cpvt-resolution`: a checkpoint trained at one size, evaluated at others (its PEGs adapt),
     each row beside the paper's figure of that model ("not given" for a model the table does not have)."""
-    from vitlab.train.config import TrainConfig
-    from vitlab.train.engine import train
-    from vitlab.train.resolution import RESOLUTION_STUDIES
+    from vitlab.engine.config import TrainConfig
+    from vitlab.engine.loop import train
+    from vitlab.experiments.resolution import RESOLUTION_STUDIES
 
     run = tmp_path / "run"
     train(TrainConfig(model="cpvt_mini", model_args={"patch_size": 7}, train_limit=64, holdout=64,

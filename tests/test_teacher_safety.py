@@ -26,8 +26,8 @@ from torch import nn
 import vitlab
 from vitlab.checkpoint import save_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.train.distill import TeacherError, load_teacher
-from vitlab.train.teacher_safety import check_expression, check_guard, check_target
+from vitlab.distill.safety import check_expression, check_guard, check_target
+from vitlab.distill.teacher import TeacherError, load_teacher
 
 
 class SmallCnn(nn.Module):
@@ -204,9 +204,9 @@ def test_the_payloads_are_live_without_the_check(program, tmp_path, case):
 
 def test_relabel_and_a_recipe_refuse_the_same_way(program, tmp_path, capsys):
     """`vitlab relabel` prints the refusal as one line; a recipe's teacher goes through the same loader."""
-    from vitlab.train.config import TrainConfig
-    from vitlab.train.losses import make_criterion
-    from vitlab.train.recipes import load_recipe
+    from vitlab.engine.config import TrainConfig
+    from vitlab.engine.losses import make_criterion
+    from vitlab.engine.recipes import load_recipe
 
     marker = tmp_path / "marker"
     path = craft(program, tmp_path / "crafted.pt2", calls("torch.ops.aten.from_file.default", marker))
@@ -413,7 +413,7 @@ def test_expressions_and_guards():
 def test_wrong_weights_and_oversized_archives_are_one_line_before_loading(program, tmp_path, monkeypatch):
     """A weight with fewer bytes than its shape needs is named (not torch's deserialisation error); a member
     that would inflate past the bound (a zip bomb) and a file larger than any teacher are refused unread."""
-    import vitlab.train.teacher_safety as safety
+    import vitlab.distill.safety as safety
 
     short = craft(program, tmp_path / "short.pt2", members={"data/weights/weight_0": b"\0" * 8})
     with pytest.raises(TeacherError, match=r"'conv.weight' holds 8 bytes where its shape and dtype need 864"):

@@ -18,10 +18,10 @@ from torch.utils.checkpoint import checkpoint
 import vitlab
 from vitlab import create_model
 from vitlab.data import resolve_data_config
+from vitlab.engine.optim import WarmupCosine, param_groups_layer_decay
 from vitlab.layers.recompute import recomputed
-from vitlab.lm import CausalLM
 from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, pool_tokens
-from vitlab.optim import WarmupCosine, param_groups_layer_decay
+from vitlab.tasks.lm import CausalLM
 
 MINI = vitlab.list_models("*_mini")
 # models whose blocks all see one token sequence (the pyramid's "blocks" are stages: test_pyramid_features)

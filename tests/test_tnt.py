@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
 from conftest import assert_close_to_golden, load_golden
-from vitlab.convert import rename_keys
+from vitlab.interop import rename_keys
 from vitlab.models.registry import get_config
 from vitlab.models.tnt import TNT, TNTBlock
 

@@ -1,4 +1,4 @@
-"""What a run reports while it runs (vitlab.tracking) and writes beside its checkpoints: steps.jsonl,
+"""What a run reports while it runs (vitlab.engine.tracking) and writes beside its checkpoints: steps.jsonl,
 TensorBoard, progress lines with ETAs when the output is not a terminal, the best checkpoint."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from vitlab.checkpoint import load_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.tracking import Progress, StepLog, fmt_eta
+from vitlab.engine.tracking import Progress, StepLog, fmt_eta
 
 TINY_RUN = [
     "--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg", "embed_dim=32",

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import vitlab
 from vitlab.checkpoint import check_model_name, load_state_checked, model_from_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.train import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
-from vitlab.train.distill import HardDistillationLoss
-from vitlab.train.setup import init_weights_from
+from vitlab.distill.teacher import HardDistillationLoss
+from vitlab.engine import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
+from vitlab.engine.setup import init_weights_from
 
 REPO = Path(__file__).resolve().parents[1]
 # a tiny DeiT: 4x4 grid of 7-px patches, 1 block of width 32 -> a few seconds per epoch
@@ -218,13 +218,13 @@ def test_loading_never_runs_code_and_bad_files_are_clear(tmp_path, monkeypatch):
 
 
 def test_accumulation_syncs_gradients_on_the_last_micro_batch_of_each_step(tmp_path, monkeypatch):
-    """The training step asks the spread model (DDP or FSDP: :func:`vitlab.distributed.gradient_sync`) to skip the
+    """The training step asks the spread model (DDP or FSDP: :func:`vitlab.common.distributed.gradient_sync`) to skip the
     gradient collective on every micro-batch but a step's last; 5 micro-batches in groups of 2 end with a short
     group of 1 (the FSDP collectives themselves are counted across two processes in test_distributed)."""
     import contextlib
 
-    import vitlab.train.engine as engine
-    from vitlab.train import TrainConfig, train
+    import vitlab.engine.loop as engine
+    from vitlab.engine import TrainConfig, train
 
     flags = []
 
@@ -446,7 +446,7 @@ def test_two_ddp_processes_match_one_process_at_the_same_global_batch(tmp_path):
 
 def test_eval_at_another_size_resamples_aft_position_biases(tmp_path):
     """`vitlab eval --img-size`: AFT-full's learned position biases are interpolated like a position table."""
-    from vitlab.train.evaluate import evaluate_checkpoint
+    from vitlab.engine.evaluate import evaluate_checkpoint
 
     kw = dict(img_size=28, in_chans=1, num_classes=10, patch_size=7, depth=1, embed_dim=32)
     model = vitlab.create_model("aft_full_mini", **kw)

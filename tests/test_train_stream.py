@@ -22,9 +22,9 @@ from vitlab.checkpoint import load_checkpoint
 from vitlab.cli import main as cli_main
 from vitlab.data import CropSpec, ResizeCenterCrop, eval_geometry
 from vitlab.data.synth import synthesize
-from vitlab.pretrained import load_model
-from vitlab.train import TrainConfig, train
-from vitlab.train.recipes import find_recipe, load_recipe, shipped_recipes
+from vitlab.engine import TrainConfig, train
+from vitlab.engine.recipes import find_recipe, load_recipe, shipped_recipes
+from vitlab.interop.pretrained import load_model
 
 # a tiny DeiT on 32-px crops: 4x4 grid of 8-px patches, one block of width 32
 TINY = dict(model="deit_mini", model_args={"patch_size": 8, "depth": 1, "embed_dim": 32}, img_size=32)
@@ -107,7 +107,7 @@ def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_p
     """A run stopped right after a mid-epoch checkpoint and resumed ends with the same weights, EMA, log rows
     and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on): on a
     folder (sampler position) and on shards (each worker's place in its shard stream)."""
-    import vitlab.train.engine as engine
+    import vitlab.engine.loop as engine
 
     data = f"{kind}:{request.getfixturevalue('folder' if kind == 'folder' else 'shards')}"
     base = dict(TINY, data=data, epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
@@ -217,7 +217,7 @@ def test_the_wheel_carries_the_recipes(tmp_path):
 
 
 def test_recipe_keys_are_checked_and_the_command_line_wins(tmp_path, capsys, monkeypatch):
-    import vitlab.train.engine as engine
+    import vitlab.engine.loop as engine
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: deit_mini\nepochz: 3\n")
@@ -259,7 +259,7 @@ class SmallCnn(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["export", "torchscript"])
 def test_soft_and_hard_distillation_equal_deit_equations_for_exported_teachers(tmp_path, kind):
-    from vitlab.train.distill import DistillationLoss, load_teacher
+    from vitlab.distill.teacher import DistillationLoss, load_teacher
 
     torch.manual_seed(1)
     cnn = SmallCnn().eval()
@@ -317,7 +317,7 @@ def _export(model: torch.nn.Module, path: Path, batch: str) -> Path:
 def test_a_pt2_teacher_of_any_batch_dimension_serves_every_batch_size(tmp_path, batch):
     """A program exported with a static batch of 2 (or a dynamic batch with bounds) is called on chunks it takes,
     a short chunk padded: its logits equal the eager teacher's for batches below, at and above those sizes."""
-    from vitlab.train.distill import load_teacher
+    from vitlab.distill.teacher import load_teacher
 
     torch.manual_seed(2)
     cnn = SmallCnn().eval()
@@ -334,7 +334,7 @@ def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tm
     """`vitlab relabel` with a dense teacher exported at batch 2, fed 3 images per call (a full chunk and a
     padded one): the written maps are the eager teacher's top-k probabilities and classes."""
     from vitlab.data import create_transform
-    from vitlab.train.relabel import image_files, top_k_maps
+    from vitlab.distill.relabel import image_files, top_k_maps
 
     torch.manual_seed(3)
     cnn = DenseCnn().eval()
@@ -355,7 +355,7 @@ def test_relabel_with_a_static_batch_program_equals_the_eager_teacher(folder, tm
 
 
 def test_a_pt2_teacher_with_pickled_objects_is_refused(tmp_path, monkeypatch):
-    from vitlab.train import distill
+    from vitlab.distill import teacher as distill
 
     real_load = torch.load
     torch.export.save(torch.export.export(SmallCnn().eval(), (torch.randn(1, 3, 24, 24),)), tmp_path / "t.pt2")
@@ -383,7 +383,7 @@ def test_token_label_step_equals_the_naive_loss(tmp_path):
     """One training step's loss with dense targets = CE(cls logits, y) + 0.5 mean_n CE(aux logits_n, y_n)."""
     from vitlab.data import crop_dense
     from vitlab.data.geometry import Box
-    from vitlab.train.losses import TokenLabelLoss
+    from vitlab.engine.losses import TokenLabelLoss
 
     torch.manual_seed(0)
     model = vitlab.create_model("refiner_vit_mini", img_size=32, num_classes=5, patch_size=8, aux_head=True)

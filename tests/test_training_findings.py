@@ -9,7 +9,7 @@ import json
 import torch
 
 from vitlab.checkpoint import load_checkpoint
-from vitlab.train import TrainConfig, train
+from vitlab.engine import TrainConfig, train
 
 TINY = dict(model="deit_mini", model_args={"patch_size": 7, "depth": 1, "embed_dim": 16}, data="mnist",
             train_limit=64, holdout=32, batch_size=32, threads=1, progress=False, device="cpu")  # fmt: skip
@@ -19,7 +19,7 @@ def test_a_kill_between_the_last_checkpoint_and_its_log_row_loses_nothing(tmp_pa
     """Killed right after the final epoch's checkpoint (before log.json, best.pt and the summary): --resume
     completes log.json, best.pt and summary.json from the checkpoint, trains nothing, and a second --resume
     of the finished run is refused as before."""
-    import vitlab.train.checkpointing as checkpointing
+    import vitlab.engine.checkpointing as checkpointing
 
     out = tmp_path / "r"
     cfg = TrainConfig(**TINY, epochs=2, out=str(out))
@@ -59,7 +59,7 @@ def _hung_peer(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from vitlab.distributed import init_distributed, peer_failure
+    from vitlab.common.distributed import init_distributed, peer_failure
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                       VITLAB_DIST_TIMEOUT="3")  # fmt: skip
@@ -84,7 +84,7 @@ def test_a_rank_that_stops_answering_ends_the_others_with_one_line(tmp_path, mon
 
     import pytest
 
-    from vitlab.distributed import collective_timeout
+    from vitlab.common.distributed import collective_timeout
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,8 +112,8 @@ def test_friction_options_print_config_threads_crop_pct_and_folder_subsets(tmp_p
     import vitlab
     from vitlab.cli import main as cli_main
     from vitlab.data import open_source
-    from vitlab.train.data import open_data
-    from vitlab.train.evaluate import _eval_transform
+    from vitlab.engine.data import open_data
+    from vitlab.engine.evaluate import _eval_transform
 
     out = tmp_path / "printed"
     assert cli_main(["train", "--config", "deit_tiny", "--lr", "0.01", "--print-config", "--out", str(out)]) == 0

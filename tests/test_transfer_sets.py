@@ -14,8 +14,8 @@ from PIL import Image
 from vitlab.data import open_source
 from vitlab.data.spec import DataSpec
 from vitlab.data.transfer_sets import cifar100, flowers102, oxford_pets
-from vitlab.train.config import TrainConfig
-from vitlab.train.engine import train
+from vitlab.engine.config import TrainConfig
+from vitlab.engine.loop import train
 
 BREEDS = ("Abyssinian", "american_bulldog", "Bengal")  # class ids 1, 2, 3 (cats capitalised, as the release)
 

@@ -265,8 +265,8 @@ def test_no_token_by_token_tensor_on_the_gpu(cls, kw):
 
 
 def test_bench_pre_kernel_cases_turn_the_kernels_off_and_ratios_take_a_baseline(monkeypatch):
-    from vitlab.lm import bench
     from vitlab.mixers import aft as aft_mixers
+    from vitlab.tasks.lm import bench
 
     monkeypatch.setattr(aft_mixers, "triton_runs_on", aft_mixers.triton_runs_on)  # restored after the test
     step = bench.prepare_case("aft_full_pre", T=32, layers=1, dim=16, batch=1)

@@ -19,7 +19,7 @@ import os
 import pytest
 import timm
 
-from vitlab.integrations import timm as plugin
+from vitlab.interop import timm as plugin
 
 NAMES = plugin.register()
 PATTERNS = os.environ.get("VITLAB_TIMM_MODELS", "*").split(",")

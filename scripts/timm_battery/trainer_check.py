@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import vitlab
-from vitlab.integrations.hf import TrainerModel, save_callback
+from vitlab.interop.hf import TrainerModel, save_callback
 
 
 class Images(torch.utils.data.Dataset):

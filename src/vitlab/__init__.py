@@ -6,8 +6,8 @@ and the building blocks ``layers`` and ``mixers``.
 """
 
 from . import layers, mixers
+from .interop.pretrained import create_model, from_pretrained, weights_dir
 from .models import get_config, list_models
-from .pretrained import create_model, from_pretrained, weights_dir
 
 __version__ = "0.1.0"
 

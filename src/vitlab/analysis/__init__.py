@@ -6,9 +6,7 @@ and keys, external attention maps, TNT's feature maps, t-SNE and pixel-level att
 ``vitlab analyze`` is the command line over this (:mod:`.cli`).
 """
 
-from .analyses import ANALYSES, analyze, parse_what
-from .inputs import load_images
-from .metrics import (
+from ..measure.maps import (
     adjacent_similarity,
     cross_layer_similarity,
     feature_evolution,
@@ -19,6 +17,8 @@ from .metrics import (
     slot_maps,
     token_maps,
 )
+from .analyses import ANALYSES, analyze, parse_what
+from .inputs import load_images
 
 __all__ = [
     "ANALYSES",

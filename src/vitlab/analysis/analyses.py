@@ -32,10 +32,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from ..io import write_json_atomic
+from ..common.io import write_json_atomic
+from ..measure import maps as metrics
 from ..mixers import AFTConv
 from ..mixers.base import TokenLayout
-from . import metrics, plots
+from . import plots
 from .base import Analysis, Context, RunningMean, memory_attention_maps, pad_stack, self_attention_maps, to_json
 from .matrices import AttentionMatrix, RelativeAttention
 from .tnt import TNTTSNE, TNTFeatures, TNTInnerAttention

@@ -1,4 +1,4 @@
-"""PNG figures for ``vitlab analyze`` (matplotlib through :mod:`vitlab.report`, imported on first use)."""
+"""PNG figures for ``vitlab analyze`` (matplotlib through :mod:`vitlab.common.report`, imported on first use)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..report import pyplot, save_figure
+from ..common.report import pyplot, save_figure
 
 
 def _save(fig, path: str | Path) -> Path:

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import metrics, plots
+from ..measure import maps as metrics
+from . import plots
 from .base import Analysis, pad_stack, to_json
 from .tsne import tsne
 

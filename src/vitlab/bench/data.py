@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from .. import options as opt
-from ..device import add_device_argument, resolve_device, time_call
+from ..common import options as opt
+from ..common.device import add_device_argument, resolve_device, time_call
 from ..measure.machine import machine_info
 from ..measure.sweep import csv_list, write_json, write_text
 
@@ -357,8 +357,8 @@ def report_text(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..common.io import check_writable_folder
     from ..data import open_source
-    from ..io import check_writable_folder
 
     args.device = str(resolve_device(args.device))  # a GPU that is not there: one line, before any work
     out = check_writable_folder(args.out)

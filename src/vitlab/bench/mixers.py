@@ -34,19 +34,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..device import add_device_argument, resolve_device
-from ..measure.machine import machine_info, mem_available, usable_cores
-from ..measure.process import (
-    GB,
-    MB,
-    PRELOAD,
-    CaseRunner,
-    CaseSkipped,
-    CaseSpec,
-    Prepared,
-    device_figures,
-    warm_process,
+from ..common.device import add_device_argument, resolve_device
+from ..common.options import Int, non_negative_int, positive_float, positive_int
+from ..common.report import (
+    figure_grid,
+    legend_entries,
+    log_axes,
+    print_written,
+    pyplot,
+    report_doc,
+    save_figure,
+    timed_sweep,
 )
+from ..measure.machine import machine_info, mem_available, usable_cores
+from ..measure.process import GB, MB, PRELOAD, CaseRunner, CaseSkipped, CaseSpec, Prepared, device_figures, warm_process
 from ..measure.sweep import (
     Plan,
     csv_list,
@@ -61,17 +62,6 @@ from ..measure.sweep import (
     write_text,
 )
 from ..mixers import MIXERS, AFTFull, Attention, TokenLayout, TokenMixer
-from ..options import Int, non_negative_int, positive_float, positive_int
-from ..report import (
-    figure_grid,
-    legend_entries,
-    log_axes,
-    print_written,
-    pyplot,
-    report_doc,
-    save_figure,
-    timed_sweep,
-)
 from .targets import (
     AFT_TARGET_T,
     ATTN_TOKENS,

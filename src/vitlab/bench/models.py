@@ -50,7 +50,7 @@ environment's, as the comparisons run) fixes the policy for the case processes,
 the GEMM yardstick included, and is recorded with the results.
 
 The timed calls run under the allocator policy of every ``vitlab`` command
-(:func:`vitlab.runtime.keep_freed_memory`: freed activations are reused, not
+(:func:`vitlab.common.runtime.keep_freed_memory`: freed activations are reused, not
 returned to the OS and page-faulted back); ``--allocator default`` times glibc's
 own policy for comparison. The memory pass always uses a tight allocator.
 
@@ -69,9 +69,10 @@ from typing import Any
 
 import torch
 
-from .. import options as opt
-from ..device import add_device_argument, resolve_device, time_call
-from ..io import write_csv_atomic
+from ..common import options as opt
+from ..common.device import add_device_argument, resolve_device, time_call
+from ..common.io import write_csv_atomic
+from ..common.report import aligned, figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 from ..measure.machine import machine_info
 from ..measure.process import MB, PRELOAD, CaseRunner, CaseSpec, Prepared, Timing, device_figures, warm_process
 from ..measure.sweep import (
@@ -87,7 +88,6 @@ from ..measure.sweep import (
     write_json,
     write_text,
 )
-from ..report import aligned, figure_grid, log_axes, print_written, report_doc, save_figure, timed_sweep
 
 DTYPES = ("fp32", "bf16", "fp16")
 # the low-precision dtypes: inference converts the model to them, training autocasts to them
@@ -205,8 +205,8 @@ def training_step(net: Any, x: Any, dtype: str, compile: bool) -> tuple[Callable
     fp16 with a gradient scaler; fused AdamW on a GPU), and the reset that frees the gradients a step leaves."""
     import torch.nn.functional as F
 
-    from ..device import autocast, grad_scaler
-    from ..optim import fused_available
+    from ..common.device import autocast, grad_scaler
+    from ..engine.optim import fused_available
 
     net.train()
     fwd = torch.compile(net) if compile else net

@@ -5,8 +5,8 @@ A save goes down through the layers once, one way: :mod:`.run` (a training run's
 write). A read comes back through :mod:`.safeload` (the one loader that never runs code from a file) and
 :mod:`.load` (the checkpoint dict, its shards gathered, the model it holds).
 
-Nothing here imports :mod:`vitlab.convert`: converting other implementations' weights uses this package,
-not the other way round. :func:`vitlab.pretrained.load_model` builds a model from any weights file.
+Nothing here imports :mod:`vitlab.interop`: converting other implementations' weights uses this package,
+not the other way round. :func:`vitlab.interop.pretrained.load_model` builds a model from any weights file.
 
 >>> save_checkpoint({"model_name": "deit_mini", "model_kwargs": {}, "model": model.state_dict()}, "m.pt")
 >>> model = model_from_checkpoint(load_checkpoint("m.pt"))
@@ -23,15 +23,6 @@ from .load import (
     model_from_checkpoint,
     shard_folder,
 )
-from .run import (
-    gather_rng_states,
-    optimization_state,
-    prune_shards,
-    restore_optimization,
-    restore_rng_streams,
-    restore_weights_and_optimizer,
-    write_run_checkpoint,
-)
 from .safeload import NonFiniteWeightsWarning, load_file
 from .sharded import SHARDS, ShardError, load_sharded, read_sharded_weights, save_sharded
 
@@ -44,23 +35,16 @@ __all__ = [
     "check_image_classifier",
     "check_model_name",
     "describe_mismatch",
-    "gather_rng_states",
     "is_lm_checkpoint",
     "load_checkpoint",
     "load_file",
     "load_sharded",
     "load_state_checked",
     "model_from_checkpoint",
-    "optimization_state",
-    "prune_shards",
     "read_sharded_weights",
-    "restore_optimization",
-    "restore_rng_streams",
-    "restore_weights_and_optimizer",
     "save_checkpoint",
     "save_sharded",
     "shard_folder",
     "state_checksum",
     "verify_checksum",
-    "write_run_checkpoint",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..io import atomic_open
+from ..common.io import atomic_open
 
 #: the top-level ``format`` and ``version`` of a vitlab training checkpoint; version 2 on carry a checksum
 FORMAT = "vitlab-checkpoint"
@@ -31,7 +31,7 @@ CHECKSUM_ALGO = "crc32"
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically (:func:`vitlab.io.atomic_open`): a reader, or a run killed
+    """Write ``state`` to ``path`` atomically (:func:`vitlab.common.io.atomic_open`): a reader, or a run killed
     mid-write, sees the old complete file or the new complete file, never half. The file carries a checksum
     of its contents (:func:`state_checksum`), verified whenever it is read."""
     full = {"format": FORMAT, "version": VERSION, **state}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..distributed import World, barrier
+from ..common.distributed import World, barrier
 from .safeload import IndexRefused, load_bytes, load_index
 
 SHARDS = "shards"  # the folder, beside a run's checkpoint, that holds its DCP checkpoints

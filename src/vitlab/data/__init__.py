@@ -22,16 +22,9 @@ The in-memory sets take the same calls (their batched path: whole batches transf
 """
 
 from .augment import RandAugment
-from .config import resolve_data_config
 from .crop import load_sample
-from .datasets import (
-    ImageDataset,
-    cifar10,
-    load_dataset,
-    mnist_embedded,
-    mnist_idx,
-    stratified_holdout,
-)
+from .data_config import resolve_data_config
+from .datasets import ImageDataset, cifar10, load_dataset, mnist_embedded, mnist_idx, stratified_holdout
 from .decode import UnreadableImage, decode
 from .factory import TransformPipeline, create_loader, create_transform, make_transform, open_source
 from .geometry import Box, CropSpec, eval_geometry

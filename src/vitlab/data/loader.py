@@ -96,7 +96,7 @@ class BatchLoader:
 
     def _batch(self, idx: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor]:
         """The batch of the samples ``idx``, its augmentation drawn from ``g`` (a subclass may read other data:
-        image-mask pairs, :class:`vitlab.seg.SegLoader`)."""
+        image-mask pairs, :class:`vitlab.tasks.segmentation.SegLoader`)."""
         x, y = self._fetch(idx)
         if self.device is not None:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -18,7 +18,7 @@ def write_shards(
     """Write an ImageNet-layout folder as WebDataset shards ``OUT/<split>-NNNNNN.tar`` (image bytes unchanged,
     ``.cls``, ``.tl.npy`` where a token-label file sits beside the image) and ``OUT/shards.json``. Samples go
     into the shards in a seeded random order so that a shard holds a mix of classes."""
-    from ..io import atomic_open, write_json_atomic
+    from ..common.io import atomic_open, write_json_atomic
     from .sources import open_folder
 
     if shard_size < 1:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..options import Validated
+from ..common.options import Validated
 from .readers import CIFAR_FIX, MNIST_FIX
 
 #: every kind of dataset, and those that stream through DataLoader workers (the others are read into memory)

@@ -80,7 +80,7 @@ def synthesize(
 ) -> dict:
     """Write the folder (see the module docstring); ``size=(W, H)`` fixes the size (else ImageNet's mix).
     Returns a summary: counts, sizes, bytes written."""
-    from ..io import atomic_open
+    from ..common.io import atomic_open
 
     if num_classes < 2 or train_per_class < 1 or val_per_class < 0:
         raise ValueError(f"need >= 2 classes and >= 1 training image per class, got {num_classes}, {train_per_class}")

@@ -113,7 +113,7 @@ def oxford_pets(root: str | Path, split: str = "train") -> FolderSource:
 
 def flowers102(root: str | Path, split: str = "train") -> FolderSource:
     """Oxford Flowers-102: ``train`` = the official train + validation ids, ``test`` = the test ids."""
-    from ..extras import require
+    from ..common.extras import require
 
     sio = require("scipy.io", "reading Flowers-102's imagelabels.mat and setid.mat", "data")
     root = _folder(root, "Flowers-102", FLOWERS_FIX)

@@ -8,7 +8,7 @@ On a feature map ``x`` (B, C, H, W)::
 
 The external attention is :class:`vitlab.mixers.ExternalAttention` on the positions as tokens (S = 64 memory
 slots, memories without bias, ``M_v`` initialised as ``M_kᵀ``). The official module's memories are 1-D
-convolutions (``linear_0``, ``linear_1``); :mod:`vitlab.convert` (source ``eanet``) loads them.
+convolutions (``linear_0``, ``linear_1``); :mod:`vitlab.interop` (source ``eanet``) loads them.
 """
 
 from __future__ import annotations

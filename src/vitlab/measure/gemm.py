@@ -15,7 +15,7 @@ MEDIAN of the calls' rates (FLOPs = 2·M·K·N per call). A run that measures it
 in every case process) divides by the best of those medians (a conservative denominator).
 
 On a GPU the products run on that GPU (the yardstick of a model timed there), each call timed with CUDA events
-and a synchronisation (:func:`vitlab.device.time_call`), and the square is larger (:data:`SQUARE_GPU`): a
+and a synchronisation (:func:`vitlab.common.device.time_call`), and the square is larger (:data:`SQUARE_GPU`): a
 2048³ product leaves much of a large GPU idle, and lasts about as long as the timing itself.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..device import time_call
+from ..common.device import time_call
 
 SQUARE = (2048, 2048, 2048)  # (M, K, N) of the yardstick product
 SQUARE_GPU = (8192, 8192, 8192)  # on a GPU

@@ -2,7 +2,7 @@
 
 * :func:`time_callable` times a zero-argument callable (warmup, then repeats)
   and summarises the times robustly (median and inter-quartile range); on a GPU
-  each call is timed with CUDA events and a synchronisation (:func:`vitlab.device.time_call`).
+  each call is timed with CUDA events and a synchronisation (:func:`vitlab.common.device.time_call`).
 * :class:`CaseRunner` (or :func:`run_case`) runs a benchmark case in **fresh
   processes**, so its peak resident memory is its own (no allocator caches or
   earlier peaks of other cases). A case is its setup function (module-level, so
@@ -12,14 +12,14 @@
   :class:`Prepared`). Two passes, each in its own process:
 
   - *memory*: glibc's allocator is made tight first
-    (:func:`vitlab.runtime.return_freed_memory`: freed blocks go back to the OS, so RSS
+    (:func:`vitlab.common.runtime.return_freed_memory`: freed blocks go back to the OS, so RSS
     follows the live tensors), the RSS after
     setup is the *baseline*, the kernel's peak-RSS counter is reset (Linux), the
     callable runs once, and ``peak - baseline`` is the memory that call needed; on the
     CPU also the peak of its tensors alone, exact from the profiler's allocation record
     (:func:`tensor_peak_bytes`: what the RSS holds beyond it is the allocator's and first use's);
   - *time*: the allocator of the ``vitlab`` command (``CaseSpec.allocator``, default
-    :func:`vitlab.runtime.keep_freed_memory`), warmup + timed repeats, median and IQR.
+    :func:`vitlab.common.runtime.keep_freed_memory`), warmup + timed repeats, median and IQR.
 
 ``python -m vitlab.measure.process --self-check`` allocates a known amount in a
 fresh process and prints what was measured.
@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from ..device import device_memory, reset_peak_memory, time_call
-from ..runtime import allocator_policy, keep_freed_memory, return_freed_memory
+from ..common.device import device_memory, reset_peak_memory, time_call
+from ..common.runtime import allocator_policy, keep_freed_memory, return_freed_memory
 
 MB = 1024 * 1024
 GB = 1024 * MB
@@ -217,7 +217,7 @@ def time_callable(
     device: str | torch.device = "cpu",
 ) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then up to ``repeats`` timed ones, each timed on ``device``
-    (:func:`vitlab.device.time_call`: CUDA events and a synchronisation on a GPU, the wall clock on the CPU).
+    (:func:`vitlab.common.device.time_call`: CUDA events and a synchronisation on a GPU, the wall clock on the CPU).
 
     With ``max_time`` (seconds), the number of timed calls is cut so that they
     take about that long in total (estimated from the slowest warmup call), but
@@ -581,6 +581,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # run as the package module, not as __main__, so the classes a case raises or returns
     # (CaseSkipped, Prepared) are the ones this code checks against
-    from vitlab.measure.process import main as _main
+    from .process import main as _main
 
     sys.exit(_main())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..io import write_text_atomic
+from ..common.io import write_text_atomic
 from .process import GB, MB
 
 Case = TypeVar("Case")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..registry import check_options, unknown_name_error
+from ..common.registry import check_options, unknown_name_error
 from .aft import AFTConv, AFTFull, AFTLocal, AFTSimple
 from .attention import Attention, attention_map
 from .attention_variants import (

@@ -16,7 +16,7 @@ switches from SDPA to its explicit path, which computes the same function.
 Mixers also describe themselves: :meth:`ElementwiseFlops.extra_flops` is the
 elementwise work a MAC counter does not see (:mod:`vitlab.measure.flops` sums it
 over a model), and causal mixers decode one token at a time through
-:meth:`TokenMixer.init_state` / :meth:`TokenMixer.step` (:mod:`vitlab.lm.decode`).
+:meth:`TokenMixer.init_state` / :meth:`TokenMixer.step` (:mod:`vitlab.tasks.lm.decode`).
 """
 
 from __future__ import annotations

@@ -358,7 +358,7 @@ class RefinerAttention(Attention):
     residual_attention=True)`` (even blocks) and ``RefinerAttention(share=True,
     official_extras=True)`` (odd blocks), each block passing ``aux["carry"]`` on as
     the next block's ``attn_prev``. Official ``Refined_Attention`` weights load
-    after :func:`vitlab.convert.rename_keys` (source ``"refiner"``).
+    after :func:`vitlab.interop.rename_keys` (source ``"refiner"``).
     """
 
     uses_attn_prev = True

@@ -7,7 +7,7 @@ Queries come from every token; keys and values from the token grid shrunk by a s
     out = proj(softmax(q kᵀ / sqrt(d_h)) v)
 
 Submodule names are Twins' (``q``, ``kv``, ``proj``, ``sr``, ``norm``), so its checkpoints load after the
-block-level rename of ``attn`` to ``mixer`` (:mod:`vitlab.convert`, source ``twins_cpvtv2``).
+block-level rename of ``attn`` to ``mixer`` (:mod:`vitlab.interop`, source ``twins_cpvtv2``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ..io import check_writable_folder, write_json_atomic, write_safetensors_atomic, write_text_atomic
+from ..common.io import check_writable_folder, write_json_atomic, write_safetensors_atomic, write_text_atomic
 from .timm_cfg import TIMM_ARCH, TIMM_CFG_KEYS
 
 FORMAT = "vitlab-pretrained"

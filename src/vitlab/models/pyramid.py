@@ -11,7 +11,7 @@ Four stages (Chu et al. 2021, Twins; the official ``CPVTV2`` class registered as
 
 Then the final LayerNorm (eps 1e-6), the mean over the last stage's tokens and the head. The state dict uses
 Twins' names except ``blocks.i.j.attn`` → ``mixer`` and ``pos_block.i.proj.0`` → ``pegs.i.proj``
-(:mod:`vitlab.convert`, source ``twins_cpvtv2``). docs/semantics.md, Decision C3.
+(:mod:`vitlab.interop`, source ``twins_cpvtv2``). docs/semantics.md, Decision C3.
 """
 
 from __future__ import annotations
@@ -25,15 +25,7 @@ from torch import Tensor, nn
 from ..layers import Block, PatchEmbed, PositionEncodingGenerator
 from ..mixers import SpatialReductionAttention
 from ..mixers.base import TokenLayout
-from .base import (
-    OUTPUT_FORMATS,
-    Classifier,
-    FeatureInfo,
-    check_pool,
-    drop_path_rates,
-    feature_take_indices,
-    run_blocks,
-)
+from .base import OUTPUT_FORMATS, Classifier, FeatureInfo, check_pool, drop_path_rates, feature_take_indices, run_blocks
 
 
 class NormedPatchEmbed(PatchEmbed):

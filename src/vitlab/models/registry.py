@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from ..common.registry import Registry
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
-from ..registry import Registry
 from .base import feature_extractor, has_fixed_mixer, supports_dynamic_size
 from .pyramid import PyramidCPVT
 from .t2t import T2TViT
@@ -187,7 +187,7 @@ def build_model(
     source, input size, mean/std). ``features_only=True`` returns timm's feature extractor
     (:class:`~vitlab.models.base.FeatureGetter`, timm's ``feature_cls='getter'``) of the blocks ``out_indices``
     (default: the last 3).
-    The public ``vitlab.create_model`` (:mod:`vitlab.pretrained`) is this plus weights (``pretrained=``,
+    The public ``vitlab.create_model`` (:mod:`vitlab.interop.pretrained`) is this plus weights (``pretrained=``,
     ``checkpoint_path=``); the layers below the public front build through this one.
     """
     overlay = check_overlay(pretrained_cfg_overlay)

@@ -1,7 +1,7 @@
 """timm's names that vitlab's model descriptions use: the fields of timm 1.0's ``PretrainedCfg`` and the
 architecture under which vitlab's models live in timm's registry. Imports nothing."""
 
-#: the prefix of vitlab's models in timm's registry (``vitlab.integrations.timm``): ``vitlab.<name>``
+#: the prefix of vitlab's models in timm's registry (``vitlab.interop.timm``): ``vitlab.<name>``
 TIMM_ARCH = "vitlab"
 #: timm 1.0's ``PretrainedCfg`` fields (timm reads them from ``model.pretrained_cfg``; a vitlab model has them all)
 TIMM_CFG_KEYS = (

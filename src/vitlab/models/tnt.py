@@ -24,7 +24,7 @@ This is the official non-legacy variant (huawei-noah/Efficient-AI-Backbones
 Both transformers are the library's pre-norm :class:`~vitlab.layers.Block` with the
 :class:`~vitlab.mixers.Attention` mixer; the official separate ``qk`` and ``v``
 Linears are our fused ``qkv`` (rows ``[q | k | v]``), see
-:mod:`vitlab.convert` (sources ``tnt_huawei``, ``tnt_timm``). The official frozen, unused ``outer_tokens``
+:mod:`vitlab.interop` (sources ``tnt_huawei``, ``tnt_timm``). The official frozen, unused ``outer_tokens``
 tensor is not created (docs/semantics.md, Decision T2), so TNT-S/B have 23.77M / 65.43M parameters.
 """
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..io import WriteError, write_json_atomic
+from ..common.io import WriteError, write_json_atomic
 from . import onednn
 
 #: oneDNN is taken when its time is at most this fraction of aten's (a clear win, so that the choice is stable)

@@ -1,0 +1,126 @@
+"""``vitlab seg``: semantic segmentation.
+
+``vitlab seg synth OUT`` writes a small generated set in the VOC (or ADE20K) layout; ``vitlab seg train``
+trains a segmentation model with the training engine (every ``vitlab train`` option: DDP under torchrun, AMP,
+checkpoints, ``--resume``; ``--model`` names the backbone, ``--model-arg head=ea|plain`` etc. the decoder);
+``vitlab seg eval CKPT`` reports mIoU and per-class IoU with sliding windows or on whole images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..common.options import positive_int, seed
+from ..engine import arguments as train_cli
+from ..tasks.segmentation.data import SPEC_HELP, mask_spec
+from ..tasks.segmentation.infer import INFER_MODES
+
+SEG_DEFAULTS = {"model": "pcpvt_mini", "smoothing": 0.0, "drop_path": 0.0, "weight_decay": 0.01, "batch_size": 8}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="seg_command", metavar="ACTION", required=True)
+    t = sub.add_parser("train", help="train a segmentation model (all `vitlab train` options)")
+    train_cli.add_arguments(t)
+    for action in t._actions:  # the data are mask folders, not classification specs
+        if action.dest == "data":
+            action.type, action.default, action.required = mask_spec, None, True
+            action.help = f"segmentation data: {SPEC_HELP}"
+        elif action.dest == "model":
+            action.default = SEG_DEFAULTS["model"]
+            action.help = (f"backbone: a registered model (see `vitlab models`) whose features_only pyramid feeds the "
+                           f"decoder; --model-arg head=ea|plain, memory_size=S, ea_norm=double|softmax, channels=C "
+                           f"shape the decoder (default {SEG_DEFAULTS['model']})")  # fmt: skip
+        elif action.dest in SEG_DEFAULTS:
+            action.default = SEG_DEFAULTS[action.dest]
+            action.help = action.help.rsplit(" (default", 1)[0] + f" (default {SEG_DEFAULTS[action.dest]})"
+    t.set_defaults(task="segmentation")
+
+    e = sub.add_parser("eval", help="mIoU and per-class IoU of a `vitlab seg train` checkpoint")
+    e.add_argument("checkpoint", help="a checkpoint written by vitlab seg train (OUT/best.pt or last.pt)")
+    e.add_argument("--data", required=True, type=mask_spec, help=f"segmentation data: {SPEC_HELP}")
+    e.add_argument("--split", choices=("val", "train"), default="val", help="split to evaluate (default val)")
+    e.add_argument("--mode", choices=INFER_MODES, default="slide", help="sliding windows, or the whole image "
+                   "resized to the training crop (default slide)")  # fmt: skip
+    e.add_argument(
+        "--stride", type=positive_int, default=None, help="window stride in pixels (default 2/3 of the crop)"
+    )
+    e.add_argument("--ema", action="store_true", help="evaluate the EMA weights")
+    e.add_argument("--limit", type=positive_int, default=None, help="evaluate the first N images only")
+    e.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    e.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+
+    s = sub.add_parser("synth", help="write a small generated set in the VOC or ADE20K layout")
+    s.add_argument("out", help="folder to write (created)")
+    s.add_argument("--layout", choices=("voc", "ade20k"), default="voc", help="folder layout (default voc)")
+    s.add_argument("--train", type=positive_int, default=24, help="training pairs (default 24)")
+    s.add_argument("--val", type=positive_int, default=8, help="held-out pairs (default 8)")
+    s.add_argument("--height", type=positive_int, default=48, help="image height (default 48)")
+    s.add_argument("--width", type=positive_int, default=64, help="image width (default 64)")
+    s.add_argument("--classes", type=positive_int, default=5, help="classes drawn, background included (default 5)")
+    s.add_argument("--seed", type=seed, default=0, help="seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"train": run_train, "eval": run_eval, "synth": run_synth}[args.seg_command](args)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from ..common.distributed import close_distributed
+    from ..engine.loop import train
+
+    if args.config:
+        from ..engine.recipes import apply_recipe
+
+        apply_recipe(args)
+    cfg = train_cli.config_from_args(args)
+    if args.out is None:
+        cfg.out = f"runs/seg/{args.model}"
+    for key, source in train_cli.SET_BY_TRAIN.items():
+        if key in cfg.model_args:
+            raise ValueError(f"--model-arg {key}: vitlab seg train sets {key} from {source}; drop the --model-arg")
+    try:
+        train(cfg)
+    finally:
+        close_distributed()
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from ..common.device import resolve_device
+    from ..engine.tasks import load_task_model
+    from ..tasks.segmentation import build_segmenter, evaluate_segmentation, open_masks
+
+    model, ckpt = load_task_model(args.checkpoint, "segmentation", "seg", build_segmenter, args.ema)
+    device = resolve_device(args.device)
+    model.to(device)
+    crop = int(ckpt["model_kwargs"]["img_size"])
+    if args.stride is not None and not 1 <= args.stride <= crop:
+        raise ValueError(f"--stride must lie in [1, {crop}] (the training crop), got {args.stride}")
+    ds = open_masks(args.data, args.split)
+    if ds.num_classes != model.num_classes:
+        raise ValueError(f"{args.data} has {ds.num_classes} classes, the model {model.num_classes}")
+    result = evaluate_segmentation(model, ds, crop, device, args.mode, args.stride, limit=args.limit)
+    print(f"{ckpt['model_name']} on {args.data} ({args.split}, {result['n']} images, {args.mode}): "
+          f"mIoU {result['miou']:.2f}  aAcc {result['aacc']:.2f}  mAcc {result['macc']:.2f}")  # fmt: skip
+    for k, iou in enumerate(result["iou"]):
+        if iou is not None:
+            print(f"  class {k:3d}  IoU {iou:6.2f}")
+    if args.json:
+        from ..common.io import write_json_atomic
+
+        write_json_atomic(args.json, {"checkpoint": args.checkpoint, "data": args.data, "mode": args.mode, **result})
+    return 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from ..tasks.segmentation.synth import make_mask_folder
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty; give a new folder")
+    make_mask_folder(out, args.layout, args.train, args.val, (args.height, args.width), args.classes, args.seed)
+    print(json.dumps({"out": str(out), "layout": args.layout, "train": args.train, "val": args.val}))
+    return 0

@@ -1,0 +1,85 @@
+"""What a study is: :class:`Study` (one paper table) of :class:`Row` s (one line each: the named configurations
+that train it and the paper's figures), and the helpers the tables are written with (:mod:`vitlab.experiments.papers`,
+:mod:`vitlab.experiments.papers.more`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+REFINER = "Zhou et al. 2021, Refiner (arXiv 2106.03714)"
+TNT = "Han et al. 2021, Transformer in Transformer (arXiv 2103.00112)"
+CPVT = "Chu et al. 2021, Conditional Positional Encodings (arXiv 2102.10882)"
+DEEPVIT = "Zhou et al. 2021, DeepViT (arXiv 2103.11886) and its official README"
+EA = "Guo et al. 2021, External Attention (arXiv 2105.02358) and the authors' write-up"
+AFT = "Zhai et al. 2021, An Attention Free Transformer (arXiv 2105.14103 v1)"
+
+PaperValue = float | str | None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a paper table.
+
+    ``key``: a short name (the run's folder); ``label``: the line as the paper states it; ``small`` /
+    ``small_args``: the registered small model and the switch as overrides (none where a registered row has it);
+    ``full`` / ``full_args``: the registered paper-size model and the switch as overrides; ``paper``: the paper's
+    figures by measure key (``top1``, or the study's other measures).
+    """
+
+    key: str
+    label: str
+    small: str
+    full: str
+    full_args: dict[str, Any] = field(default_factory=dict)
+    paper: dict[str, PaperValue] = field(default_factory=dict)
+    small_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Study:
+    """One paper table: rows, the paper's figures and where they come from.
+
+    ``measures``: the paper's columns ``(key, header, format)``; ``extra``: a measure taken from the trained models
+    besides accuracy (``"similarity"``: DeepViT's cross-layer similarity of attention maps); ``recipe``: training
+    options of this study that differ from compare's recipe (small scale).
+    """
+
+    name: str
+    title: str
+    paper: str
+    source: str
+    rows: tuple[Row, ...]
+    measures: tuple[tuple[str, str, str], ...] = (("top1", "paper top-1 %", "{:.1f}"),)
+    notes: str = ""
+    extra: str | None = None
+    recipe: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def score(self) -> str:
+        """The measure the rows are compared by: ``top1``, or ``miou`` for a segmentation study."""
+        return "miou" if self.recipe.get("task") == "segmentation" else "top1"
+
+
+def rows(*specs: tuple) -> tuple[Row, ...]:
+    """Rows from ``(key, label, small, full, full_args, paper top-1 or {measure: value}[, small_args])`` tuples."""
+    out = []
+    for key, label, small, full, full_args, paper, *small_args in specs:
+        figures = paper if isinstance(paper, dict) else {"top1": paper}
+        out.append(Row(key, label, small, full, full_args, figures, *small_args))
+    return tuple(out)
+
+
+def refiner(**opts: Any) -> dict[str, Any]:
+    """Overrides of ``refiner_16b``: the paper's refiner with ``opts``."""
+    return {"mixer": ("refiner", {"expansion": 3, "kernel_size": 3, **opts})}
+
+
+def peg0(**options: Any) -> dict[str, Any]:
+    """Overrides of ``cpvt_ti_peg0`` (one PEG after block 0): PEG ``options``."""
+    return {"peg_options": options}
+
+
+def aft_conv(k: int, **opts: Any) -> dict[str, Any]:
+    return {"mixer": ("aft_conv", {"num_heads": 384, "kernel_size": k, **opts})}

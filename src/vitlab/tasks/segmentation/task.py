@@ -1,0 +1,116 @@
+"""Semantic segmentation as a task of the training engine (``vitlab seg train``): the hooks of
+:mod:`vitlab.engine.tasks`, over :mod:`vitlab.tasks.segmentation`'s data, models and metrics.
+
+A run trains a :class:`~vitlab.tasks.segmentation.Segmenter` (``--model`` names its backbone; ``--model-arg head=ea|plain``,
+``memory_size=S``, ``ea_norm=double|softmax``, ``channels=C`` shape the decoder) on ``--img-size`` crops of VOC
+or ADE20K image-mask pairs with the per-pixel cross-entropy (label 255 ignored; ``--smoothing`` as label
+smoothing), and evaluates every epoch on the held-out split with sliding windows at each image's own size:
+``val_miou`` (which chooses ``best.pt``), ``val_aacc``, ``val_macc``, ``val_loss``. The training row's
+``train_acc`` is the pixel accuracy over the labelled pixels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...engine.config import Run, TrainConfig, TrainingError
+from ...engine.data import data_shape
+from ...engine.dense import PixelLoss, PixelTally
+from ...engine.tasks import register_task
+from .data import SegLoader, open_masks
+from .infer import evaluate_segmentation
+from .models import build_segmenter
+
+# classification options with no meaning for segmentation here: refused rather than silently ignored
+UNSUPPORTED = {
+    "mixup": 0.0,
+    "cutmix": 0.0,
+    "teacher": None,
+    "token_label": False,
+    "dist_token": False,
+    "auto_augment": None,
+    "reprob": 0.0,
+    "aug_repeats": 1,
+    "train_limit": None,
+    "holdout": None,
+    "fsdp": False,  # FSDP shards a model's blocks; the segmenter's decoder is not a block stack
+}
+
+
+def open_split(cfg: TrainConfig, split: str):
+    """One split ("train" / "val") of the run's mask data; a problem with it as one line."""
+    try:
+        return open_masks(cfg.data, split)
+    except (ValueError, OSError) as e:
+        raise TrainingError(str(e)) from None
+
+
+class SegmentationTask:
+    """The engine's hooks for semantic segmentation (module docstring)."""
+
+    score = "val_miou"
+
+    def open_data(self, draft: Any) -> None:
+        cfg = draft.cfg
+        bad = [k for k, v in UNSUPPORTED.items() if getattr(cfg, k) != v]
+        if bad:
+            raise TrainingError(f"vitlab seg train does not take --{', --'.join(b.replace('_', '-') for b in bad)}")
+        if cfg.batch_size % draft.world.size:
+            raise TrainingError(f"the batch {cfg.batch_size} must be divisible by the {draft.world.size} processes")
+        draft.train_ds, draft.val_ds = open_split(cfg, "train"), open_split(cfg, "val")
+        if cfg.batch_size // draft.world.size > len(draft.train_ds) // draft.world.size:
+            raise TrainingError(
+                f"batch size {cfg.batch_size} exceeds the {len(draft.train_ds)} training images; use a smaller one"
+            )
+
+    def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
+        """The crop (``--img-size``, else the backbone's input size), the classes, ``--model-arg``s, drop path."""
+        kw = {**data_shape(cfg, train_ds), **cfg.model_args}
+        if cfg.drop_path > 0:
+            kw["drop_path_rate"] = cfg.drop_path
+        return kw
+
+    def build_model(self, name: str, kwargs: dict[str, Any]) -> nn.Module:
+        try:
+            return build_segmenter(name, **kwargs)
+        except TypeError as e:  # a --model-arg neither the decoder nor the backbone takes
+            raise TrainingError(f"--model-arg: {e}") from None
+
+    def criterion(self, cfg: TrainConfig, model: nn.Module) -> nn.Module:
+        return PixelLoss(cfg.smoothing)
+
+    def build_loaders(self, draft: Any) -> None:
+        cfg, world = draft.cfg, draft.world
+        hflip = 0.5 if cfg.hflip is None else cfg.hflip
+        draft.loader = SegLoader(draft.train_ds, draft.per_rank, draft.kwargs["img_size"], seed=cfg.seed,
+                                 rank=world.rank, world_size=world.size, device=draft.device, hflip=hflip)  # fmt: skip
+        draft.val_loader, draft.data_cfg = None, None  # held-out images are read one by one at their own size
+
+    def tally(self, state: dict[str, Any] | None, device: torch.device) -> PixelTally:
+        return PixelTally.restore(state, device)
+
+    def evaluate(self, run: Run) -> dict[str, Any]:
+        model = run.net.model if run.cfg.fsdp else run.net.raw
+        crop = run.net.kwargs["img_size"]
+        ev = evaluate_segmentation(model, run.data.val_ds, crop, run.device, "slide", dtype=run.dtype)
+        row = {"val_loss": ev["loss"], "val_miou": ev["miou"], "val_aacc": ev["aacc"], "val_macc": ev["macc"]}
+        row["eval_img_s"] = ev["img_s"]
+        if run.ema is not None:
+            ema = evaluate_segmentation(run.ema.module, run.data.val_ds, crop, run.device, "slide", dtype=run.dtype)
+            row["ema_miou"] = ema["miou"]
+        return row
+
+    def report(self, run: Run, row: dict[str, Any]) -> str:
+        ema = f"  ema mIoU {row['ema_miou']:.2f}" if "ema_miou" in row else ""
+        best = "  (best)" * (row.get("val_miou") == run.progress.best_top1)
+        return (
+            f"epoch {row['epoch']}/{run.cfg.epochs}  loss {row['train_loss']:.4f}  pixel acc {row['train_acc']:.1f}%  "
+            f"held-out mIoU {row['val_miou']:.2f} (aAcc {row['val_aacc']:.1f}, mAcc {row['val_macc']:.1f}){ema}{best}  "
+            f"lr {row['lr']:.2e}  {row['train_img_s']:.0f} img/s  {row['train_time_s']:.1f} s"
+        )
+
+
+register_task("segmentation", lambda cfg: SegmentationTask())
