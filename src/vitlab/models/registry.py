@@ -1,4 +1,4 @@
-"""The registry of named vision models: :class:`ModelConfig` rows (written in :mod:`vitlab.models.configs`),
+"""The registry of named vision models: :class:`ModelConfig` rows (written in :mod:`vitlab.models.zoo`),
 one constructor per architecture, and the description of a model's expected input (``pretrained_cfg``)."""
 
 from __future__ import annotations

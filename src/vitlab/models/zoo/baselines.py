@@ -8,8 +8,8 @@ CPU variant (patch 4, 32 px) for ``vitlab compare`` beside ``deit_mini``, ``aft_
 
 from __future__ import annotations
 
-from .configs import DEIT_SIZES, MINI, vit
-from .registry import register
+from ..registry import register
+from ._shared import DEIT_SIZES, MINI, vit
 
 LAMBDA = "Bello 2021, LambdaNetworks: Modeling Long-Range Interactions Without Attention"
 GAP_NO_TABLE = dict(class_token=False, global_pool="avg", pos_embed="none")
