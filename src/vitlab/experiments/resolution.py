@@ -18,6 +18,7 @@ from ..common.options import Int
 from ..common.report import Column, render_markdown, render_text
 from ..common.rundir import RunLock
 from ..engine.evaluate import evaluate_checkpoint
+from .papers import RESOLUTION_TABLES
 
 
 @dataclass(frozen=True)
@@ -31,31 +32,10 @@ class ResolutionStudy:
     paper: dict[str, dict[int, float]]
 
 
-RESOLUTION_STUDIES = {
-    s.name: s
-    for s in (
-        ResolutionStudy(
-            "cpvt-resolution",
-            "CPVT: trained at 224, evaluated at larger sizes without fine-tuning",
-            "Chu et al. 2021, CPVT (arXiv 2102.10882), Table 2 (ImageNet top-1)",
-            (224, 384, 448, 512),
-            {
-                "deit_tiny_patch16_224": {224: 72.2, 384: 71.2, 448: 68.8, 512: 65.9},
-                "cpvt_ti_peg0": {224: 72.4, 384: 73.2, 448: 71.8, 512: 70.3},
-                "cpvt_ti": {224: 73.4, 384: 74.2, 448: 72.6, 512: 70.8},
-                "deit_small_patch16_224": {224: 79.9, 384: 78.1, 448: 75.9, 512: 72.6},
-                "cpvt_s": {224: 79.9, 384: 80.4, 448: 78.6, 512: 76.8},
-            },
-        ),
-        ResolutionStudy(
-            "aft-resolution",
-            "AFT-conv: trained at 224, evaluated at 384 without fine-tuning",
-            "Zhai et al. 2021, AFT (arXiv 2105.14103), §6.3.2 (ImageNet top-1)",
-            (224, 384),
-            {"aft_conv_small_384_15": {224: 81.0, 384: 81.6}},
-        ),
-    )
-}
+# the figures are kept with the rest of their paper's tables (papers/cpvt.py, papers/aft.py); what a resolution
+# study is and how it runs are here
+RESOLUTION_STUDIES = {t["name"]: ResolutionStudy(**t) for t in RESOLUTION_TABLES}
+
 COLUMNS: list[Column] = [
     ("model", "model", "{}"),
     ("img_size", "size", "{}"),

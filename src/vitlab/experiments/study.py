@@ -1,19 +1,13 @@
 """What a study is: :class:`Study` (one paper table) of :class:`Row` s (one line each: the named configurations
-that train it and the paper's figures), and the helpers the tables are written with (:mod:`vitlab.experiments.papers`,
-:mod:`vitlab.experiments.papers.more`).
+that train it and the paper's figures), and :func:`rows`, which the tables are written with. The tables
+themselves, with each paper's citation and its own row helpers, are in :mod:`vitlab.experiments.papers`, one
+file per paper.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-REFINER = "Zhou et al. 2021, Refiner (arXiv 2106.03714)"
-TNT = "Han et al. 2021, Transformer in Transformer (arXiv 2103.00112)"
-CPVT = "Chu et al. 2021, Conditional Positional Encodings (arXiv 2102.10882)"
-DEEPVIT = "Zhou et al. 2021, DeepViT (arXiv 2103.11886) and its official README"
-EA = "Guo et al. 2021, External Attention (arXiv 2105.02358) and the authors' write-up"
-AFT = "Zhai et al. 2021, An Attention Free Transformer (arXiv 2105.14103 v1)"
 
 PaperValue = float | str | None
 
@@ -69,17 +63,3 @@ def rows(*specs: tuple) -> tuple[Row, ...]:
         figures = paper if isinstance(paper, dict) else {"top1": paper}
         out.append(Row(key, label, small, full, full_args, figures, *small_args))
     return tuple(out)
-
-
-def refiner(**opts: Any) -> dict[str, Any]:
-    """Overrides of ``refiner_16b``: the paper's refiner with ``opts``."""
-    return {"mixer": ("refiner", {"expansion": 3, "kernel_size": 3, **opts})}
-
-
-def peg0(**options: Any) -> dict[str, Any]:
-    """Overrides of ``cpvt_ti_peg0`` (one PEG after block 0): PEG ``options``."""
-    return {"peg_options": options}
-
-
-def aft_conv(k: int, **opts: Any) -> dict[str, Any]:
-    return {"mixer": ("aft_conv", {"num_heads": 384, "kernel_size": k, **opts})}
