@@ -187,7 +187,8 @@ def test_every_recipe_resolves_by_name_from_the_installed_package(tmp_path, monk
     names = _documented_recipes()
     assert len(names) >= 30 and sorted(names) == sorted(shipped_recipes())
     for name in names:
-        packaged = resources.files("vitlab").joinpath("recipes", f"{name}.yaml")
+        packaged = shipped_recipes()[name]  # recipes/<paper>/<name>.yaml inside the installed package
+        assert packaged.parent.parent == Path(str(resources.files("vitlab") / "recipes")), packaged
         assert packaged.is_file() and find_recipe(name) == Path(str(packaged)), name
     (tmp_path / "recipes").mkdir()  # a user's own recipe of a shipped name comes first
     (tmp_path / "recipes" / "deit_tiny.toml").write_text('model = "deit_mini"\nepochs = 3\n')
@@ -212,7 +213,11 @@ def test_the_wheel_carries_the_recipes(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     (wheel,) = (tmp_path / "w").glob("vitlab-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        inside = sorted(Path(n).stem for n in z.namelist() if n.startswith("vitlab/recipes/") and n.endswith(".yaml"))
+        inside = sorted(
+            Path(n).stem
+            for n in z.namelist()
+            if n.startswith("vitlab/recipes/") and n.endswith(".yaml") and n.count("/") == 3
+        )
     assert inside == sorted(_documented_recipes()) and len(inside) >= 30
 
 
@@ -259,7 +264,8 @@ class SmallCnn(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["export", "torchscript"])
 def test_soft_and_hard_distillation_equal_deit_equations_for_exported_teachers(tmp_path, kind):
-    from vitlab.distill.teacher import DistillationLoss, load_teacher
+    from vitlab.distill.loss import DistillationLoss
+    from vitlab.distill.teacher import load_teacher
 
     torch.manual_seed(1)
     cnn = SmallCnn().eval()

@@ -11,7 +11,7 @@ key given twice (YAML would keep the last silently; TOML refuses it too), more t
 (a few nested aliases expand into billions of values), and a distillation recipe run without ``--teacher`` are
 each one line.
 
-The papers' recipes ship inside the package (``vitlab/recipes/*.yaml``, package data read through
+The papers' recipes ship inside the package (``vitlab/recipes/<paper>/*.yaml``, package data read through
 ``importlib.resources``), so an installed wheel has them; a bare name is looked up in ``./recipes`` first (a
 user's own), then among them.
 """
@@ -35,9 +35,10 @@ MAX_ALIASES = 16  # YAML aliases per file: enough to share a few blocks; k alias
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """The recipes shipped in the package, by name (the file's stem)."""
-    folder = resources.files("vitlab") / "recipes"
-    files = [f for f in folder.iterdir() if f.is_file() and Path(f.name).suffix in SUFFIXES]
+    """The recipes shipped in the package (``recipes/<paper>/<name>.yaml``), by name (the file's stem)."""
+    root = resources.files("vitlab") / "recipes"
+    files = [f for paper in root.iterdir() if paper.is_dir() for f in paper.iterdir()]
+    files = [f for f in files if f.is_file() and Path(f.name).suffix in SUFFIXES]
     return {Path(f.name).stem: Path(str(f)) for f in sorted(files, key=lambda f: f.name)}
 
 
