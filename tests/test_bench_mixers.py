@@ -12,6 +12,7 @@ import torch
 
 from vitlab.bench import mixers as bench
 from vitlab.bench import targets
+from vitlab.cli import bench_mixers as bench_mixers_cli
 from vitlab.cli import main as cli_main
 from vitlab.measure import process as measure
 from vitlab.measure.process import MB, CaseSpec, Timing, run_case, time_callable
@@ -146,7 +147,7 @@ def test_estimate_grows_with_the_materialised_forms():
 
 def _args(*flags: str, **kw) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    bench_mixers_cli.add_arguments(p)
     argv = [f"--{f.replace('_', '-')}" for f in flags]
     argv += [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     args = p.parse_args(argv)

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count
 
 import vitlab
 from vitlab.bench import models as bench
+from vitlab.cli import bench as bench_cli
 from vitlab.layers import Block
 from vitlab.layers.patch_embed import PatchEmbed
 from vitlab.measure.flops import count_flops, count_macs, flop_counter, mixer_extra_flops
@@ -309,7 +310,7 @@ def _args(*argv: str):
     import argparse
 
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    bench_cli.add_arguments(p)
     return p.parse_args(list(argv))
 
 

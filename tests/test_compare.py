@@ -11,7 +11,8 @@ import torch
 import vitlab
 from vitlab.cli import main as cli_main
 from vitlab.common.report import render_markdown, render_text
-from vitlab.experiments.runner import COLUMNS, TEXT_COLUMNS, adapt_to_size, method_of
+from vitlab.experiments.runner import adapt_to_size, method_of
+from vitlab.experiments.tables import COLUMNS, TEXT_COLUMNS
 from vitlab.measure.flops import count_macs
 
 

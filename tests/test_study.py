@@ -11,8 +11,9 @@ import torch
 
 import vitlab
 from vitlab.cli import main as cli_main
+from vitlab.cli.study import add_arguments
 from vitlab.experiments.papers import STUDIES
-from vitlab.experiments.reproduce import add_arguments, read_recipe, resolve
+from vitlab.experiments.reproduce import recipe_options, resolve
 from vitlab.experiments.runner import adapt_to_size
 from vitlab.models import get_config
 from vitlab.tasks.segmentation import build_segmenter
@@ -72,8 +73,14 @@ def test_recipe_files_and_their_precedence(tmp_path):
     toml.write_text('epochs = 3\nbatch-size = 16\nseeds = 2\nweight_decay = 0.1\nscale = "small"\n')
     yaml = tmp_path / "r.yaml"
     yaml.write_text("epochs: 4\nlr: 0.001\ndata: mnist\n")
-    assert read_recipe(str(toml)) == {"epochs": 3, "batch_size": 16, "seeds": 2, "weight_decay": 0.1, "scale": "small"}
-    assert read_recipe(str(yaml)) == {"epochs": 4, "lr": 0.001, "data": "mnist"}
+    assert recipe_options(str(toml)) == {
+        "epochs": 3,
+        "batch_size": 16,
+        "seeds": 2,
+        "weight_decay": 0.1,
+        "scale": "small",
+    }
+    assert recipe_options(str(yaml)) == {"epochs": 4, "lr": 0.001, "data": "mnist"}
     study = STUDIES.get("cpvt-padding")
     args = parse("cpvt-padding", "--config", str(toml), "--epochs", "5")
     recipe, scale = resolve(args, study)
@@ -89,21 +96,21 @@ def test_recipe_mistakes_are_one_line(tmp_path, monkeypatch):
     bad = tmp_path / "bad.toml"
     bad.write_text("epochz = 3\n")
     with pytest.raises(ValueError, match=r"unknown option.*epochz"):
-        read_recipe(str(bad))
+        recipe_options(str(bad))
     bad.write_text("epochs = [\n")
     with pytest.raises(ValueError, match="not valid TOML"):
-        read_recipe(str(bad))
+        recipe_options(str(bad))
     with pytest.raises(FileNotFoundError, match="no such recipe file"):
-        read_recipe(str(tmp_path / "none.yaml"))
+        recipe_options(str(tmp_path / "none.yaml"))
     (tmp_path / "r.json").write_text("{}")
     with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.toml"):
-        read_recipe(str(tmp_path / "r.json"))
+        recipe_options(str(tmp_path / "r.json"))
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
-        read_recipe(str(tmp_path / "list.yaml"))
+        recipe_options(str(tmp_path / "list.yaml"))
     monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML not installed
     with pytest.raises(ImportError, match=r"needs yaml.*pip install 'vitlab\[recipes\]'"):
-        read_recipe(str(tmp_path / "list.yaml"))
+        recipe_options(str(tmp_path / "list.yaml"))
 
 
 def test_study_user_errors_are_one_line(tmp_path, capsys):
@@ -252,7 +259,7 @@ def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
 
 
 def test_a_paper_recipe_gives_the_options_and_the_rows_their_models(capsys):
-    options = read_recipe("deit_small")
+    options = recipe_options("deit_small")
     assert "model" not in options and options["base_lr"] == 5e-4 and options["aug_repeats"] == 3
     assert "model left out" in capsys.readouterr().out
     recipe, scale = resolve(

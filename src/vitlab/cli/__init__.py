@@ -21,23 +21,23 @@ from ..common.runtime import configure_from_env, is_out_of_memory
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("vitlab.cli.models", "list the registered models with parameters and MACs"),
-    "bench-mixers": ("vitlab.bench.mixers", "time and memory of every token mixer as the token count grows"),
-    "bench": ("vitlab.bench.models", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
+    "bench-mixers": ("vitlab.cli.bench_mixers", "time and memory of every token mixer as the token count grows"),
+    "bench": ("vitlab.cli.bench", "throughput, latency, memory, MACs/FLOPs and GEMM utilisation of named models"),
     "train": (
-        "vitlab.engine.arguments",
+        "vitlab.cli.train",
         "train a model (AdamW, warmup-cosine, EMA, distillation, resumable, torchrun DDP)",
     ),
     "relabel": (
-        "vitlab.distill.relabel",
+        "vitlab.cli.relabel",
         "dense token-label maps (top-k scores per patch) for an image folder from a teacher",
     ),
-    "eval": ("vitlab.engine.evaluate", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
+    "eval": ("vitlab.cli.eval", "top-1/top-5 and throughput of a checkpoint, also at other input sizes"),
     "compare": (
-        "vitlab.experiments.runner",
+        "vitlab.cli.compare",
         "train and evaluate a set of variants; one table, CSV/JSON/Markdown, plots",
     ),
     "study": (
-        "vitlab.experiments.reproduce",
+        "vitlab.cli.study",
         "run a paper's ablation table (mean ± std over seeds, the paper's numbers beside); --list shows them",
     ),
     "analyze": (
@@ -45,12 +45,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "attention maps, collapse, head similarity, feature evolution, AFT, EA of a model",
     ),
     "bench-data": (
-        "vitlab.bench.data",
+        "vitlab.cli.bench_data",
         "images/s of decode + training transform through DataLoader workers vs a plain PIL pipeline; loader memory",
     ),
     "data": ("vitlab.cli.data", "make image data: a synthetic ImageNet-layout JPEG folder, WebDataset shards, info"),
     "convert": ("vitlab.cli.convert", "load an official / timm checkpoint into a vitlab model and write safetensors"),
-    "export": ("vitlab.interop.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
+    "export": ("vitlab.cli.export", "export a model to ONNX or TorchScript (dynamic input size where it can vary)"),
     "seg": (
         "vitlab.cli.seg",
         "semantic segmentation (EANet / plain head over any backbone): synth, train, eval (mIoU, sliding windows)",

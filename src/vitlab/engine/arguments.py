@@ -1,5 +1,6 @@
-"""``vitlab train``: train a registered model (``torchrun --nproc_per_node=N -m vitlab.cli train ...`` for DDP,
-``--fsdp`` to shard it; ``--nnodes/--node-rank/--rdzv-endpoint`` across machines)."""
+"""The training run's flags, built from :class:`~vitlab.engine.config.TrainConfig`'s fields (``vitlab train``'s,
+and the base of ``vitlab seg train`` and ``vitlab points train``), read back into a config, and the run they
+start (:func:`train_from_args`)."""
 
 from __future__ import annotations
 
@@ -207,7 +208,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def run(args: argparse.Namespace) -> int:
+def train_from_args(args: argparse.Namespace) -> int:
+    """Train the run the parsed flags describe (a recipe's values under them, ``--print-config`` only prints it);
+    a peer process's failure as one line."""
     from ..common.distributed import close_distributed, peer_failure
     from .loop import train
     from .recipes import apply_recipe, paper_line

@@ -30,18 +30,17 @@ from typing import Any
 import torch
 
 from ..common.io import write_json_atomic
-from ..common.report import Column, pyplot, save_figure
+from ..common.report import Column
 from ..data import create_loader, open_source
 from ..engine.data import whole_image
 from ..engine.loop import TrainConfig
-from ..engine.recipes import find_recipe
-from ..engine.recipes import read_recipe as recipe_file
+from ..engine.recipes import find_recipe, read_recipe
 from ..interop.pretrained import load_model
 from ..measure.maps import adjacent_similarity, cross_layer_similarity, similar_block_count
 from .papers import STUDIES, Study
-from .resolution import RESOLUTION_STUDIES, run_resolution
-from .resolution import add_arguments as add_resolution_arguments
-from .runner import RECIPE, Plan, Variant, add_run_arguments, compare_note, run_variants
+from .resolution import RESOLUTION_STUDIES
+from .runner import RECIPE, Plan, Variant
+from .tables import SIMILAR, compare_note, plot_study, write_similarity
 
 SCALES = ("small", "full")
 STUDY_DEFAULTS = {"data": "mnist", "seed": 0, "seeds": 3, "scale": "small", "device": "auto"}
@@ -61,34 +60,19 @@ NOT_RECIPE = (
     "dist_token",
 )
 ROW_OWN = ("model", "model_args")  # what a paper recipe says and a study's rows decide themselves
-SIMILAR = 0.9  # DeepViT: a block is "similar" above 90 % cross-layer similarity with the previous one
 SIMILARITY_IMAGES = 64
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", nargs="?", help="the study to run (see --list)")
-    p.add_argument("--list", action="store_true", help="list the studies: name, paper table, rows")
-    p.add_argument(
-        "--scale", choices=SCALES, default=None, help="small: the *_mini rows (default); full: the paper-size models"
-    )
-    p.add_argument(
-        "--config", default=None, help="recipe file: a YAML or TOML mapping of training options (flags override it)"
-    )
-    p.add_argument("--speed", action="store_true", help="also time each row's inference (img/s)")
-    add_resolution_arguments(p)
-    add_run_arguments(p, None, "runs/study/NAME", {**RECIPE, **STUDY_DEFAULTS})
 
 
 def recipe_keys() -> list[str]:
     return [*RUN_KEYS, *(f.name for f in fields(TrainConfig) if f.name not in NOT_RECIPE and f.name not in RUN_KEYS)]
 
 
-def read_recipe(path: str) -> dict[str, Any]:
+def recipe_options(path: str) -> dict[str, Any]:
     """A recipe file (a path, or the name of one in ``./recipes`` or shipped in the package) as a flat mapping
     of options (``-`` in names read as ``_``; the ``reference`` notes of a shipped recipe left out); one line for
     every problem."""
     file = find_recipe(path)
-    data = {str(k).replace("-", "_"): v for k, v in recipe_file(file).items() if k not in ("reference", "needs")}
+    data = {str(k).replace("-", "_"): v for k, v in read_recipe(file).items() if k not in ("reference", "needs")}
     rows_own = sorted(set(data) & set(ROW_OWN))
     if rows_own:  # a paper recipe (`vitlab train --config`) names its model: here every row names its own
         print(f"note: recipe {path}: {', '.join(rows_own)} left out (each row of the study builds its own model)")
@@ -103,7 +87,13 @@ def resolve(args: argparse.Namespace, study: Study) -> tuple[dict[str, Any], str
     """Flags over the recipe file over the study's defaults over compare's recipe: sets the run options on
     ``args`` and returns (the training recipe, the scale)."""
     given = {k: getattr(args, k) for k in recipe_keys() if getattr(args, k, None) is not None}
-    merged = {**RECIPE, **STUDY_DEFAULTS, **study.recipe, **(read_recipe(args.config) if args.config else {}), **given}
+    merged = {
+        **RECIPE,
+        **STUDY_DEFAULTS,
+        **study.recipe,
+        **(recipe_options(args.config) if args.config else {}),
+        **given,
+    }
     if merged["scale"] not in SCALES:
         raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {merged['scale']!r}")
     for key in ("data", "img_size", "seed", "seeds", "train_limit", "device"):
@@ -129,27 +119,6 @@ def list_studies() -> str:
         lines.append(f"{s.name:28s} {s.title}")
         lines.append(f"{'':28s}   {s.source}; one --checkpoint at {', '.join(map(str, s.sizes))} px")
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.list:
-        print(list_studies())
-        return 0
-    if not args.name:
-        raise ValueError("name a study to run, e.g. `vitlab study cpvt-padding` (`vitlab study --list` shows them)")
-    if args.name in RESOLUTION_STUDIES:
-        return run_resolution(args)
-    study = STUDIES.get(args.name)
-    recipe, scale = resolve(args, study)
-    if study.score == "miou" and (args.data == "mnist" or args.speed):
-        raise ValueError(
-            f"{study.name} trains segmentation models: give --data voc:ROOT or ade20k:ROOT (`vitlab seg synth DIR` "
-            "writes a small VOC-layout one), without --speed"
-        )
-    if args.out == "runs/study/NAME":
-        args.out = f"runs/study/{study.name}" + ("" if scale == "small" else "-full")
-    report = StudyReport(study, scale)
-    return run_variants(args, variants(study, scale), recipe, "vitlab study", report, speed=args.speed)
 
 
 # --------------------------------------------------------------------------- the study's table and plots
@@ -203,36 +172,6 @@ class StudyReport:
         return written
 
 
-def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
-    """Our top-1 per row (mean, error bar = std over seeds) and, beside it, the paper's figure of that row."""
-    plt = pyplot()
-    labels = [r["row"] for r in rows]
-    paper_key, paper_header, _ = study.measures[0]
-    paper = [r.get(f"paper_{paper_key}") for r in rows]
-    numeric = [v if isinstance(v, int | float) else None for v in paper]
-    panels = 2 if any(v is not None for v in numeric) else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 0.5 * len(rows) + 2), squeeze=False)
-    y = list(range(len(rows)))
-    key = study.score
-    ours = [r.get(key) or 0.0 for r in rows]
-    axes[0][0].barh(y, ours, xerr=[r.get(f"{key}_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
-    what = "held-out mIoU" if key == "miou" else "held-out top-1 (%)"
-    axes[0][0].set(yticks=y, yticklabels=labels, xlabel=what, title="vitlab (this run)")
-    spread = [(r.get(key) or 0.0, r.get(f"{key}_std") or 0.0) for r in rows]
-    axes[0][0].set_xlim(max(0.0, min(m - s for m, s in spread) - 2), min(100.0, max(m + s for m, s in spread) + 2))
-    if panels == 2:
-        known = [v for v in numeric if v is not None]
-        axes[0][1].barh(y, [v if v is not None else 0 for v in numeric], color="tab:gray")
-        axes[0][1].set(yticks=y, yticklabels=["" for _ in y], xlabel=paper_header, title="paper")
-        axes[0][1].set_xlim(min(known) - (max(known) - min(known) + 1), max(known) + 0.5)
-    for ax in axes[0]:
-        ax.invert_yaxis()
-        ax.grid(alpha=0.3, axis="x")
-    fig.suptitle(study.title, fontsize=10)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=120)
-
-
 # --------------------------------------------------------------------------- DeepViT's cross-layer similarity
 
 
@@ -268,17 +207,3 @@ def block_similarity(checkpoint: Path, images: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = trace(images, return_aux=True)
     return cross_layer_similarity([aux["attn"] for aux in out["aux"] if "attn" in aux])
-
-
-def write_similarity(out: Path, curves: dict[str, list[float]]) -> list[Path]:
-    """``similarity.png``: each row's block-to-block similarity curve (the data is ``similarity.json``)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3, label=label, ls="--" if "Deep" in label else "-")
-    ax.axhline(SIMILAR, color="gray", lw=0.8)
-    ax.set(xlabel="block k", ylabel="similarity of block k's maps with block k-1's", title="cross-layer similarity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return [save_figure(fig, out / "similarity.png", dpi=120)]

@@ -42,8 +42,8 @@ import torch
 from ..checkpoint import load_checkpoint
 from ..common import options as opt
 from ..common.device import add_device_argument, resolve_device
-from ..common.io import open_append, write_csv_atomic, write_json_atomic, write_text_atomic
-from ..common.report import Column, pyplot, render_markdown, render_text, save_figure
+from ..common.io import open_append, write_json_atomic
+from ..common.report import Column, render_text
 from ..common.rundir import RunLock
 from ..data.spec import data_spec
 from ..engine.data import data_shape, load_data
@@ -52,6 +52,7 @@ from ..interop.pretrained import load_model
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
 from ..tasks.segmentation.data import mask_spec
+from .tables import COLUMNS, SEED_MEAN, SEED_SPREAD, TEXT_COLUMNS, compare_note, plot, write_tables
 
 DEFAULT_MODELS = (
     "deit_mini", "refiner_vit_mini", "deepvit_mini", "cpvt_mini", "tnt_mini", "eamlp_mini", "aft_full_mini",
@@ -77,13 +78,6 @@ MB = 1024 * 1024
 OUTPUT_FILES = ("table.csv", "table.json", "table.md", "curves.png", "acc_vs_speed.png")
 VARIANT_FILES = (*RUN_FILES, "train.log", "result.json")
 COST = {"tnt": 3.0, "eamlp": 3.0, "aft_conv": 2.5, "refiner": 1.5, "deepvit": 1.2, "aft_full": 1.2, "cpvt": 1.1}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--models", default=",".join(DEFAULT_MODELS), help="comma-separated registered models (default: %(default)s)"
-    )
-    add_run_arguments(p, RECIPE, "runs/compare")
 
 
 def add_run_arguments(
@@ -281,112 +275,6 @@ def inference_case(checkpoint: str, batch: int = 256, device: str = "cpu") -> Pr
     return Prepared(work, {"batch": batch}, device=str(dev))
 
 
-# --------------------------------------------------------------------------- table and plots
-
-COLUMNS: list[Column] = [
-    ("model", "model", "{}"), ("method", "method", "{}"), ("top1", "top-1 %", "{:.2f}"), ("top5", "top-5 %", "{:.2f}"),
-    ("params_m", "params (M)", "{:.3f}"), ("mmacs", "MACs (M)", "{:.2f}"), ("train_img_s", "train img/s", "{:.0f}"),
-    ("infer_img_s", "infer img/s", "{:.0f}"), ("peak_mib", "peak MiB", "{:.0f}"), ("train_s", "train s", "{:.0f}"),
-]  # fmt: skip
-TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
-# measured per run and averaged over the seeds; the first two also get their standard deviation
-SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
-SEED_SPREAD = ("top1", "top5", "miou")
-
-
-def compare_note(meta: dict[str, Any]) -> str:
-    seeds = f", mean ± std over {meta['seeds']} seeds" if meta["seeds"] > 1 else ""
-    return (
-        f"Held-out top-1/top-5 after {meta['epochs']} epochs on {meta['data']} at {meta['img_size']} px "
-        f"({meta['train_images']} train / {meta['heldout_images']} held-out images{seeds}), batch "
-        f"{meta['batch_size']}, lr {meta['lr']}; train img/s with {meta['threads_per_job']} thread(s) per variant, "
-        f"{meta['jobs']} variant(s) at a time; "
-        + (
-            f"inference img/s with the same {meta['threads_per_job']} thread(s), batch 256, one variant at a time; "
-            if meta.get("speed", True)
-            else ""
-        )
-        + "peak MiB = peak resident memory of the variant's training process. "
-        f"Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}."
-    )
-
-
-def write_tables(
-    out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], columns: list[Column] = COLUMNS, note: str = ""
-) -> list[Path]:
-    write_csv_atomic(out / "table.csv", [{k: _csv_value(v) for k, v in r.items()} for r in rows])
-    write_json_atomic(out / "table.json", {"meta": meta, "rows": rows})
-    text_columns = meta.get("text_columns", TEXT_COLUMNS)
-    write_text_atomic(out / "table.md", render_markdown(rows, note or compare_note(meta), columns, text_columns))
-    return [out / "table.csv", out / "table.json", out / "table.md"]
-
-
-def _csv_value(v: Any) -> Any:
-    return json.dumps(v) if isinstance(v, list | dict) else v
-
-
-def mean_curve(logs: list[list[dict[str, Any]]], key: str) -> tuple[list[int], list[float], list[float]]:
-    """Epochs, mean and standard deviation over the runs (seeds) of a per-epoch log value."""
-    runs = [{r["epoch"]: r.get(key) for r in log} for log in logs if log]
-    epochs = sorted({e for run in runs for e in run})
-    values = [[run[e] for run in runs if run.get(e) is not None] for e in epochs]
-    keep = [i for i, v in enumerate(values) if v]
-    means = [statistics.fmean(values[i]) for i in keep]
-    stds = [statistics.stdev(values[i]) if len(values[i]) > 1 else 0.0 for i in keep]
-    return [epochs[i] for i in keep], means, stds
-
-
-def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[str, Any]]]]) -> list[Path]:
-    """``curves.png`` (held-out top-1 and training loss per epoch: the mean over seeds, shaded ± std) and
-    ``acc_vs_speed.png`` (top-1 against inference speed, error bars = std over seeds) when speeds were timed."""
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rows_seen = [r for runs in logs.values() for run in runs for r in run]
-    score = "val_miou" if any("val_miou" in r for r in rows_seen) else "val_top1"  # a segmentation study: mIoU
-    for name, runs in logs.items():
-        for ax, key in ((ax1, score), (ax2, "train_loss")):
-            ep, mean, std = mean_curve(runs, key)
-            if not ep:
-                continue
-            line = ax.plot(ep, mean, marker="o", ms=3, label=name)[0]
-            if any(std):
-                ax.fill_between(
-                    ep,
-                    [m - s for m, s in zip(mean, std)],
-                    [m + s for m, s in zip(mean, std)],
-                    color=line.get_color(),
-                    alpha=0.2,
-                )
-    what = "held-out mIoU" if score == "val_miou" else "held-out top-1 (%)"
-    ax1.set(xlabel="epoch", ylabel=what, title=what.replace(" (%)", ""))
-    ax2.set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, out / "curves.png", dpi=120)
-    pts = [r for r in rows if r.get("top1") is not None and r.get("infer_img_s")]
-    if not pts:
-        return [out / "curves.png"]
-    fig, ax = plt.subplots(figsize=(7, 5))
-    ax.scatter([r["infer_img_s"] for r in pts], [r["top1"] for r in pts], s=[40 + 200 * r["params_m"] for r in pts])
-    ax.errorbar(
-        [r["infer_img_s"] for r in pts],
-        [r["top1"] for r in pts],
-        yerr=[r.get("top1_std") or 0.0 for r in pts],
-        fmt="none",
-        ecolor="gray",
-        capsize=3,
-    )
-    for r in pts:
-        ax.annotate(r["model"], (r["infer_img_s"], r["top1"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    save_figure(fig, out / "acc_vs_speed.png", dpi=120)
-    return [out / "curves.png", out / "acc_vs_speed.png"]
-
-
 # --------------------------------------------------------------------------- the command
 
 # options that do not change what a variant computes (a row trained in another folder, e.g. on another machine,
@@ -435,12 +323,6 @@ class Report(Protocol):
 
 def print_line(line: str) -> None:
     print(line, flush=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    variants = [Variant(n, n) for n in resolve_models(args.models)]
-    recipe = {**RECIPE, **{k: getattr(args, k) for k in ("epochs", "batch_size", "lr", "ema")}}
-    return run_variants(args, variants, recipe, "vitlab compare")
 
 
 def run_variants(

@@ -1,0 +1,164 @@
+"""The tables and figures of ``vitlab compare`` and ``vitlab study``: ``table.csv`` / ``table.json`` /
+``table.md`` (the columns and the caption say what was measured), ``curves.png``, ``acc_vs_speed.png``, a
+study's ``study.png`` (each row beside the paper's figure) and DeepViT's ``similarity.png``."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..common.io import write_csv_atomic, write_json_atomic, write_text_atomic
+from ..common.report import Column, pyplot, render_markdown, save_figure
+from .study import Study
+
+SIMILAR = 0.9  # DeepViT: a block is "similar" above 90 % cross-layer similarity with the previous one
+
+
+COLUMNS: list[Column] = [
+    ("model", "model", "{}"), ("method", "method", "{}"), ("top1", "top-1 %", "{:.2f}"), ("top5", "top-5 %", "{:.2f}"),
+    ("params_m", "params (M)", "{:.3f}"), ("mmacs", "MACs (M)", "{:.2f}"), ("train_img_s", "train img/s", "{:.0f}"),
+    ("infer_img_s", "infer img/s", "{:.0f}"), ("peak_mib", "peak MiB", "{:.0f}"), ("train_s", "train s", "{:.0f}"),
+]  # fmt: skip
+TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
+# measured per run and averaged over the seeds; the first two also get their standard deviation
+SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
+SEED_SPREAD = ("top1", "top5", "miou")
+
+
+def compare_note(meta: dict[str, Any]) -> str:
+    seeds = f", mean ± std over {meta['seeds']} seeds" if meta["seeds"] > 1 else ""
+    return (
+        f"Held-out top-1/top-5 after {meta['epochs']} epochs on {meta['data']} at {meta['img_size']} px "
+        f"({meta['train_images']} train / {meta['heldout_images']} held-out images{seeds}), batch "
+        f"{meta['batch_size']}, lr {meta['lr']}; train img/s with {meta['threads_per_job']} thread(s) per variant, "
+        f"{meta['jobs']} variant(s) at a time; "
+        + (
+            f"inference img/s with the same {meta['threads_per_job']} thread(s), batch 256, one variant at a time; "
+            if meta.get("speed", True)
+            else ""
+        )
+        + "peak MiB = peak resident memory of the variant's training process. "
+        f"Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}."
+    )
+
+
+def write_tables(
+    out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], columns: list[Column] = COLUMNS, note: str = ""
+) -> list[Path]:
+    write_csv_atomic(out / "table.csv", [{k: _csv_value(v) for k, v in r.items()} for r in rows])
+    write_json_atomic(out / "table.json", {"meta": meta, "rows": rows})
+    text_columns = meta.get("text_columns", TEXT_COLUMNS)
+    write_text_atomic(out / "table.md", render_markdown(rows, note or compare_note(meta), columns, text_columns))
+    return [out / "table.csv", out / "table.json", out / "table.md"]
+
+
+def _csv_value(v: Any) -> Any:
+    return json.dumps(v) if isinstance(v, list | dict) else v
+
+
+def mean_curve(logs: list[list[dict[str, Any]]], key: str) -> tuple[list[int], list[float], list[float]]:
+    """Epochs, mean and standard deviation over the runs (seeds) of a per-epoch log value."""
+    runs = [{r["epoch"]: r.get(key) for r in log} for log in logs if log]
+    epochs = sorted({e for run in runs for e in run})
+    values = [[run[e] for run in runs if run.get(e) is not None] for e in epochs]
+    keep = [i for i, v in enumerate(values) if v]
+    means = [statistics.fmean(values[i]) for i in keep]
+    stds = [statistics.stdev(values[i]) if len(values[i]) > 1 else 0.0 for i in keep]
+    return [epochs[i] for i in keep], means, stds
+
+
+def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[str, Any]]]]) -> list[Path]:
+    """``curves.png`` (held-out top-1 and training loss per epoch: the mean over seeds, shaded ± std) and
+    ``acc_vs_speed.png`` (top-1 against inference speed, error bars = std over seeds) when speeds were timed."""
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows_seen = [r for runs in logs.values() for run in runs for r in run]
+    score = "val_miou" if any("val_miou" in r for r in rows_seen) else "val_top1"  # a segmentation study: mIoU
+    for name, runs in logs.items():
+        for ax, key in ((ax1, score), (ax2, "train_loss")):
+            ep, mean, std = mean_curve(runs, key)
+            if not ep:
+                continue
+            line = ax.plot(ep, mean, marker="o", ms=3, label=name)[0]
+            if any(std):
+                ax.fill_between(
+                    ep,
+                    [m - s for m, s in zip(mean, std)],
+                    [m + s for m, s in zip(mean, std)],
+                    color=line.get_color(),
+                    alpha=0.2,
+                )
+    what = "held-out mIoU" if score == "val_miou" else "held-out top-1 (%)"
+    ax1.set(xlabel="epoch", ylabel=what, title=what.replace(" (%)", ""))
+    ax2.set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, out / "curves.png", dpi=120)
+    pts = [r for r in rows if r.get("top1") is not None and r.get("infer_img_s")]
+    if not pts:
+        return [out / "curves.png"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.scatter([r["infer_img_s"] for r in pts], [r["top1"] for r in pts], s=[40 + 200 * r["params_m"] for r in pts])
+    ax.errorbar(
+        [r["infer_img_s"] for r in pts],
+        [r["top1"] for r in pts],
+        yerr=[r.get("top1_std") or 0.0 for r in pts],
+        fmt="none",
+        ecolor="gray",
+        capsize=3,
+    )
+    for r in pts:
+        ax.annotate(r["model"], (r["infer_img_s"], r["top1"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, out / "acc_vs_speed.png", dpi=120)
+    return [out / "curves.png", out / "acc_vs_speed.png"]
+
+
+def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
+    """Our top-1 per row (mean, error bar = std over seeds) and, beside it, the paper's figure of that row."""
+    plt = pyplot()
+    labels = [r["row"] for r in rows]
+    paper_key, paper_header, _ = study.measures[0]
+    paper = [r.get(f"paper_{paper_key}") for r in rows]
+    numeric = [v if isinstance(v, int | float) else None for v in paper]
+    panels = 2 if any(v is not None for v in numeric) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 0.5 * len(rows) + 2), squeeze=False)
+    y = list(range(len(rows)))
+    key = study.score
+    ours = [r.get(key) or 0.0 for r in rows]
+    axes[0][0].barh(y, ours, xerr=[r.get(f"{key}_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
+    what = "held-out mIoU" if key == "miou" else "held-out top-1 (%)"
+    axes[0][0].set(yticks=y, yticklabels=labels, xlabel=what, title="vitlab (this run)")
+    spread = [(r.get(key) or 0.0, r.get(f"{key}_std") or 0.0) for r in rows]
+    axes[0][0].set_xlim(max(0.0, min(m - s for m, s in spread) - 2), min(100.0, max(m + s for m, s in spread) + 2))
+    if panels == 2:
+        known = [v for v in numeric if v is not None]
+        axes[0][1].barh(y, [v if v is not None else 0 for v in numeric], color="tab:gray")
+        axes[0][1].set(yticks=y, yticklabels=["" for _ in y], xlabel=paper_header, title="paper")
+        axes[0][1].set_xlim(min(known) - (max(known) - min(known) + 1), max(known) + 0.5)
+    for ax in axes[0]:
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(study.title, fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def write_similarity(out: Path, curves: dict[str, list[float]]) -> list[Path]:
+    """``similarity.png``: each row's block-to-block similarity curve (the data is ``similarity.json``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3, label=label, ls="--" if "Deep" in label else "-")
+    ax.axhline(SIMILAR, color="gray", lw=0.8)
+    ax.set(xlabel="block k", ylabel="similarity of block k's maps with block k-1's", title="cross-layer similarity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return [save_figure(fig, out / "similarity.png", dpi=120)]
