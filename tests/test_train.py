@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import vitlab
 from vitlab.checkpoint import check_model_name, load_state_checked, model_from_checkpoint
 from vitlab.cli import main as cli_main
-from vitlab.distill.teacher import HardDistillationLoss
+from vitlab.distill.loss import HardDistillationLoss
 from vitlab.engine import ModelEma, WarmupCosine, create_optimizer, load_checkpoint, param_groups, save_checkpoint
 from vitlab.engine.setup import init_weights_from
 

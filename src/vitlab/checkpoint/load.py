@@ -27,7 +27,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     check, ``weights_only=True``, checksum); one clear line for missing, corrupt or foreign files.
 
     A sharded checkpoint's whole weights are read from its shards into ``model`` unless ``weights`` is
-    False (a run that resumes reads them into its sharded model itself: :func:`vitlab.engine.run_state.restore_weights_and_optimizer`)."""
+    False (a run that resumes reads them into its sharded model itself: :func:`vitlab.engine.checkpointing.restore_weights_and_optimizer`)."""
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "last.pt"

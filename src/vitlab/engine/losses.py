@@ -29,7 +29,8 @@ def make_criterion(cfg: TrainConfig, model: nn.Module, in_chans: int, device: to
     if cfg.teacher and cfg.token_label:
         raise TrainingError("--teacher and --token-label are two recipes; use one of them")
     if cfg.teacher:
-        from ..distill.teacher import DistillationLoss, load_teacher
+        from ..distill.loss import DistillationLoss
+        from ..distill.teacher import load_teacher
 
         teacher = load_teacher(cfg.teacher, device, cfg.teacher_img_size)
         loss = DistillationLoss(teacher, cfg.distillation, cfg.distill_alpha, cfg.distill_tau, cfg.smoothing,

@@ -35,8 +35,7 @@ from ...common.distributed import World, all_reduce_sum, barrier, gradient_sync,
 from ...common.io import write_json_atomic
 from ...common.rundir import check_free_space, checkpoint_bytes, own_folder
 from ...data import derive_seed
-from ...engine.optim import Optimization, build_optimization
-from ...engine.run_state import (
+from ...engine.checkpointing import (
     gather_rng_states,
     optimization_state,
     prune_shards,
@@ -44,6 +43,7 @@ from ...engine.run_state import (
     restore_rng_streams,
     write_run_checkpoint,
 )
+from ...engine.optim import Optimization, build_optimization
 from ...engine.tracking import StepLog, fmt_eta, memory_probe
 from .data import ByteData, ImageSequences, open_data
 from .model import LN2, CausalLM, lm_config, shift_right

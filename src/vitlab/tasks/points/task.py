@@ -1,4 +1,4 @@
-"""Point clouds as a task of the training engine (``vitlab points train``, :mod:`.points_cli`): the hooks of
+"""Point clouds as a task of the training engine (``vitlab points train``, :mod:`vitlab.cli.points`): the hooks of
 :mod:`vitlab.engine.tasks` over :mod:`vitlab.tasks.points`, with PCT's augmentation and label smoothing ``--smoothing``.
 Shape classification (``modelnet40:`` data) is evaluated each epoch by ``val_oa`` (overall accuracy, which
 chooses ``best.pt``) and ``val_macc`` (mean-class accuracy); part segmentation (``shapenetpart:`` data, a
