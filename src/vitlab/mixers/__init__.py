@@ -25,8 +25,9 @@ from .linear_attention import LinearAttention, Performer
 from .lsh_attention import LSHAttention
 from .reattention import ReAttention
 from .refiner import DistributedLocalAttention, RefinerAttention
-from .sparse_attention import SparseAttention, Synthesizer
+from .sparse_attention import SparseAttention
 from .spatial_reduction import SpatialReductionAttention
+from .synthesizer import Synthesizer
 
 MIXERS: dict[str, type[TokenMixer]] = {
     "attention": Attention,

@@ -1,18 +1,25 @@
 """The kernel layer: every fast path vitlab has, below the papers' modules, behind one switch.
 
-The mixers (:mod:`vitlab.mixers`) read as their papers' equations and call the operations here:
+The mixers (:mod:`vitlab.mixers`) read as their papers' equations and call the operations here, one module
+each:
 
+* :mod:`.switch` -- the one switch of every fast path and the context its decisions read;
+* :mod:`.probe` -- which hardware-dependent paths this process takes, decided once by running them;
 * :mod:`.linear` -- linear layers with GELU or residual epilogues, in oneDNN on CPUs where it runs and pays
-  (:mod:`.onednn`, decided by :mod:`.probe`);
-* :mod:`.aft` -- the AFT cores, exact for any magnitude, with :mod:`.aft_banded` (AFT-local's band),
-  :mod:`.aft_conv` and :mod:`.aft_simple` (closed-form backward passes) and the decoding states;
-* :mod:`.triton_aft`, :mod:`.triton_aft_simple` -- AFT-full/local and AFT-simple as Triton kernels, taken on CUDA
-  (:mod:`.triton_support` says where they run);
+  (:mod:`.onednn`);
+* :mod:`.softmax` -- the attention map's softmax for half-precision logits (fp32 sums);
+* :mod:`.aft` -- the AFT cores, exact for any magnitude, built on :mod:`.aft_banded` (AFT-local's band),
+  :mod:`.aft_conv` (AFT-conv's window sums) and :mod:`.aft_simple` (closed-form backward passes);
+  :mod:`.aft_decode` -- causal AFT's one-token decoding states;
 * :mod:`.double_norm` -- external attention's double normalisation;
-* :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner;
+* :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner, with
+  :mod:`.head_mix_terms` (what its eager and Triton forms share);
 * :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;
+* :mod:`.triton_aft`, :mod:`.triton_aft_simple`, :mod:`.triton_aft_conv`, :mod:`.triton_aft_decode` -- the AFT
+  family as Triton kernels (AFT-full/local, AFT-simple, AFT-conv's windows, the decoding step);
 * :mod:`.triton_double_norm`, :mod:`.triton_head_mix` -- the map chains of external attention, re-attention and
-  the refiner as Triton kernels on a GPU (:mod:`.triton_support` says where they run).
+  the refiner as Triton kernels;
+* :mod:`.triton_support` -- where the Triton kernels run (CUDA tensors; CPU tensors in Triton's interpreter).
 
 Every fast path computes the same function as the plain operations (the tests hold them equal), and
 ``set_fast_paths(False)`` (or ``VITLAB_FAST_PATHS=0``) turns them all off. :func:`decisions` reports what the
