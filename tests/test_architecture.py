@@ -1,13 +1,15 @@
-"""The import rules of the package (README "Development"): data flows one way.
+"""The import rules of the package (docs/architecture.md): data flows one way.
 
-front door (``cli``) -> tools -> the package's public front (``vitlab/__init__``) -> services -> core
-(models -> layers -> mixers; data, ops) -> foundation. A module imports only from its own tool or package, or
-from a lower layer; tools never import each other (services may use each other, one way); within the core a
-unit imports only lower ranks (``vitlab.data`` and ``vitlab.ops`` share the lowest and never import each
-other); nothing but ``vitlab.__main__`` imports the front door; no two modules import each other, directly or
-in a circle. Imports inside functions count: they are the same dependency, only deferred; so do string
-references to a module (``"vitlab.x.y:function"``, ``importlib.import_module("vitlab.x")``), which import it
-at run time.
+front door (``vitlab.cli``: the dispatcher and one thin file per command) -> tools (``experiments``,
+``analysis``, ``bench``) -> tasks (``tasks.segmentation``, ``tasks.points``, ``tasks.lm``) -> the training
+engine (``engine``) -> distillation (``distill``) -> the package's public front (``vitlab/__init__``) ->
+services (``interop``, ``checkpoint``, ``measure``) -> core (models -> layers -> mixers; data, ops) ->
+foundation (``common``). A module imports only from its own unit or a lower rank; commands never import each
+other, nor do tools or tasks; services may use each other, one way; within the core a unit imports only lower
+ranks (``vitlab.data`` and ``vitlab.ops`` share the lowest and never import each other); nothing but the two
+``__main__`` modules imports the dispatcher; no two modules import each other, directly or in a circle. Imports
+inside functions count: they are the same dependency, only deferred; so do string references to a module
+(``"vitlab.x.y:function"``, ``importlib.import_module("vitlab.x")``), which import it at run time.
 """
 
 from __future__ import annotations
@@ -18,44 +20,39 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-FRONT = ("vitlab.cli", "vitlab.__main__")
-TOOLS = (
-    "vitlab.engine",
-    "vitlab.bench",
-    "vitlab.analysis",
-    "vitlab.tasks.lm",
-    "vitlab.interop.export",
-    "vitlab.cli.models",
-    "vitlab.cli.convert",
-    "vitlab.interop",
-    "vitlab.cli.data",
-)
-# the package itself: `import vitlab` gives the public API (create_model with weights, from_pretrained, ...)
-PUBLIC = "vitlab"
-SERVICES = (
-    "vitlab.checkpoint",
-    "vitlab.interop",
-    "vitlab.measure",
-    "vitlab.engine.optim",
-    "vitlab.common.report",
-    "vitlab.common.rundir",
-    "vitlab.interop.pretrained",
-    "vitlab.common.distributed",
-    "vitlab.engine.tracking",
-    "vitlab.tasks.segmentation",
-    "vitlab.tasks.points",
-)
-# the core, lowest first: a module may import lower ranks and its own unit; the kernel layer (ops) and the data
-# path share the lowest rank and never import each other
-CORE = {"vitlab.ops": 0, "vitlab.data": 0, "vitlab.mixers": 1, "vitlab.layers": 2, "vitlab.models": 3}
-FOUNDATION = (
-    "vitlab.common.io",
-    "vitlab.common.runtime",
-    "vitlab.common.registry",
-    "vitlab.common.options",
-    "vitlab.common.extras",
-    "vitlab.common.device",
-)
+DISPATCHER = "vitlab.cli"
+MAINS = ("vitlab.__main__", "vitlab.cli.__main__")
+# (unit, rank): a module belongs to the longest unit that holds it; higher ranks may import lower ones; units of
+# one rank never import each other, except the services and the foundation (one way: no cycles)
+RANKS: dict[str, float] = {
+    "vitlab.__main__": 7,
+    "vitlab.cli": 6,
+    "vitlab.experiments": 5,
+    "vitlab.analysis": 5,
+    "vitlab.bench": 5,
+    "vitlab.tasks": 4,
+    "vitlab.tasks.segmentation": 4,
+    "vitlab.tasks.points": 4,
+    "vitlab.tasks.lm": 4,
+    "vitlab.engine": 3,
+    "vitlab.distill": 2.8,
+    "vitlab": 2.5,  # the package itself: `import vitlab` gives the public API (create_model with weights, ...)
+    "vitlab.interop": 2,
+    "vitlab.checkpoint": 2,
+    "vitlab.measure": 2,
+    "vitlab.models": 1.3,
+    "vitlab.layers": 1.2,
+    "vitlab.mixers": 1.1,
+    "vitlab.ops": 1,
+    "vitlab.data": 1,
+    "vitlab.common": 0,
+}
+SHARED_RANKS = (2, 0)  # services, foundation: their units may use each other one way
+CORE = ("vitlab.models", "vitlab.layers", "vitlab.mixers", "vitlab.ops", "vitlab.data")
+SERVICES = tuple(u for u, r in RANKS.items() if r == 2)
+# the table of the old import paths names their new modules for users who still import them; vitlab itself
+# never imports through it
+OLD_PATHS_TABLE = "vitlab.common.deprecated"
 # a string that names a module, alone or with an attribute: "vitlab.experiments.runner:train_case"
 MODULE_STRING = re.compile(r"^vitlab(\.\w+)+(:\w+)?$")
 
@@ -97,48 +94,45 @@ def imports_of(name: str, source: str, known: set[str], is_package: bool = False
 def graph() -> dict[str, set[str]]:
     mods = modules()
     return {
-        name: imports_of(name, path.read_text(), set(mods), path.name == "__init__.py") for name, path in mods.items()
+        name: imports_of(name, path.read_text(), set(mods), path.name == "__init__.py")
+        if name != OLD_PATHS_TABLE
+        else set()
+        for name, path in mods.items()
     }
 
 
-def owner(name: str, group: tuple[str, ...]) -> str | None:
+def owner(name: str, group) -> str | None:
     """The longest entry of ``group`` that is ``name`` or a package holding it."""
     hits = [g for g in group if name == g or name.startswith(g + ".")]
     return max(hits, key=len) if hits else None
 
 
 def layer(name: str) -> tuple[float, str]:
-    """(rank, unit): higher ranks may import lower ones; within a rank only the same unit, except that
-    services (3) and the foundation (0) may use each other (one way: no cycles)."""
-    if owner(name, FRONT):
-        return 5, "front door"
-    if tool := owner(name, TOOLS):
-        return 4, tool
-    if name == PUBLIC:
-        return 3.5, PUBLIC
-    if service := owner(name, SERVICES):
-        return 3, service
-    if found := owner(name, FOUNDATION):
-        return 0, found
-    core = max((c for c in CORE if name == c or name.startswith(c + ".")), key=len)
-    return 1 + CORE[core] / 10, core
-
-
-def is_core(unit: str) -> bool:
-    return unit in CORE
+    """(rank, unit) of a module: a command is a unit of its own; a foundation module too."""
+    unit = owner(name, RANKS)
+    if unit is None:
+        raise ValueError(f"{name} is in no unit of RANKS")
+    if unit in (DISPATCHER, "vitlab.common") and name != unit:
+        unit = name  # each command, each foundation module
+    return RANKS[owner(name, RANKS)], unit
 
 
 def edge_violation(name: str, dep: str) -> str | None:
     """Why the import ``name -> dep`` breaks the layering, or None."""
-    if dep == "vitlab.cli" and name != "vitlab.__main__":
-        return f"{name} -> {dep}: only vitlab.__main__ imports the front door"
+    if dep == DISPATCHER and name not in MAINS:
+        return f"{name} -> {dep}: only the __main__ modules import the dispatcher"
     (rank, unit), (dep_rank, dep_unit) = layer(name), layer(dep)
     if dep_rank > rank:
         return f"{name} -> {dep}: imports a higher layer ({dep_unit} above {unit})"
-    if dep_rank == rank and dep_unit != unit and rank == 4:
-        return f"{name} -> {dep}: tools never import each other"
-    if dep_rank == rank and dep_unit != unit and is_core(unit):
-        return f"{name} -> {dep}: core units of one rank never import each other"
+    if rank == 6:  # the dispatcher imports the commands; a command imports no other command
+        if name in MAINS:
+            return None
+        if dep_rank == 6 and name != DISPATCHER and dep_unit != unit:
+            return f"{name} -> {dep}: commands never import each other"
+        return None
+    if dep_rank == rank and dep_unit != unit and rank not in SHARED_RANKS and unit != "vitlab.tasks":
+        kind = "core units of one rank" if unit in CORE else "units of one rank"
+        return f"{name} -> {dep}: {kind} never import each other"
     return None
 
 
@@ -189,7 +183,7 @@ def violations(g: dict[str, set[str]]) -> list[str]:
 
 def test_every_module_has_a_layer():
     for name in modules():
-        assert layer(name)  # raises ValueError (max of nothing) for a module outside the table
+        assert layer(name)  # raises ValueError for a module outside the table
 
 
 def test_the_package_keeps_its_layering():
@@ -201,9 +195,13 @@ def test_the_checker_rejects_each_kind_of_violation():
     """``violations`` fed synthetic graphs: each rule must be able to fail, and a clean graph passes."""
     clean = {
         "vitlab.__main__": {"vitlab.cli"},
-        "vitlab.cli": {"vitlab.common.extras"},
+        "vitlab.cli": {"vitlab.common.extras", "vitlab.cli.train"},
+        "vitlab.cli.train": {"vitlab.engine.arguments"},
+        "vitlab.cli.study": {"vitlab.experiments.reproduce"},
+        "vitlab.experiments.reproduce": {"vitlab.experiments.runner", "vitlab.tasks.segmentation"},
+        "vitlab.tasks.segmentation.task": {"vitlab.engine.tasks", "vitlab.engine.dense"},
         "vitlab.engine.arguments": {"vitlab.engine.loop", "vitlab.interop.pretrained", "vitlab.common.report"},
-        "vitlab.engine.loop": {"vitlab.models.vit", "vitlab.data.loader"},
+        "vitlab.engine.loop": {"vitlab.models.vit", "vitlab.data.loader", "vitlab.distill.loss"},
         "vitlab.interop.pretrained": {"vitlab.checkpoint.load", "vitlab.models.registry"},
         "vitlab.checkpoint.load": {"vitlab.models.registry", "vitlab.common.io"},
         "vitlab.models.vit": {"vitlab.layers.block", "vitlab.mixers.attention", "vitlab.ops.linear"},
@@ -214,11 +212,16 @@ def test_the_checker_rejects_each_kind_of_violation():
     assert violations(clean) == []
     cases = {
         "imports a higher layer": {"vitlab.mixers.aft": {"vitlab.layers.block"}},
+        "imports a higher layer (vitlab.tasks.points above vitlab.engine)": {
+            "vitlab.engine.setup": {"vitlab.tasks.points.task"}
+        },
         "core units of one rank": {"vitlab.data.loader": {"vitlab.ops.linear"}},
-        "tools never import each other": {"vitlab.bench.models": {"vitlab.experiments.runner"}},
-        "only vitlab.__main__ imports the front door": {"vitlab.engine.arguments": {"vitlab.cli"}},
+        "units of one rank never import each other": {"vitlab.bench.models": {"vitlab.experiments.runner"}},
+        "never import each other": {"vitlab.tasks.points.task": {"vitlab.tasks.segmentation.task"}},
+        "commands never import each other": {"vitlab.cli.seg": {"vitlab.cli.train"}},
+        "only the __main__ modules import the dispatcher": {"vitlab.engine.arguments": {"vitlab.cli"}},
         "cycle": {"vitlab.layers.block": {"vitlab.layers.mlp"}, "vitlab.layers.mlp": {"vitlab.layers.block"}},
-        "imports a higher layer (vitlab.engine above vitlab.measure)": {
+        "imports a higher layer (vitlab.experiments above vitlab.measure)": {
             "vitlab.measure.process": imports_of(
                 "vitlab.measure.process",
                 'TARGET = "vitlab.experiments.runner:train_case"',
@@ -236,39 +239,45 @@ def test_string_references_to_modules_are_imports():
     mods = modules()
     g = graph()
     for name, path in mods.items():
+        if name == OLD_PATHS_TABLE:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.match(node.value):
                 target = node.value.partition(":")[0]
                 assert target not in mods or target == name or target in g[name], (name, target)
 
 
-def test_the_checker_sees_violations():
-    # the rules above must be able to fail: a tool importing another tool, and a service importing a tool
-    assert layer("vitlab.bench.models")[0] == layer("vitlab.experiments.runner")[0] == 4
-    assert layer("vitlab.bench.models")[1] != layer("vitlab.experiments.runner")[1]
-    assert layer("vitlab.measure.flops")[0] < layer("vitlab.bench.models")[0]
-    assert layer("vitlab.cli.convert")[0] > layer("vitlab.interop.convert")[0]
-    assert layer("vitlab.cli.data")[0] > layer("vitlab.data.spec")[0]
+def test_the_ranks_stand_in_order():
+    assert layer("vitlab.cli.study")[0] > layer("vitlab.experiments.reproduce")[0] > layer("vitlab.tasks.lm")[0]
+    assert layer("vitlab.tasks.segmentation.task")[0] > layer("vitlab.engine.loop")[0] > layer("vitlab.distill")[0]
+    assert layer("vitlab.distill.teacher")[0] > layer("vitlab")[0] > layer("vitlab.interop.pretrained")[0]
+    assert layer("vitlab.measure.maps")[0] == layer("vitlab.checkpoint.load")[0] > layer("vitlab.models.vit")[0]
     assert layer("vitlab.mixers.aft")[0] < layer("vitlab.layers.block")[0] < layer("vitlab.models.vit")[0]
-    # the public front sits above the services it re-exports and below the tools
-    assert layer("vitlab.interop.pretrained")[0] < layer("vitlab")[0] < layer("vitlab.interop.export")[0]
-    assert layer("vitlab.models.folder")[0] < layer("vitlab.interop.pretrained")[0]
+    assert layer("vitlab.common.io") == (0, "vitlab.common.io")
+    assert layer("vitlab.cli.seg")[1] != layer("vitlab.cli.train")[1]  # each command its own unit
 
 
-def test_every_command_is_a_tool():
-    """Each ``vitlab`` subcommand runs a module of the tools layer (``study`` lives with compare in vitlab.engine,
-    whose training and table code it reuses)."""
+def test_every_command_is_one_file_of_the_front_door():
+    """Each ``vitlab`` subcommand is the file ``vitlab/cli/<command>.py`` (its flags, then calls into the
+    library), and the command files are exactly the commands."""
     from vitlab.cli import COMMANDS
 
     mods = modules()
     for command, (module, _) in COMMANDS.items():
+        assert module == "vitlab.cli." + command.replace("-", "_"), (command, module)
         assert module in mods, f"{command}: {module} is not a module of the package"
-        assert layer(module)[0] == 4, f"{command}: {module} is not in the tools layer"
-    assert (
-        COMMANDS["study"][0] == "vitlab.experiments.reproduce"
-        and layer("vitlab.experiments.reproduce")[1] == "vitlab.engine"
-    )
-    assert layer("vitlab.measure.maps")[0] == 3  # the attention-map measures are a service (analysis and study)
+    files = {m for m in mods if m.startswith("vitlab.cli.") and m != "vitlab.cli.__main__"}
+    assert files == {m for m, _ in COMMANDS.values()}
+
+
+def test_no_module_says_nothing_or_the_same_thing_twice():
+    """No ``*_more``, ``*_cli`` or ``catalog`` modules; nothing at the top level beside the packages but
+    ``__init__`` and ``__main__``."""
+    pkg = SRC / "vitlab"
+    stems = [p.stem for p in pkg.rglob("*.py")]
+    assert not [s for s in stems if s.endswith(("_more", "_cli")) or s == "catalog"]
+    top = sorted(p.name for p in pkg.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py"], top
 
 
 def _package_edges(units: tuple[str, ...]) -> set[tuple[str, str]]:
@@ -288,28 +297,26 @@ def _package_edges(units: tuple[str, ...]) -> set[tuple[str, str]]:
 
 
 def test_no_two_services_import_each_other():
-    """Services may use each other, one way: a package-level loop (checkpoint <-> convert, checkpoint <->
-    distributed) would make a save or a load cross between them back and forth."""
+    """Services may use each other, one way: a package-level loop (checkpoint <-> interop) would make a save or
+    a load cross between them back and forth."""
     edges = _package_edges(SERVICES)
     loops = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
     assert not loops, "service packages that import each other: " + "; ".join(loops)
 
 
-def test_the_checkpoint_package_stands_below_convert_and_above_distributed():
-    """convert reads files through the checkpoint package (its one safe loader), never the other way;
+def test_the_checkpoint_package_stands_below_interop_and_above_distributed():
+    """interop reads files through the checkpoint package (its one safe loader), never the other way;
     the checkpoint package's sharded checkpoints use distributed's process group, never the other way."""
-    edges = _package_edges(SERVICES)
+    edges = _package_edges((*SERVICES, "vitlab.common.distributed"))
     assert ("vitlab.interop", "vitlab.checkpoint") in edges
     assert ("vitlab.checkpoint", "vitlab.interop") not in edges
     assert ("vitlab.common.distributed", "vitlab.checkpoint") not in edges
-    bad = [f"{n} -> {d}" for n, deps in graph().items() if n.startswith("vitlab.checkpoint") for d in deps
-           if owner(d, TOOLS) or d.startswith("vitlab.interop")]  # fmt: skip
-    assert not bad, "\n".join(bad)
 
 
 def test_a_save_goes_down_the_checkpoint_package_one_way():
-    """Inside the package: run -> load -> sharded -> safeload -> format, each importing only lower ones."""
-    order = ["format", "safeload", "sharded", "load", "run"]
+    """Inside the package: load -> sharded -> safeload -> format, each importing only lower ones (a training
+    run's checkpoint, above them, is the engine's: vitlab.engine.checkpointing)."""
+    order = ["format", "safeload", "sharded", "load"]
     g = graph()
     bad = []
     for i, mod in enumerate(order):
@@ -317,3 +324,11 @@ def test_a_save_goes_down_the_checkpoint_package_one_way():
             if dep.startswith("vitlab.checkpoint.") and order.index(dep.rpartition(".")[2]) >= i:
                 bad.append(f"vitlab.checkpoint.{mod} -> {dep}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_kernel_layer_names_all_its_modules():
+    """ops/__init__'s docstring is the map of the kernel layer: every module of it is named there."""
+    init = (SRC / "vitlab" / "ops" / "__init__.py").read_text()
+    missing = [p.stem for p in (SRC / "vitlab" / "ops").glob("*.py") if p.stem != "__init__"
+               and f":mod:`.{p.stem}`" not in init]  # fmt: skip
+    assert not missing, missing

@@ -140,3 +140,72 @@ def test_docs_and_decisions_cited_by_the_code_exist():
             for group in DECISION_CITATION.findall(text):
                 bad += [f"{rel(path)}:{line}: Decision {d}" for d in group.split("/") if d not in decisions]
     assert not bad, "cited but not in docs/:\n" + "\n".join(bad)
+
+
+# a dotted module path (`vitlab.engine.loop`, `vitlab.ops.double_norm._DoubleNormalize`) or a source path
+# (`src/vitlab/distill/safety.py`) as prose cites it
+MODULE_CITATION = re.compile(r"(?<![\w/.-])vitlab(?:\.\w+)+")
+PATH_CITATION = re.compile(r"(?<![\w/.-])(?:src/)?vitlab/[\w/]+\.py\b")
+OLD_TOP_LEVEL = ("train", "seg", "points", "lm", "convert", "integrations", "pretrained", "catalog", "data_cli",
+                 "convert_cli", "export", "io", "runtime", "registry", "options", "extras", "device",
+                 "distributed", "rundir", "report", "tracking", "optim", "cli")  # fmt: skip
+
+
+def package_modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "src" / "vitlab").rglob("*.py"):
+        parts = p.relative_to(ROOT / "src").with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def stale_citations(text: str, mods: dict[str, Path]) -> list[str]:
+    """The module paths and source files ``text`` cites that the package does not have: a dotted name whose
+    longest module prefix is missing or lacks the next name, a ``vitlab/...py`` path that is no file. A name whose
+    second part is neither a package of today nor one of before (``vitlab.refiner_vit_s``, timm's name for a
+    model) is no module path."""
+    tops = {name.split(".")[1] for name in mods if "." in name} | set(OLD_TOP_LEVEL)
+    bad = []
+    for m in MODULE_CITATION.finditer(text):
+        parts = m[0].split(".")
+        if parts[1] not in tops:
+            continue
+        k = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in mods), default=1)
+        if k == 1 or (k < len(parts) and not re.search(rf"\b{re.escape(parts[k])}\b", mods[".".join(parts[:k])]
+                                                           .read_text(encoding="utf-8"))):  # fmt: skip
+            bad.append(m[0])
+    for m in PATH_CITATION.finditer(text):
+        if not (ROOT / (m[0] if m[0].startswith("src/") else f"src/{m[0]}")).is_file():
+            bad.append(m[0])
+    return bad
+
+
+def test_the_stale_path_finder_finds_old_paths():
+    mods = package_modules()
+    assert stale_citations("see vitlab.train.compare and src/vitlab/train/compare.py", mods) == [
+        "vitlab.train.compare",
+        "src/vitlab/train/compare.py",
+    ]
+    assert stale_citations("vitlab.engine.loop.train_one_epoch_that_is_not_there", mods)
+    assert not stale_citations("vitlab.engine.loop, vitlab.ops.double_norm._DoubleNormalize, vitlab.refiner_vit_s,"
+                               " src/vitlab/distill/safety.py", mods)  # fmt: skip
+
+
+OLD_PATH_TEST = ROOT / "tests" / "test_old_import_paths.py"  # imports the old paths on purpose
+
+
+@pytest.mark.parametrize("path", [*markdown_files(), *(p for p in python_files() if p != OLD_PATH_TEST)], ids=rel)
+def test_docs_and_code_cite_the_modules_of_today(path):
+    """README, docs/ and the code's prose name modules and files where they are now (the old import paths only
+    where a line says they are deprecated, or in a section headed "Old import paths")."""
+    mods = package_modules()
+    lines = markdown_lines(path) if path.suffix == ".md" else prose(path)
+    if path.suffix == ".md":  # a section headed "Old import paths" lists them on purpose
+        section, kept = "", []
+        for n, text in lines:
+            section = text if text.startswith("#") else section
+            kept += [] if "old import paths" in section.lower() else [(n, text)]
+        lines = kept
+    bad = [f"{rel(path)}:{n}: {b}" for n, text in lines if "deprecated" not in text.lower()
+           for b in stale_citations(text, mods)]  # fmt: skip
+    assert not bad, "stale module paths:\n" + "\n".join(bad)

@@ -11,7 +11,7 @@ import pytest
 FAULTS = textwrap.dedent(
     """
     import resource, sys, torch
-    from vitlab import runtime
+    from vitlab.common import runtime
     policy = sys.argv[1]
     ok = runtime.keep_freed_memory() if policy == "keep" else runtime.return_freed_memory()
     def faults():
