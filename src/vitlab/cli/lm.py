@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..common import options as opt
-from ..common.device import AMP_CHOICES, add_device_argument, amp_dtype, resolve_device
-from ..common.io import atomic_open, check_writable_file, write_json_atomic
+from ..common.device import AMP_CHOICES, add_device_argument
+from ..common.io import check_writable_file, write_json_atomic
 
 FULL_BIAS = "full"  # --bias-dim full: a full T x T position bias (AFT Table 3)
 
@@ -197,111 +197,6 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if result["final"] else 1
 
 
-def _data_for(ckpt: dict, spec: str | None, augment: bool = False):
-    from ..tasks.lm.data import open_data
-
-    cfg = ckpt["config"]
-    return open_data(
-        spec or cfg["data"], ckpt["data"]["seq_len"], cfg["holdout"], cfg["img_size"], augment, cfg.get("valid", 0.0)
-    )
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from ..tasks.lm.train import evaluate, load_lm
-
-    if args.json:
-        check_writable_file(args.json, "--json")
-    model, ckpt = load_lm(args.checkpoint)
-    device = resolve_device(args.device)
-    model.to(device)
-    data = _data_for(ckpt, args.data)
-    unit = "bits/dim" if data.kind == "images" else "bits/char"
-    res = {
-        "checkpoint": ckpt["path"],
-        "data": str(args.data or ckpt["config"]["data"]),
-        "step": ckpt["step"],
-        "unit": unit,
-    }
-    dtype = amp_dtype(args.amp, device)
-    for split in args.split:
-        res[f"{split}_bits"] = evaluate(model, data, split, args.batch_size, args.eval_symbols or None, dtype)
-        print(f"{split}: {res[f'{split}_bits']:.4f} {unit}")
-    if args.json:
-        write_json_atomic(args.json, res, indent=2)
-    return 0
-
-
-def _sample(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..tasks.lm.data import sequences_to_images
-    from ..tasks.lm.decode import generate
-    from ..tasks.lm.train import load_lm
-
-    if args.out:
-        check_writable_file(args.out)
-    model, ckpt = load_lm(args.checkpoint)
-    device = resolve_device(args.device)
-    model.to(device)
-    info = ckpt["data"]
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    images = info["kind"] == "images"
-    if args.prompt_rows and not images:
-        raise ValueError("--prompt-rows completes images, but this is a text model; start the samples with --prompt")
-    if args.prompt is not None and images:
-        raise ValueError("--prompt starts text, but this is an image model; complete images with --prompt-rows")
-    if images:
-        size, ch = tuple(info["size"]), info["channels"]
-        prompt = None
-        if args.prompt_rows:
-            if not 0 < args.prompt_rows < size[0]:
-                raise ValueError(f"--prompt-rows must be in [1, {size[0] - 1}], got {args.prompt_rows}")
-            seqs = next(_data_for(ckpt, args.data).eval_batches("test", args.num))
-            prompt = seqs[:, : args.prompt_rows * size[1] * ch].long()
-        k = 0 if prompt is None else prompt.shape[1]
-        length = args.length or info["seq_len"] - k
-        if k + length != info["seq_len"]:
-            raise ValueError(f"an image needs {info['seq_len']} symbols; got prompt {k} + length {length}")
-        seq = generate(model, length, prompt, args.num, args.temperature, args.top_k, gen)
-        out = Path(args.out) if args.out else Path(ckpt["path"]).with_name("samples.png")
-        save_grid(sequences_to_images(seq.cpu().to(torch.uint8), size, ch), out)
-        print(f"wrote {out} ({args.num} samples{f', completed from {args.prompt_rows} rows' if k else ''})")
-        return 0
-    prompt = None
-    if args.prompt:
-        prompt = torch.tensor(list(args.prompt.encode()))[None].repeat(args.num, 1)
-    length = args.length or min(200, model.max_len - (0 if prompt is None else prompt.shape[1]))
-    seq = generate(model, length, prompt, args.num, args.temperature, args.top_k, gen)
-    texts = [bytes(row.tolist()) for row in seq.cpu().to(torch.uint8)]
-    if args.out:
-        with atomic_open(args.out, "wb") as f:
-            f.write(b"\n\n".join(texts) + b"\n")
-        print(f"wrote {args.out}")
-    else:
-        for i, t in enumerate(texts):
-            print(f"--- sample {i}\n{t.decode('utf-8', errors='replace')}")
-    return 0
-
-
-def save_grid(images, path: Path, scale: int | None = None) -> None:
-    """uint8 images (N, C, H, W) as one PNG row grid, upscaled (nearest) so small images stay visible."""
-    from PIL import Image
-
-    n, c, h, w = images.shape
-    scale = scale or max(1, 96 // max(h, w))
-    cols = min(n, 8)
-    rows = -(-n // cols)
-    grid = images.new_full((c, rows * (h + 1) + 1, cols * (w + 1) + 1), 255)
-    for i, img in enumerate(images):
-        r, col = divmod(i, cols)
-        grid[:, 1 + r * (h + 1) : 1 + r * (h + 1) + h, 1 + col * (w + 1) : 1 + col * (w + 1) + w] = img
-    arr = grid.permute(1, 2, 0).numpy()
-    pil = Image.fromarray(arr[..., 0] if c == 1 else arr, "L" if c == 1 else "RGB")
-    pil = pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST)
-    with atomic_open(path, "wb") as f:
-        pil.save(f, format=Image.registered_extensions().get(path.suffix.lower(), "PNG"))
-
-
 def _bench(args: argparse.Namespace) -> int:
     from ..tasks.lm.bench import run as bench_run
 
@@ -314,4 +209,41 @@ def _list(args: argparse.Namespace) -> int:
     for name, (cfg, note) in LM_CONFIGS.items():
         mixer = cfg["mixer"] if isinstance(cfg["mixer"], str) else f"{cfg['mixer'][0]} {cfg['mixer'][1]}"
         print(f"{name:26s} L={cfg.get('depth')} d={cfg.get('dim')} T={cfg['max_len']} {mixer}  -- {note}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ..tasks.lm.train import evaluate_checkpoint
+
+    if args.json:
+        check_writable_file(args.json, "--json")
+    res = evaluate_checkpoint(
+        args.checkpoint, args.split, args.batch_size, args.eval_symbols or None, args.device, args.amp, args.data
+    )
+    for split in args.split:
+        print(f"{split}: {res[f'{split}_bits']:.4f} {res['unit']}")
+    if args.json:
+        write_json_atomic(args.json, res, indent=2)
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from ..tasks.lm.sample import sample
+
+    if args.out:
+        check_writable_file(args.out)
+    lines = sample(
+        args.checkpoint,
+        num=args.num,
+        length=args.length,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        prompt=args.prompt,
+        prompt_rows=args.prompt_rows,
+        data=args.data,
+        out=args.out,
+        device=args.device,
+    )
+    print("\n".join(lines))
     return 0

@@ -374,3 +374,34 @@ def finish(run: LMRun) -> dict[str, Any]:
         write_json_atomic(run.out / "metrics.json", result, indent=2)
     barrier(run.world)
     return result
+
+
+def checkpoint_data(ckpt: dict[str, Any], spec: str | None = None, augment: bool = False) -> Data:
+    """The data a checkpoint was trained on (or ``spec``, read with the same sequence length and splits)."""
+    cfg = ckpt["config"]
+    return open_data(
+        spec or cfg["data"], ckpt["data"]["seq_len"], cfg["holdout"], cfg["img_size"], augment, cfg.get("valid", 0.0)
+    )
+
+
+def evaluate_checkpoint(
+    path: str,
+    splits: list[str],
+    batch_size: int,
+    symbols: int | None = None,
+    device: str = "auto",
+    amp: str = "none",
+    data: str | None = None,
+) -> dict[str, Any]:
+    """``vitlab lm eval``: the bits per symbol (bits/char for text, bits/dim for images) of the causal model saved
+    at ``path`` on each split of its data (or ``data``)."""
+    model, ckpt = load_lm(path)
+    dev = resolve_device(device)
+    model.to(dev)
+    sequences = checkpoint_data(ckpt, data)
+    unit = "bits/dim" if sequences.kind == "images" else "bits/char"
+    res = {"checkpoint": ckpt["path"], "data": str(data or ckpt["config"]["data"]), "step": ckpt["step"], "unit": unit}
+    dtype = amp_dtype(amp, dev)
+    for split in splits:
+        res[f"{split}_bits"] = evaluate(model, sequences, split, batch_size, symbols, dtype)
+    return res
