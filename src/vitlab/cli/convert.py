@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from ..common import options as opt
 from ..common.io import check_writable_file, check_writable_folder
 from ..interop.keymaps import SOURCES
+from ..interop.rebuild import map_reference_checkpoint, rebuild_vitlab_model
 
 FORMATS = ("safetensors", "folder")
 
@@ -87,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     (check_writable_folder if args.format == "folder" else check_writable_file)(out)
     if not src.exists():
         raise FileNotFoundError(f"checkpoint {src} not found")
-    built = _vitlab_model(src, args)
-    model, report, info = built if built is not None else _official_model(src, args)
+    built = rebuild_vitlab_model(src, args.model, args.num_classes, args.img_size, args.ema)
+    if built is None:  # not a vitlab checkpoint: an official / timm one
+        built = map_reference_checkpoint(src, args.model, args.source, args.nested_key, args.num_classes, args.img_size)
+    model, report, info = built
     if args.json:
         ok = report is None or report.ok or args.no_strict
         print(json.dumps({**info, "out": str(out) if ok else None}, indent=1))
@@ -110,66 +112,3 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"wrote {out}")
     return 0
-
-
-def _vitlab_model(src: Path, args: argparse.Namespace) -> tuple[Any, None, dict[str, Any]] | None:
-    """A `vitlab train` checkpoint or a model folder, rebuilt as it was built; None for other files."""
-    from ..checkpoint import load_checkpoint
-    from ..interop.pretrained import load_folder, load_model
-    from ..models.folder import is_model_folder
-
-    if is_model_folder(src):
-        model = load_folder(src)
-    else:
-        try:
-            ckpt = load_checkpoint(src)
-        except ValueError:  # not a vitlab checkpoint: an official / timm one
-            return None
-        model = load_model(ckpt["model_name"], ckpt, ema=args.ema)
-    if args.model and args.model != model.model_name:
-        raise ValueError(f"{src} holds a {model.model_name!r} model, not {args.model!r}")
-    if args.num_classes is not None and args.num_classes != model.num_classes:
-        raise ValueError(f"{src} was trained for {model.num_classes} classes; its head cannot be converted to another")
-    notes = []
-    if args.img_size and (args.img_size, args.img_size) != model.img_size:
-        notes.append(
-            f"input size {model.img_size[0]}x{model.img_size[1]} -> {args.img_size} (position table resampled)"
-        )
-        model.set_input_size(args.img_size)
-    kw = ", ".join(f"{k}={v!r}" for k, v in model.model_kwargs.items())
-    summary = f"{model.meta['weights']}: {model.model_name}({kw}); every tensor loaded" + "".join(
-        f"; {n}" for n in notes
-    )
-    info = {
-        "source": "vitlab",
-        "ok": True,
-        "model": model.model_name,
-        "model_kwargs": model.model_kwargs,
-        "num_classes": model.num_classes,
-        "notes": notes,
-        "summary": summary,
-    }
-    return model, None, info
-
-
-def _official_model(src: Path, args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
-    """An official / timm checkpoint mapped into ``--model`` (non-strict here: the caller decides)."""
-    from ..interop.convert import detect_source, load_reference, read_checkpoint
-    from ..interop.keymaps import check_source, convert_state
-    from ..models import build_model, get_config
-
-    if not args.model:
-        raise ValueError(f"{src} is not a vitlab checkpoint; name the vitlab model to load it into with --model")
-    get_config(args.model)  # an unknown name fails before the checkpoint is read
-    state = read_checkpoint(src, args.nested_key)
-    source = detect_source(state) if args.source == "auto" else check_source(args.source)
-    num_classes = args.num_classes
-    if num_classes is None:
-        head = convert_state(state, source)[0].get("head.weight")
-        num_classes = head.shape[0] if head is not None and head.dim() == 2 else None
-    overrides = {k: v for k, v in (("num_classes", num_classes), ("img_size", args.img_size)) if v}
-    model = build_model(args.model, **overrides)
-    report = load_reference(model, state, source=source, strict=False)
-    report.origin = str(src)
-    model.meta["weights"] = f"{src} ({source} weights)"
-    return model, report, {**report.to_dict(), "model": args.model, "num_classes": num_classes}

@@ -15,9 +15,9 @@ import json
 
 from ..common.options import Choice, Int, seed
 from ..engine import arguments as train_cli
-from ..tasks.points import POINT_MODELS, build_point_model, open_points
+from ..tasks.points import POINT_MODELS
 from ..tasks.points.data import SPEC_HELP
-from ..tasks.points.task import evaluate_points
+from ..tasks.points.task import evaluate_checkpoint
 
 POINT_DEFAULTS = {"model": "pct_ea_mini", "smoothing": 0.2, "drop_path": 0.0, "weight_decay": 1e-4, "batch_size": 16}
 
@@ -79,12 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..common.device import resolve_device
-    from ..engine.tasks import load_task_model
-
-    model, ckpt = load_task_model(args.checkpoint, "points", "points", build_point_model)
-    device = resolve_device(args.device)
-    ev = evaluate_points(model.to(device), open_points(args.data, "test"), device)
+    ckpt, ev = evaluate_checkpoint(args.checkpoint, args.data, args.device)
     shown = "  ".join(f"{k} {v:.2f}" for k, v in ev.items() if k != "n")
     print(f"{ckpt['model_name']} on {args.data} ({ev['n']} shapes): {shown}")
     return 0

@@ -16,6 +16,7 @@ from ..common.options import positive_int, seed
 from ..engine import arguments as train_cli
 from ..tasks.segmentation.data import SPEC_HELP, mask_spec
 from ..tasks.segmentation.infer import INFER_MODES
+from ..tasks.segmentation.task import evaluate_checkpoint
 
 SEG_DEFAULTS = {"model": "pcpvt_mini", "smoothing": 0.0, "drop_path": 0.0, "weight_decay": 0.01, "batch_size": 8}
 
@@ -89,20 +90,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from ..common.device import resolve_device
-    from ..engine.tasks import load_task_model
-    from ..tasks.segmentation import build_segmenter, evaluate_segmentation, open_masks
-
-    model, ckpt = load_task_model(args.checkpoint, "segmentation", "seg", build_segmenter, args.ema)
-    device = resolve_device(args.device)
-    model.to(device)
-    crop = int(ckpt["model_kwargs"]["img_size"])
-    if args.stride is not None and not 1 <= args.stride <= crop:
-        raise ValueError(f"--stride must lie in [1, {crop}] (the training crop), got {args.stride}")
-    ds = open_masks(args.data, args.split)
-    if ds.num_classes != model.num_classes:
-        raise ValueError(f"{args.data} has {ds.num_classes} classes, the model {model.num_classes}")
-    result = evaluate_segmentation(model, ds, crop, device, args.mode, args.stride, limit=args.limit)
+    ckpt, result = evaluate_checkpoint(
+        args.checkpoint, args.data, args.split, args.mode, args.stride, args.device, args.ema, args.limit
+    )
     print(f"{ckpt['model_name']} on {args.data} ({args.split}, {result['n']} images, {args.mode}): "
           f"mIoU {result['miou']:.2f}  aAcc {result['aacc']:.2f}  mAcc {result['macc']:.2f}")  # fmt: skip
     for k, iou in enumerate(result["iou"]):

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...common.device import autocast
+from ...common.device import autocast, resolve_device
 from ...data import BatchLoader
 from ...engine.config import EpochTally, Run, TrainConfig, TrainingError
 from ...engine.dense import PixelLoss, PixelTally
 from ...engine.losses import PlainLoss
-from ...engine.tasks import register_task
+from ...engine.tasks import load_task_model, register_task
 from .data import augment, open_points
 from .metrics import classification_accuracy, part_miou, part_predictions
 from .models import POINT_MODELS, build_point_model
@@ -128,6 +128,14 @@ def evaluate_points(model: nn.Module, ds: Any, device: torch.device, batch: int 
         result = classification_accuracy(out.argmax(-1), ds.labels, ds.num_classes)
         loss = F.cross_entropy(out, ds.labels)
     return {**result, "loss": loss.item(), "n": len(ds)}
+
+
+def evaluate_checkpoint(path: str, data: str, device: str = "auto") -> tuple[dict[str, Any], dict[str, float]]:
+    """``vitlab points eval``: the checkpoint a ``vitlab points train`` run saved at ``path``, and its held-out
+    figures on the test split of ``data``."""
+    model, ckpt = load_task_model(path, "points", "points", build_point_model)
+    dev = resolve_device(device)
+    return ckpt, evaluate_points(model.to(dev), open_points(data, "test"), dev)
 
 
 register_task("points", lambda cfg: PointsTask(partseg=cfg.data.startswith("shapenetpart:")))

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...common.device import resolve_device
 from ...engine.config import Run, TrainConfig, TrainingError
 from ...engine.data import data_shape
 from ...engine.dense import PixelLoss, PixelTally
-from ...engine.tasks import register_task
+from ...engine.tasks import load_task_model, register_task
 from .data import SegLoader, open_masks
 from .infer import evaluate_segmentation
 from .models import build_segmenter
@@ -111,6 +112,31 @@ class SegmentationTask:
             f"held-out mIoU {row['val_miou']:.2f} (aAcc {row['val_aacc']:.1f}, mAcc {row['val_macc']:.1f}){ema}{best}  "
             f"lr {row['lr']:.2e}  {row['train_img_s']:.0f} img/s  {row['train_time_s']:.1f} s"
         )
+
+
+def evaluate_checkpoint(
+    path: str,
+    data: str,
+    split: str = "val",
+    mode: str = "slide",
+    stride: int | None = None,
+    device: str = "auto",
+    ema: bool = False,
+    limit: int | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``vitlab seg eval``: the checkpoint a ``vitlab seg train`` run saved at ``path`` (its EMA weights with
+    ``ema``), and its mIoU, aAcc, mAcc and per-class IoU on ``split`` of ``data`` (``mode``: whole images or
+    sliding windows of the training crop, ``stride`` apart)."""
+    model, ckpt = load_task_model(path, "segmentation", "seg", build_segmenter, ema)
+    dev = resolve_device(device)
+    model.to(dev)
+    crop = int(ckpt["model_kwargs"]["img_size"])
+    if stride is not None and not 1 <= stride <= crop:
+        raise ValueError(f"--stride must lie in [1, {crop}] (the training crop), got {stride}")
+    ds = open_masks(data, split)
+    if ds.num_classes != model.num_classes:
+        raise ValueError(f"{data} has {ds.num_classes} classes, the model {model.num_classes}")
+    return ckpt, evaluate_segmentation(model, ds, crop, dev, mode, stride, limit=limit)
 
 
 register_task("segmentation", lambda cfg: SegmentationTask())
