@@ -2,8 +2,8 @@
 and keys, external attention maps, TNT's feature maps, t-SNE and pixel-level attention.
 
 :func:`analyze` runs the analyses (:data:`ANALYSES`) on a model and writes their numbers (JSON) and figures
-(PNG); :func:`load_images` prepares its input; the metrics are pure tensor functions (:mod:`.metrics`).
-``vitlab analyze`` is the command line over this (:mod:`.cli`).
+(PNG); :func:`load_images` prepares its input; the metrics are pure tensor functions (:mod:`vitlab.measure.maps`).
+``vitlab analyze`` is the command line over this (:mod:`vitlab.cli.analyze`).
 """
 
 from ..measure.maps import (

@@ -17,7 +17,7 @@ Every analysis writes ``<out>/<name>.json`` (the numbers) and ``<out>/<name>.png
 Everything is read from ``model.forward_trace(x, return_aux=True)`` (attention takes its
 explicit path there; the logits are the same, which ``summary.json`` records), except AFT-conv's
 kernels, which are parameters. Analyses that do not apply to a model are skipped with a note.
-The numbers are the pure tensor functions of :mod:`.metrics`; the figures come from :mod:`.plots`.
+The numbers are the pure tensor functions of :mod:`vitlab.measure.maps`; the figures come from :mod:`.plots`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``vitlab bench-data``: images/s of decode + training transform through DataLoader workers, beside a plain
+"""The data-path benchmark (``vitlab bench-data``): images/s of decode + training transform through DataLoader workers, beside a plain
 reference pipeline, the training step time it has to feed, and the loader's memory as the dataset grows.
 
 Pipelines, each per worker count (0 = in the main process, one torch thread like a worker):

@@ -1,4 +1,4 @@
-"""Token-mixer benchmark: time and peak memory of every mixer as the token count T grows.
+"""The token-mixer benchmark (``vitlab bench-mixers``): time and peak memory of every mixer as the token count T grows.
 
 A case is ``(mixer, T, dtype, mode)`` with ``mode`` = ``forward`` (no grad, eval)
 or ``train`` (forward + backward, train mode, grads of input and parameters).

@@ -1,4 +1,4 @@
-"""``vitlab bench``: throughput, latency, peak memory, MACs/FLOPs and utilisation of named models.
+"""The model benchmark (``vitlab bench``): throughput, latency, peak memory, MACs/FLOPs and utilisation of named models.
 
 A case is ``(model, batch, image size, dtype, mode, compiled, gradient checkpointing)``, run on the
 ``--device`` (the CPU, or a GPU):

@@ -1,7 +1,7 @@
-"""Checkpoints: one package for the file format, safe loading, sharded (DCP) checkpoints and run checkpoints.
+"""Checkpoints: one package for the file format, safe loading and sharded (DCP) checkpoints.
 
-A save goes down through the layers once, one way: :mod:`.run` (a training run's checkpoint, collective)
--> :mod:`.sharded` (every rank's shards, FSDP) -> :mod:`.format` (the file: format tag, checksum, atomic
+A save goes down through the layers once, one way: a training run's checkpoint (collective; the engine's
+:mod:`vitlab.engine.checkpointing`) -> :mod:`.sharded` (every rank's shards, FSDP) -> :mod:`.format` (the file: format tag, checksum, atomic
 write). A read comes back through :mod:`.safeload` (the one loader that never runs code from a file) and
 :mod:`.load` (the checkpoint dict, its shards gathered, the model it holds).
 

@@ -7,7 +7,7 @@ whole weights in one process without a model. DCP records its index with ``pickl
 entries with ``torch.load``; both go through :mod:`vitlab.checkpoint.safeload` (:func:`load_index`: only
 DCP's own record classes may be unpickled; :func:`load_bytes`: ``weights_only=True``).
 
-A run's checkpoint file points to its shard folder (``shards/<name>`` beside it): :mod:`.run` writes both.
+A run's checkpoint file points to its shard folder (``shards/<name>`` beside it): :mod:`vitlab.engine.checkpointing` writes both.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""``vitlab`` command line: one subcommand per tool.
+"""``vitlab`` command line: the dispatcher of the commands, one file each in this folder.
 
-Each tool module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+Each command module (``vitlab/cli/<command>.py``) exposes ``add_arguments(parser)`` and ``run(args) -> int``;
 they are imported only when their subcommand runs, so ``vitlab --help`` stays
 fast. Errors a user can fix (bad path, unknown model, bad option) print one
 line; ``--debug`` shows the traceback.

@@ -1,4 +1,4 @@
-"""``vitlab relabel``: dense token-label maps for an image folder from a teacher (LV-ViT's relabelling).
+"""Relabelling (``vitlab relabel``): dense token-label maps for an image folder from a teacher (LV-ViT's relabelling).
 
 For every image the teacher sees the *whole* image (resized, not cropped, to its input size) and gives a score
 vector per location: a vitlab model per patch token (its token-labelling head where it has one, else its

@@ -1,4 +1,4 @@
-"""``vitlab eval``: top-1 / top-5 and throughput of a checkpoint on held-out data, at its training input
+"""Evaluating a checkpoint (``vitlab eval``): top-1 / top-5 and throughput of a checkpoint on held-out data, at its training input
 size or others (``--img-size 28 56``): the CPVT paper's "train at 224, test at 384 without fine-tuning".
 
 Official or timm weights (``vitlab eval refiner_vit_s --weights official.pth --data folder:<imagenet>/val``)

@@ -1,4 +1,5 @@
-"""``vitlab study NAME``: one ablation table of a paper, trained and tabulated beside the paper's own numbers.
+"""One table of a paper reproduced (``vitlab study NAME``): its rows trained and tabulated beside the paper's
+own numbers.
 
 A study (:mod:`vitlab.experiments.papers`; ``vitlab study --list``) is a set of rows, each a named configuration.
 The rows train through ``vitlab compare``'s code (:func:`vitlab.experiments.runner.run_variants`: fresh processes,

@@ -1,4 +1,5 @@
-"""``vitlab compare``: train a set of variants on the same data and budget, evaluate them, one table.
+"""The runner of ``vitlab compare`` and of every study's rows: train a set of variants on the same data and
+budget, evaluate them, one table (:mod:`.tables`).
 
 Each variant trains in a fresh process (``vitlab.measure.process``: forked from a server that has only
 imported torch), so its peak resident memory is its own. ``--jobs`` variants train at once, each with

@@ -1,4 +1,7 @@
-"""Load checkpoints of the official code and timm into vitlab models; safetensors weights; weight transfer.
+"""Other code's weights and formats: checkpoints of the official code and timm loaded into vitlab models
+(:mod:`.keymaps`, :mod:`.convert`, :mod:`.rebuild`), safetensors weights, weight transfer (:mod:`.transfer`), models
+with weights in one call (:mod:`.pretrained`), export (:mod:`.export`) and the timm and Hugging Face adapters
+(:mod:`.timm`, :mod:`.hf`). The package re-exports the conversion API:
 
 >>> model = vitlab.create_model("tnt_s_patch16_224")
 >>> report = load_reference(model, "tnt_s_81.5.pth.tar", source="tnt_huawei")  # strict: raises on misfit
