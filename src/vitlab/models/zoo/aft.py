@@ -166,27 +166,22 @@ _rows += [
 # --- small study rows (docs/studies.md): no re-parameterisation (Table 10), no query (Table 12), no global
 # connectivity (§6.3.2), no factorisation (Tables 3, 9), AFT-local windows (Table 5), the appendix's variants -----
 _rows += [
-    mini(
-        "aft_conv_noreparam_mini",
-        AFT,
-        "AFT Table 10, no re-parameterisation",
-        mixer=("aft_conv", dict(num_heads=16, kernel_size=5, reparam=False)),
-        **AFT_CONV_MINI,
-    ),
-    mini(
-        "aft_conv_noquery_mini",
-        AFT,
-        "AFT Table 12, no query term",
-        mixer=("aft_conv", dict(num_heads=16, kernel_size=5, query=False)),
-        **AFT_CONV_MINI,
-    ),
-    mini(
-        "aft_conv_noglobal_mini",
-        AFT,
-        "AFT §6.3.2, w = -inf outside the window",
-        mixer=("aft_conv", dict(num_heads=16, kernel_size=5, outside="-inf")),
-        **AFT_CONV_MINI,
-    ),
+    *[
+        mini(
+            f"aft_conv_{tag}_mini",
+            AFT,
+            f"AFT {where}",
+            mixer=("aft_conv", dict(num_heads=16, kernel_size=5, **switch)),
+            **AFT_CONV_MINI,
+        )
+        for tag, where, switch in (
+            ("noreparam", "Table 10, no re-parameterisation", dict(reparam=False)),
+            ("noquery", "Table 12, no query term", dict(query=False)),
+            ("noglobal", "§6.3.2, w = -inf outside the window", dict(outside="-inf")),
+            ("sparse", "appendix, an L1 penalty on the position bias", dict(sparsity=SPARSITY_WEIGHT)),
+            ("one_point", "appendix, one context point per head", dict(one_point=True)),
+        )
+    ],
     mini(
         "aft_full_nofactor_mini", AFT, "AFT Tables 3 and 9, a full T x T bias", mixer=("aft_full", dict(bias_dim=None))
     ),
@@ -199,20 +194,6 @@ _rows += [
         )
         for s in (0, 1, 2, 4, 8, 32)
     ],
-    mini(
-        "aft_conv_sparse_mini",
-        AFT,
-        "AFT appendix, an L1 penalty on the position bias",
-        mixer=("aft_conv", dict(num_heads=16, kernel_size=5, sparsity=SPARSITY_WEIGHT)),
-        **AFT_CONV_MINI,
-    ),
-    mini(
-        "aft_conv_one_point_mini",
-        AFT,
-        "AFT appendix, one context point per head",
-        mixer=("aft_conv", dict(num_heads=16, kernel_size=5, one_point=True)),
-        **AFT_CONV_MINI,
-    ),
 ]
 
 register(*_rows)

@@ -118,46 +118,16 @@ _rows += [
 CPVT_MINI = dict(pos_embed="none")
 _rows += [
     mini("cpvt_peg0_mini", CPVT, "CPVT, one PEG at position 0", peg_at=(0,), **CPVT_MINI),
-    mini(
-        "cpvt_peg0_sep_mini",
-        CPVT,
-        "CPVT, PEG = one separable conv",
-        peg_at=(0,),
-        peg_options=dict(kind="separable"),
-        **CPVT_MINI,
-    ),
-    mini(
-        "cpvt_peg0_sep4_mini",
-        CPVT,
-        "CPVT, PEG = four separable convs",
-        peg_at=(0,),
-        peg_options=dict(kind="separable", layers=4),
-        **CPVT_MINI,
-    ),
-    mini(
-        "cpvt_peg0_nopad_mini",
-        CPVT,
-        "CPVT, PEG without zero padding (circular)",
-        peg_at=(0,),
-        peg_options=dict(padding="circular"),
-        **CPVT_MINI,
-    ),
-    mini(
-        "cpvt_peg0_frozen_mini",
-        CPVT,
-        "CPVT, frozen random PEG",
-        peg_at=(0,),
-        peg_options=dict(frozen=True),
-        **CPVT_MINI,
-    ),
-    mini(
-        "cpvt_peg0_fc12_mini",
-        CPVT,
-        "CPVT, twelve stacked 1x1 (FC) layers",
-        peg_at=(0,),
-        peg_options=dict(kind="fc", layers=12),
-        **CPVT_MINI,
-    ),
+    *[
+        mini(f"cpvt_peg0_{tag}_mini", CPVT, f"CPVT, {what}", peg_at=(0,), peg_options=options, **CPVT_MINI)
+        for tag, what, options in (
+            ("sep", "PEG = one separable conv", dict(kind="separable")),
+            ("sep4", "PEG = four separable convs", dict(kind="separable", layers=4)),
+            ("nopad", "PEG without zero padding (circular)", dict(padding="circular")),
+            ("frozen", "frozen random PEG", dict(frozen=True)),
+            ("fc12", "twelve stacked 1x1 (FC) layers", dict(kind="fc", layers=12)),
+        )
+    ],
     mini(
         "cpvt_peg_qk_mini",
         CPVT,
