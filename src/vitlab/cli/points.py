@@ -65,16 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.points_command == "eval":
         return run_eval(args)
-    from ..common.distributed import close_distributed
-    from ..engine.loop import train
-
     cfg = train_cli.config_from_args(args)
     if args.out is None:
         cfg.out = f"runs/points/{args.model}"
-    try:
-        train(cfg)
-    finally:
-        close_distributed()
+    train_cli.run_training(cfg)
     return 0
 
 

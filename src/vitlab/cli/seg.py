@@ -69,9 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from ..common.distributed import close_distributed
-    from ..engine.loop import train
-
     if args.config:
         from ..engine.recipes import apply_recipe
 
@@ -82,10 +79,7 @@ def run_train(args: argparse.Namespace) -> int:
     for key, source in train_cli.SET_BY_TRAIN.items():
         if key in cfg.model_args:
             raise ValueError(f"--model-arg {key}: vitlab seg train sets {key} from {source}; drop the --model-arg")
-    try:
-        train(cfg)
-    finally:
-        close_distributed()
+    train_cli.run_training(cfg)
     return 0
 
 

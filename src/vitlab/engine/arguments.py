@@ -208,11 +208,25 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def run_training(cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg`` as a command does (``vitlab train``, ``seg train``, ``points train``): a peer process's
+    failure as one line, the process group closed however the run ends."""
+    from ..common.distributed import close_distributed, peer_failure
+    from .loop import train
+
+    try:
+        return train(cfg)
+    except RuntimeError as e:
+        if (line := peer_failure(e)) is None:
+            raise
+        raise ValueError(line) from None
+    finally:
+        close_distributed()
+
+
 def train_from_args(args: argparse.Namespace) -> int:
     """Train the run the parsed flags describe (a recipe's values under them, ``--print-config`` only prints it);
     a peer process's failure as one line."""
-    from ..common.distributed import close_distributed, peer_failure
-    from .loop import train
     from .recipes import apply_recipe, paper_line
 
     reference = apply_recipe(args) if args.config else {}
@@ -223,14 +237,7 @@ def train_from_args(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         print(json.dumps({**dataclasses.asdict(cfg), "threads": cfg.auto_threads}, indent=2, default=str))
         return 0
-    try:
-        summary = train(config_from_args(args))
-    except RuntimeError as e:
-        if (line := peer_failure(e)) is None:
-            raise
-        raise ValueError(line) from None
-    finally:
-        close_distributed()
+    summary = run_training(config_from_args(args))
     if isinstance(summary, dict) and summary and (line := paper_line(reference, summary)):  # empty off rank 0
         print(line, flush=True)
     return 0
