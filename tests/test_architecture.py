@@ -109,12 +109,11 @@ def owner(name: str, group) -> str | None:
 
 def layer(name: str) -> tuple[float, str]:
     """(rank, unit) of a module: a command is a unit of its own; a foundation module too."""
-    unit = owner(name, RANKS)
-    if unit is None:
+    group = owner(name, RANKS)
+    if group is None:
         raise ValueError(f"{name} is in no unit of RANKS")
-    if unit in (DISPATCHER, "vitlab.common") and name != unit:
-        unit = name  # each command, each foundation module
-    return RANKS[owner(name, RANKS)], unit
+    unit = name if group in (DISPATCHER, "vitlab.common") else group  # each command, each foundation module
+    return RANKS[group], unit
 
 
 def edge_violation(name: str, dep: str) -> str | None:

@@ -17,6 +17,7 @@ one-word string is a name or an argparse metavar (``metavar=("SPEC", "OUT")``), 
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -159,6 +160,11 @@ def package_modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
+def source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
 def stale_citations(text: str, mods: dict[str, Path]) -> list[str]:
     """The module paths and source files ``text`` cites that the package does not have: a dotted name whose
     longest module prefix is missing or lacks the next name, a ``vitlab/...py`` path that is no file. A name whose
@@ -171,8 +177,9 @@ def stale_citations(text: str, mods: dict[str, Path]) -> list[str]:
         if parts[1] not in tops:
             continue
         k = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in mods), default=1)
-        if k == 1 or (k < len(parts) and not re.search(rf"\b{re.escape(parts[k])}\b", mods[".".join(parts[:k])]
-                                                           .read_text(encoding="utf-8"))):  # fmt: skip
+        if k == 1 or (
+            k < len(parts) and not re.search(rf"\b{re.escape(parts[k])}\b", source(mods[".".join(parts[:k])]))
+        ):
             bad.append(m[0])
     for m in PATH_CITATION.finditer(text):
         if not (ROOT / (m[0] if m[0].startswith("src/") else f"src/{m[0]}")).is_file():
