@@ -6,24 +6,17 @@ any moment and resumed ends with the same weights, bit for bit, as one never int
 processes, thread count and hardware). ``OUT/best.pt`` is the checkpoint of the epoch with the best
 held-out top-1 so far (a hard link to that epoch's ``last.pt`` where the file system allows).
 
-An FSDP run writes its weights and optimizer state sharded, every process its own part, through
-``torch.distributed.checkpoint`` (:func:`write_run_checkpoint`, the same for
-``vitlab lm train``); such a checkpoint resumes
-on any number of processes, one included. Its RNG streams continue only where the number of processes is
-unchanged (there the continuation is bit-identical too); elsewhere the run says so and starts fresh streams.
-
-The file layer of a run's checkpoint, the same for ``vitlab train`` and ``vitlab lm train``:
-
+The file layer at the end of this module is the same for ``vitlab train`` and ``vitlab lm train``.
 :func:`write_run_checkpoint` is collective: every rank calls it. Without sharding the run's state, weights
 and optimizer state included, goes into one file written by rank 0 (:func:`vitlab.checkpoint.save_checkpoint`).
 A sharded run (FSDP) keeps its weights and optimizer state out of the file: every rank writes its part into
-``shards/<name>`` beside it (:mod:`vitlab.checkpoint.sharded`), and the file records that folder with ``model`` and
-``optimizer`` None. The file is written last, so it is the commit point: a run killed while the shards are
-written still has its previous checkpoint. A resumed run loads the weights and optimizer state back,
-re-sliced for its own number of processes, with :func:`restore_optimization`.
-
-Every rank's RNG streams are saved (:func:`gather_rng_states`) and continue where the number of processes is
-unchanged (:func:`restore_rng_streams`).
+``shards/<name>`` beside it through ``torch.distributed.checkpoint`` (:mod:`vitlab.checkpoint.sharded`), and
+the file records that folder with ``model`` and ``optimizer`` None. The file is written last, so it is the
+commit point: a run killed while the shards are written still has its previous checkpoint. A resumed run loads
+the weights and optimizer state back, re-sliced for its own number of processes (one included), with
+:func:`restore_optimization`. Every rank's RNG streams are saved (:func:`gather_rng_states`) and continue where
+the number of processes is unchanged, bit-identically (:func:`restore_rng_streams`); elsewhere the run says so
+and starts fresh streams.
 """
 
 from __future__ import annotations
