@@ -156,6 +156,40 @@ def test_sharded_checkpoint_resumes_on_one_and_on_two_processes(single_run, tmp_
     assert steps == list(range(1, 9))  # one row per step, none twice
 
 
+# runs `vitlab ARGS`, stopping every rank right after the run's first mid-epoch checkpoint (as a kill would)
+STOP_AFTER_FIRST_SAVE = """
+import sys
+import vitlab.engine.loop as loop
+real = loop.save_position
+def save_then_stop(run, epoch, tally):
+    real(run, epoch, tally)
+    raise KeyboardInterrupt
+loop.save_position = save_then_stop
+from vitlab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_a_resumed_epoch_row_on_two_processes_equals_the_uninterrupted_one(mode, tmp_path):
+    """Killed after the mid-epoch checkpoint of step 2 (of 4) and resumed on 2 processes: the epoch's loss and
+    accuracy are the uninterrupted run's. The checkpoint holds the sums over both ranks; were each rank to
+    restore them, the first half of the epoch would count twice."""
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_AFTER_FIRST_SAVE)
+    args = ["train", *TINY_RUN, "--epochs", "1", "--save-every", "2", *(["--fsdp"] if mode == "fsdp" else [])]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    launch = torchrun(2, "train")[: -len(["-m", "vitlab.cli", "train"])]
+    stopped = subprocess.run([*launch, str(script), *args, "--out", str(cut)], env=ENV, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert stopped.returncode != 0 and load_checkpoint(cut / "last.pt", weights=False)["step"] == 2, stopped.stdout
+    run_all(torchrun(2, *args, "--out", str(whole)), torchrun(2, *args, "--out", str(cut), "--resume"))
+    (a,), (b,) = (json.loads((out / "log.json").read_text()) for out in (whole, cut))
+    assert a["train_acc"] == b["train_acc"] and a["step"] == b["step"] == 4 and a["lr"] == b["lr"]
+    assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)  # the sums added in another order
+    assert a["val_top1"] == b["val_top1"]
+
+
 # runs `vitlab ARGS` with FSDP's reduce-scatter counted, the count written to PREFIX-rank<r>.json
 COUNT_REDUCE_SCATTER = """
 import json, os, sys

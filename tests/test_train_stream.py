@@ -140,6 +140,44 @@ def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_p
     assert _losses(tmp_path / "whole") == _losses(tmp_path / "cut") and len(_losses(tmp_path / "cut")) == 16
 
 
+def test_a_resumed_epoch_reports_the_figures_of_the_uninterrupted_one(folder, tmp_path, monkeypatch):
+    """Every figure of a resumed epoch's row is the uninterrupted run's: with a clock that moves one second per
+    training batch, both runs' epoch 2 took 8 s for 64 images (8 img/s), the part trained before the kill
+    included; a row that divided the epoch's images by the resumed part's time alone would read 64 / 7."""
+    import vitlab.engine.loop as engine
+    from vitlab.engine.config import EpochTally
+
+    clock = [0.0]
+    monkeypatch.setattr(EpochTally, "clock", staticmethod(lambda: clock[0]))
+    real_step = engine.forward_backward
+
+    def one_second_per_batch(*args, **kwargs):
+        clock[0] += 1.0
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward_backward", one_second_per_batch)
+    base = dict(TINY, data=f"folder:{folder}", epochs=2, batch_size=8, threads=1, progress=False, save_every=3)
+    whole = train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)["log"]
+    real_save, saves = engine.save_position, []
+
+    def stop_after_third(run, epoch, tally):  # step 9: batch 1 of epoch 2
+        real_save(run, epoch, tally)
+        saves.append(run.step)
+        if len(saves) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "save_position", stop_after_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(**base, out=str(tmp_path / "cut")), quiet)
+    monkeypatch.setattr(engine, "save_position", real_save)
+    cut = train(TrainConfig(**base, out=str(tmp_path / "cut"), resume="auto"), quiet)["log"]
+    timing = ("elapsed_s", "eval_img_s")  # wall-clock figures outside the training steps
+    assert [{k: v for k, v in r.items() if k not in timing} for r in cut] == [
+        {k: v for k, v in r.items() if k not in timing} for r in whole
+    ]
+    assert cut[1]["train_time_s"] == 8.0 and cut[1]["train_img_s"] == 8.0
+
+
 def _flat(tree, prefix="") -> dict[str, torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return {prefix: tree}

@@ -126,7 +126,8 @@ def restore(ctx: Context, ckpt: dict[str, Any], model: nn.Module, opt: Optimizat
     tally = ckpt.get("tally")  # where in the epoch it stopped
     within = f", batch {ckpt['loader']['batch']} of epoch {epoch + 1}" if tally else ""
     ctx.log(f"resumed {ckpt['path']} after epoch {epoch} (step {step}{within})")
-    return Progress(epoch, step, rows, best, ckpt.get("loader"), tally)
+    last = tally or (rows[-1] if rows else {})  # the run's wall time up to its checkpoint
+    return Progress(epoch, step, rows, best, ckpt.get("loader"), tally, elapsed_before=last.get("elapsed_s", 0.0))
 
 
 def restore_log(ctx: Context, ckpt: dict[str, Any], epoch: int, step: int) -> list[dict[str, Any]]:
@@ -196,7 +197,7 @@ def save_position(run: Run, epoch: int, tally: dict[str, Any]) -> None:
     per-step log flushed first, so a run resumed from it continues exactly where this one stands."""
     run.steps.flush()
     rngs = gather_rng_states(run.device, run.world)
-    state = run_state(run, epoch, rngs, metrics=None, tally=tally)
+    state = run_state(run, epoch, rngs, metrics=None, tally={**tally, "elapsed_s": run.elapsed()})
     if write_checkpoint(run, state, f"step-{run.step:09d}") is not None:
         prune_shards(run.out)
         write_record(run)

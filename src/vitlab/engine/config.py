@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -210,21 +211,60 @@ def class_targets(y: Tensor) -> Tensor:
 
 @dataclass
 class EpochTally:
-    """The running sums of an epoch (loss x images, correct answers, images) on the device; a mid-epoch
-    checkpoint carries them so the resumed epoch's row equals the uninterrupted one's."""
+    """The running sums of an epoch (loss x images, correct answers, images) on the device, and its training
+    time; a mid-epoch checkpoint carries them so the resumed epoch's row equals the uninterrupted one's.
+
+    Every figure of the epoch's row comes from here, resumed or not, on one process or many: the checkpoint
+    holds the sums over every process (rank 0 restores them, the others start from zero, so the next
+    reduction counts each image once) and the seconds already trained, so images/s divides the epoch's images
+    by the epoch's whole training time, not by the resumed part's.
+    """
 
     loss_sum: Tensor
     correct: Tensor
     seen: int = 0
+    seconds: float = 0.0  # training time of this epoch before the current process started it
+    clock: ClassVar[Callable[[], float]] = time.perf_counter
+    _started: float | None = None
 
     @classmethod
-    def restore(cls, state: dict[str, Any] | None, device: torch.device) -> EpochTally:
-        if state is None:
-            return cls(torch.zeros((), device=device), torch.zeros((), device=device, dtype=torch.long))
-        return cls(state["loss_sum"].to(device), state["correct"].to(device), int(state["seen"]))
+    def restore(cls, state: dict[str, Any] | None, device: torch.device, sums: bool = True) -> EpochTally:
+        """The tally a checkpoint recorded (``None``: a fresh epoch); ``sums=False`` keeps only its time (every
+        rank but the one that carries the sums)."""
+        state = state or {}
+        keep = state if sums else {}
+        return cls(
+            keep.get("loss_sum", torch.zeros(())).to(device),
+            keep.get("correct", torch.zeros((), dtype=torch.long)).to(device),
+            int(keep.get("seen", 0)),
+            float(state.get("seconds", 0.0)),
+        )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss_sum": self.loss_sum.detach().cpu(), "correct": self.correct.detach().cpu(), "seen": self.seen}
+    def start_clock(self) -> None:
+        self._started = self.clock()
+
+    def elapsed(self) -> float:
+        """This epoch's training seconds so far, the part before a resume included."""
+        return self.seconds + (self.clock() - self._started if self._started is not None else 0.0)
+
+    def _sums(self) -> dict[str, Tensor]:
+        """The device sums, by name (a subclass adds its own); ``seen`` is added to them on reduction."""
+        return {"loss_sum": self.loss_sum, "correct": self.correct}
+
+    def totals(self, world: World) -> dict[str, float]:
+        """The sums over every process (a collective: every rank calls it)."""
+        from ..common.distributed import all_reduce_sum
+
+        sums = {**self._sums(), "seen": torch.tensor(float(self.seen), device=self.loss_sum.device)}
+        reduced = all_reduce_sum(torch.stack([v.double() for v in sums.values()]), world).tolist()
+        return dict(zip(sums, reduced))
+
+    def state_dict(self, world: World) -> dict[str, Any]:
+        """The sums over every process and the seconds so far (a collective: every rank calls it)."""
+        own = self._sums()
+        totals = self.totals(world)
+        state = {k: torch.tensor(totals[k], dtype=v.dtype) for k, v in own.items()}
+        return {**state, "seen": round(totals["seen"]), "seconds": self.elapsed()}
 
     def add(self, loss: Tensor, logits: Tensor, y: Tensor) -> None:
         self.loss_sum += loss.detach().float() * len(y)
@@ -234,13 +274,10 @@ class EpochTally:
     def status(self) -> str:
         return f"loss {self.loss_sum.item() / self.seen:.3f} acc {100 * self.correct.item() / self.seen:.1f}%"
 
-    def row(self, run: Run, epoch: int, train_time: float) -> dict[str, Any]:
+    def row(self, run: Run, epoch: int) -> dict[str, Any]:
         """The epoch's row of the log, summed over the processes."""
-        from ..common.distributed import all_reduce_sum
-
-        seen = torch.tensor(float(self.seen), device=self.loss_sum.device)
-        stats = all_reduce_sum(torch.stack([self.loss_sum, self.correct.float(), seen]), run.world)
-        train_loss = (stats[0] / stats[2]).item()
+        totals, train_time = self.totals(run.world), self.elapsed()
+        train_loss = totals["loss_sum"] / totals["seen"]
         if not math.isfinite(train_loss):
             raise TrainingError(
                 f"the training loss became {train_loss} in epoch {epoch + 1}; lower --lr or use --amp none"
@@ -250,10 +287,13 @@ class EpochTally:
             "step": run.step,
             "lr": run.opt.optimizer.param_groups[0]["lr"],
             "train_loss": train_loss,
-            "train_acc": (100 * stats[1] / stats[2]).item(),
-            "train_img_s": stats[2].item() / train_time,
+            "train_acc": self.accuracy(totals),
+            "train_img_s": totals["seen"] / max(train_time, 1e-9),
             "train_time_s": train_time,
         }
+
+    def accuracy(self, totals: dict[str, float]) -> float:
+        return 100 * totals["correct"] / totals["seen"]
 
 
 @dataclass(frozen=True)
@@ -315,6 +355,9 @@ class Progress:
     resume_loader: dict[str, Any] | None = None  # the loader position a checkpoint recorded (used once)
     resume_tally: dict[str, Any] | None = None  # the epoch's sums a mid-epoch checkpoint recorded (used once)
     record: dict[str, Any] | None = None  # what OUT/run.json says, written with the first checkpoint (rank 0)
+    # wall seconds of the processes before a resume, up to their last checkpoint: a resumed run's elapsed_s and
+    # wall_s count the whole run, as an uninterrupted one's do (the time a killed process ran past it is lost)
+    elapsed_before: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -326,6 +369,10 @@ class Run(Context):
     opt: Optimization
     ema: ModelEma | None
     progress: Progress
+
+    def elapsed(self) -> float:
+        """Wall seconds of the run so far, the processes before a resume included."""
+        return self.progress.elapsed_before + time.perf_counter() - self.t_start
 
     @property
     def step(self) -> int:

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..common.distributed import all_reduce_sum
-from .config import EpochTally, Run
+from .config import EpochTally
 
 IGNORE_INDEX = 255
 
@@ -36,14 +35,14 @@ class PixelTally(EpochTally):
     labelled: Tensor | None = None
 
     @classmethod
-    def restore(cls, state: dict[str, Any] | None, device: torch.device) -> PixelTally:
-        base = EpochTally.restore(state, device)
-        zero = torch.zeros((), device=device, dtype=torch.long)
-        labelled = state["labelled"].to(device) if state is not None else zero
-        return cls(base.loss_sum, base.correct, base.seen, labelled)
+    def restore(cls, state: dict[str, Any] | None, device: torch.device, sums: bool = True) -> PixelTally:
+        base = EpochTally.restore(state, device, sums)
+        zero = torch.zeros((), dtype=torch.long)
+        labelled = (state or {}).get("labelled", zero) if sums else zero
+        return cls(base.loss_sum, base.correct, base.seen, base.seconds, labelled=labelled.to(device))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "labelled": self.labelled.detach().cpu()}
+    def _sums(self) -> dict[str, Tensor]:
+        return {**super()._sums(), "labelled": self.labelled}
 
     def add(self, loss: Tensor, logits: Tensor, y: Tensor) -> None:
         keep = y != IGNORE_INDEX
@@ -56,8 +55,5 @@ class PixelTally(EpochTally):
         acc = 100 * self.correct.item() / max(self.labelled.item(), 1)
         return f"loss {self.loss_sum.item() / self.seen:.3f} pixel acc {acc:.1f}%"
 
-    def row(self, run: Run, epoch: int, train_time: float) -> dict[str, Any]:
-        row = super().row(run, epoch, train_time)
-        sums = all_reduce_sum(torch.stack([self.correct, self.labelled]).double(), run.world)
-        row["train_acc"] = (100 * sums[0] / sums[1].clamp_min(1)).item()
-        return row
+    def accuracy(self, totals: dict[str, float]) -> float:
+        return 100 * totals["correct"] / max(totals["labelled"], 1)

@@ -126,7 +126,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print_line) -> dict[str
                 row = train_epoch(run, epoch)
                 if run.evaluates:
                     row.update(evaluate_epoch(run))
-                row["elapsed_s"] = time.perf_counter() - run.t_start
+                row["elapsed_s"] = run.elapsed()
                 save_epoch(run, row)
                 report_epoch(run, row)
         finally:
@@ -231,7 +231,8 @@ def start_epoch(run: Run, epoch: int) -> EpochTally:
     else:
         loader.set_epoch(epoch)
     task = task_hooks(run.cfg)
-    tally = (task.tally if task is not None else EpochTally.restore)(progress.resume_tally, run.device)
+    # the checkpoint holds the sums over every process: rank 0 carries them on, the others restart from zero
+    tally = (task.tally if task is not None else EpochTally.restore)(progress.resume_tally, run.device, run.master)
     progress.resume_loader = progress.resume_tally = None  # the next epoch starts at its beginning
     return tally
 
@@ -249,7 +250,8 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
                         cfg.progress_every)  # fmt: skip
     progress.start(f"epoch {epoch + 1}/{cfg.epochs}", n_batches)
     run.steps.restart_clock()  # images/s counts training only (not setup, evaluation, checkpoints)
-    t0, group_loss, group_images = time.perf_counter(), 0.0, 0
+    tally.start_clock()
+    group_loss, group_images = 0.0, 0
     for batch in loader:
         done = loader.state_dict()["batch"]  # batches of the epoch handed out, this one included
         first = (done - 1) // accum * accum
@@ -265,12 +267,11 @@ def train_epoch(run: Run, epoch: int) -> dict[str, Any]:
             run.steps.add(run.step, group_images * run.world.size, scalars, torch.stack([step_loss, norm.float()]))
             group_loss, group_images = 0.0, 0
             if cfg.save_every and run.step % cfg.save_every == 0 and done < n_batches:
-                save_position(run, epoch, tally.state_dict())
+                save_position(run, epoch, tally.state_dict(run.world))
         progress.update(len(batch[0]) * run.world.size, tally.status() if progress.wants_status() else None)
     progress.close()
-    run.steps.flush()
-    train_time = time.perf_counter() - t0  # the flush above waited for the device
-    return tally.row(run, epoch, train_time)
+    run.steps.flush()  # waits for the device, so the tally's clock reads the work done
+    return tally.row(run, epoch)
 
 
 def evaluate_epoch(run: Run) -> dict[str, Any]:
@@ -324,7 +325,7 @@ def finish(run: Run) -> dict[str, Any]:
             },
             "train_img_s": sum(r["train_img_s"] * r["train_time_s"] for r in rows) / max(train_s, 1e-9),
             "train_time_s": train_s,
-            "wall_s": time.perf_counter() - run.t_start,
+            "wall_s": run.elapsed(),
             "checkpoint": str(run.out / "last.pt"),
         }
         if (mem := device_memory(run.device)) is not None:  # the host RSS says little about a GPU run

@@ -6,7 +6,7 @@ task): :class:`vitlab.tasks.segmentation.task.SegmentationTask` and :class:`vitl
 are called by
 :func:`vitlab.engine.setup.setup` and :mod:`vitlab.engine.loop` where classification calls its own steps:
 ``open_data(draft)``, ``model_kwargs(cfg, train_ds)``, ``build_model(name, kwargs)``, ``criterion(cfg, model)``, ``build_loaders(draft)``,
-``tally(state, device)``, ``evaluate(run)``, ``report(run, row)``; ``score`` names the held-out measure that
+``tally(state, device, sums)``, ``evaluate(run)``, ``report(run, row)``; ``score`` names the held-out measure that
 chooses ``best.pt``.
 """
 

@@ -87,8 +87,8 @@ class PointsTask:
                                    seed=cfg.seed, rank=world.rank, world_size=world.size, device=draft.device)  # fmt: skip
         draft.val_loader, draft.data_cfg = None, None
 
-    def tally(self, state: dict[str, Any] | None, device: torch.device) -> EpochTally:
-        return (PointTally if self.partseg else EpochTally).restore(state, device)
+    def tally(self, state: dict[str, Any] | None, device: torch.device, sums: bool = True) -> EpochTally:
+        return (PointTally if self.partseg else EpochTally).restore(state, device, sums)
 
     def evaluate(self, run: Run) -> dict[str, Any]:
         model = run.net.model if run.cfg.fsdp else run.net.raw

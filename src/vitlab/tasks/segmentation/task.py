@@ -90,8 +90,8 @@ class SegmentationTask:
                                  rank=world.rank, world_size=world.size, device=draft.device, hflip=hflip)  # fmt: skip
         draft.val_loader, draft.data_cfg = None, None  # held-out images are read one by one at their own size
 
-    def tally(self, state: dict[str, Any] | None, device: torch.device) -> PixelTally:
-        return PixelTally.restore(state, device)
+    def tally(self, state: dict[str, Any] | None, device: torch.device, sums: bool = True) -> PixelTally:
+        return PixelTally.restore(state, device, sums)
 
     def evaluate(self, run: Run) -> dict[str, Any]:
         model = run.net.model if run.cfg.fsdp else run.net.raw
