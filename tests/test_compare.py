@@ -102,6 +102,29 @@ def test_compare_resume_reuses_finished_and_continues_unfinished(tmp_path, capsy
     assert rows["cpvt_mini"]["top1"] is not None
 
 
+def test_compare_resume_finishes_a_trained_run_without_retraining_it(tmp_path, capsys):
+    """Killed after the last epoch's checkpoint but before its result.json: --resume reports the trained run
+    from its checkpoint (same figures, no epoch trained again) instead of starting it over."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--models", "deit_mini", "--epochs", "1", "--train-limit", "32", "--out", str(out)]
+    assert cli_main([*argv, "--no-plots"]) == 0
+    first = json.loads((out / "table.json").read_text())["rows"][0]
+    (out / "deit_mini" / "result.json").unlink()
+    capsys.readouterr()
+    assert cli_main([*argv, "--no-plots", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "starting over" not in printed and "epoch 1/1" not in printed, printed
+    again = json.loads((out / "table.json").read_text())["rows"][0]
+    assert again["top1"] == first["top1"] and again["train_img_s"] == first["train_img_s"]
+    assert again["peak_mib"] is None  # the training process is gone: not measured, not the completing one's
+    assert not list((out / "deit_mini").glob("*.previous*")) and not list(out.glob("deit_mini.*"))
+    for name in ("result.json", "summary.json"):  # stopped before the engine wrote its summary: completed
+        (out / "deit_mini" / name).unlink()
+    assert cli_main([*argv, "--no-plots", "--resume"]) == 0
+    assert "starting over" not in capsys.readouterr().out
+    assert json.loads((out / "table.json").read_text())["rows"][0]["top1"] == first["top1"]
+
+
 def test_compare_user_errors_are_one_line(tmp_path, capsys):
     def error(*argv: str) -> str:
         assert cli_main(["compare", "--out", str(tmp_path), *argv]) == 2

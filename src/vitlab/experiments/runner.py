@@ -34,7 +34,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,7 @@ from ..common.io import open_append, write_json_atomic
 from ..common.report import Column, render_text
 from ..common.rundir import RunLock
 from ..data.spec import data_spec
+from ..engine.checkpointing import run_is_complete
 from ..engine.data import data_shape, load_data
 from ..engine.loop import RUN_FILES, TrainConfig, train
 from ..interop.pretrained import load_model
@@ -494,7 +495,10 @@ def train_variant(
     if done is not None:
         print(f"[{tag}] finished before: reused {result_file}", flush=True)
         return done
-    resumable = resume and _resumable(out / "last.pt", config)
+    trained = _trained_epochs(out / "last.pt", config) if resume else None
+    if trained == cfg.epochs:
+        return finished_run(cfg, tag, result_file)
+    resumable = trained is not None
     if resumable:
         config.update(resume="auto", force=False)
     elif out.exists():  # another variant's or an unusable run: moved aside whole, train.log and result too
@@ -511,6 +515,21 @@ def train_variant(
     write_json_atomic(result_file, res)
     if res["status"] != "ok":
         print(f"[{tag}] failed: {res.get('reason')}", file=sys.stderr, flush=True)
+    return res
+
+
+def finished_run(cfg: TrainConfig, tag: str, result_file: Path) -> dict[str, Any]:
+    """The result of a run trained to its last epoch but stopped before its result.json was written: the
+    engine completes its log and summary from the checkpoint where they are missing (nothing is trained
+    again), and the figures are those the run recorded. The process that trained is gone, so its peak memory
+    is not known: the row leaves it blank rather than print the completing process's."""
+    out = Path(cfg.out)
+    if not run_is_complete(out, cfg.epochs):
+        train(replace(cfg, resume="auto", force=False), lambda line: print(f"[{tag}] {line}", flush=True))
+    summary = {**json.loads((out / "summary.json").read_text()), "log": json.loads((out / "log.json").read_text())}
+    print(f"[{tag}] trained before it was stopped: reported from {out / 'last.pt'} (peak memory not measured)")
+    res = {"status": "ok", "info": {"summary": summary}, "mem": None, "config": asdict(cfg)}
+    write_json_atomic(result_file, res)
     return res
 
 
@@ -541,17 +560,17 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
     """The measured figures of one finished run."""
     s = res["info"]["summary"]
     final = s["log"][-1] if s.get("log") else s["final"]
-    mem = res["mem"].get("timed", res["mem"])
+    mem = (res["mem"] or {}).get("timed", res["mem"]) or {}  # None: not measured (a finished run completed)
     figures = {
         "top1": final.get("val_top1"),
         "miou": final.get("val_miou"),
         "top5": final.get("val_top5"),
         "ema_top1": final.get("ema_top1"),
         "train_img_s": s["train_img_s"],
-        "peak_mib": mem["peak"] / MB,
-        "train_mem_mib": mem["delta"] / MB,
+        "peak_mib": mem["peak"] / MB if mem else None,
+        "train_mem_mib": mem["delta"] / MB if mem else None,
         "train_s": s["train_time_s"],
-        "wall_s": res["time_s"]["median"],
+        "wall_s": s.get("wall_s", (res.get("time_s") or {}).get("median")),  # the whole run's, resumes included
     }
     if "cuda_peak_mib" in s:
         figures["cuda_peak_mib"] = s["cuda_peak_mib"]
@@ -625,12 +644,13 @@ def _reusable(result_file: Path, config: dict[str, Any]) -> dict[str, Any] | Non
     return res if res.get("status") == "ok" and _same_run(res.get("config", {}), config) else None
 
 
-def _resumable(ckpt_file: Path, config: dict[str, Any]) -> bool:
-    """An unfinished run of the same variant that ``resume="auto"`` can continue."""
+def _trained_epochs(ckpt_file: Path, config: dict[str, Any]) -> int | None:
+    """The epochs a run of the same variant trained, when ``resume="auto"`` can continue or complete it."""
     if not ckpt_file.exists():
-        return False
+        return None
     try:
         ckpt = load_checkpoint(ckpt_file)
     except ValueError:
-        return False
-    return ckpt["epoch"] < config["epochs"] and _same_run(ckpt.get("config", {}), config)
+        return None
+    usable = ckpt["epoch"] <= config["epochs"] and _same_run(ckpt.get("config", {}), config)
+    return int(ckpt["epoch"]) if usable else None
