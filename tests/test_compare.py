@@ -78,6 +78,16 @@ def test_compare_two_variants_end_to_end(tmp_path, capsys):
         assert row["params_m"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 1e6)
     with open(out / "table.csv") as f:
         assert [r["model"] for r in csv.DictReader(f)] == ["deit_mini", "cpvt_mini"]
+    # the caption says what ran: the learning rate of run.json, one interval per accuracy, the columns it has
+    ran = json.loads((out / "deit_mini" / "run.json").read_text())["lr"]
+    note = (out / "table.md").read_text()
+    assert f"peak lr {ran:.3g}" in note and "95% CI" in note and "peak MiB" in note
+    for row in rows.values():
+        n = row["val_n"]
+        assert n == 1000 and row["top1_lo"] < row["top1"] < row["top1_hi"]
+        # the Wilson interval, checked against its normal approximation (close at n = 1000 away from 0 and 100)
+        half = 196 * (row["top1"] / 100 * (1 - row["top1"] / 100) / n) ** 0.5
+        assert row["top1_hi"] - row["top1_lo"] == pytest.approx(2 * half, rel=0.1)
 
 
 @pytest.mark.slow
@@ -115,7 +125,7 @@ def test_compare_resume_finishes_a_trained_run_without_retraining_it(tmp_path, c
     printed = capsys.readouterr().out
     assert "starting over" not in printed and "epoch 1/1" not in printed, printed
     again = json.loads((out / "table.json").read_text())["rows"][0]
-    assert again["top1"] == first["top1"] and again["train_img_s"] == first["train_img_s"]
+    assert again["top1"] == first["top1"] and again["epoch_img_s"] == first["epoch_img_s"]
     assert again["peak_mib"] is None  # the training process is gone: not measured, not the completing one's
     assert not list((out / "deit_mini").glob("*.previous*")) and not list(out.glob("deit_mini.*"))
     for name in ("result.json", "summary.json"):  # stopped before the engine wrote its summary: completed
@@ -133,6 +143,9 @@ def test_compare_user_errors_are_one_line(tmp_path, capsys):
         return err
 
     assert "unknown model 'deit_mni'" in error("--models", "deit_mini,deit_mni")
+    (tmp_path / "run.json").write_text("{}")  # a `vitlab train` run's folder is not compare's
+    assert "holds a `vitlab train` run (run.json)" in error("--models", "deit_mini", "--resume")
+    (tmp_path / "run.json").unlink()
     assert "does not exist" in error("--data", f"mnist-idx:{tmp_path / 'none'}")
     assert "argument --threads: must be an integer in 1..1024, got '0'" in error("--threads", "0")
 
@@ -158,3 +171,15 @@ def test_compare_seeds_and_image_size(tmp_path, capsys):
     assert cfg["seed"] == 6 and cfg["img_size"] == 32
     assert cli_main([*argv, "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
     assert "argument --seeds: must be an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("percent", "n"), [(95.3, 1000), (100.0, 18), (0.0, 50), (50.0, 7)])
+def test_the_accuracy_interval_is_the_wilson_score_interval(percent, n):
+    from scipy.stats import binomtest
+
+    from vitlab.experiments.runner import wilson_interval
+
+    k = round(percent * n / 100)
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    lo, hi = wilson_interval(100 * k / n, n)
+    assert (lo, hi) == pytest.approx((100 * ci.low, 100 * ci.high), abs=1e-3)

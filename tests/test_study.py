@@ -148,6 +148,13 @@ def test_quick_studies_end_to_end(name, tmp_path, capsys):
     md = (out / "table.md").read_text()
     assert " ± " in md and study.source in md and "paper top-1 %" in md
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG" and (out / "curves.png").exists()
+    # the folder is this study's: another study's --resume is refused in one line and changes nothing
+    other = next(n for n in QUICK if n != name)
+    capsys.readouterr()
+    assert cli_main(["study", other, *TINY, "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"holds the runs of `vitlab study {name}`" in err and "\n" not in err, err
+    assert (out / "table.md").read_text() == md
 
 
 @pytest.mark.slow
@@ -255,7 +262,13 @@ def test_full_scale_study_under_torchrun_resumes_after_a_kill(tmp_path):
         assert row["row"] == spec.label and row["paper_top1"] == spec.paper["top1"] and row["top1"] is not None
         result = json.loads((out / spec.key / "result.json").read_text())
         assert result["world_size"] == 2 and result["info"]["summary"]["epochs"] == 3
-    assert "paper #similar" in (out / "table.md").read_text()
+    # the caption says what ran (the recipe's base_lr 5e-4 x 4 / 512, not compare's lr), how many images the
+    # similarity saw (the 4 held-out ones), and names no column the table lacks
+    ran = json.loads((out / STUDIES.get("deepvit-depth").rows[0].key / "run.json").read_text())
+    note = (out / "table.md").read_text()
+    assert ran["lr"] == pytest.approx(5e-4 * 4 / 512) and f"peak lr {ran['lr']:.3g}" in note, note
+    assert "on the first 4 held-out images" in note and "peak MiB" not in note
+    assert ran["config"]["workers"] == 1  # the recipe's 8 workers capped at the one thread the row has
 
 
 def test_a_paper_recipe_gives_the_options_and_the_rows_their_models(capsys):

@@ -50,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
     if args.out == "runs/study/NAME":
         args.out = f"runs/study/{study.name}" + ("" if scale == "small" else "-full")
     report = StudyReport(study, scale)
-    return run_variants(args, variants(study, scale), recipe, "vitlab study", report, speed=args.speed)
+    command = f"vitlab study {study.name}" + ("" if scale == "small" else f" --scale {scale}")
+    return run_variants(args, variants(study, scale), recipe, command, report, speed=args.speed)

@@ -138,7 +138,11 @@ class StudyReport:
         self.columns: list[Column] = [
             ("row", "row", "{}"),
             ("model", "model", "{}"),
-            ("miou", "mIoU", "{:.2f}") if study.score == "miou" else ("top1", "top-1 %", "{:.2f}"),
+            *(
+                [("miou", "mIoU", "{:.2f}")]
+                if study.score == "miou"
+                else [("top1", "top-1 %", "{:.2f}"), ("top1_ci", "95% CI", "{}")]
+            ),
             *extra,
             *paper,
             ("params_m", "params (M)", "{:.3f}"),
@@ -147,6 +151,7 @@ class StudyReport:
         ]
         self.files = ("study.png",) + (("similarity.png", "similarity.json") if study.extra == "similarity" else ())
         self.curves: dict[str, list[float]] = {}
+        self.similarity_images = 0
 
     def add(self, plan: Plan, rows: list[dict[str, Any]], results: dict[str, dict[str, Any]]) -> None:
         for row, spec, variant in zip(rows, self.study.rows, plan.variants):
@@ -155,14 +160,20 @@ class StudyReport:
             for key, *_ in self.study.measures:
                 row[f"paper_{key}"] = spec.paper.get(key)
         if self.study.extra == "similarity":
-            self.curves = similarity_curves(plan, results, rows)
+            self.curves, self.similarity_images = similarity_curves(plan, results, rows)
             write_json_atomic(plan.out / "similarity.json", {"threshold": SIMILAR, "adjacent_similarity": self.curves})
 
     def note(self, meta: dict[str, Any]) -> str:
         scale = "small-scale rows (*_mini)" if self.scale == "small" else "paper-size models"
         return (
             f"{self.study.title}. vitlab: {scale}. "
-            + compare_note(meta)
+            + compare_note(meta, self.columns)
+            + (
+                f" #similar: blocks whose attention maps are over {SIMILAR:.0%} similar to the previous block's, on "
+                f"the first {self.similarity_images} held-out images."
+                if self.curves
+                else ""
+            )
             + f"\n\nPaper: {self.study.paper}, {self.study.source}. {self.study.notes}".rstrip()
         )
 
@@ -178,9 +189,10 @@ class StudyReport:
 
 def similarity_curves(
     plan: Plan, results: dict[str, dict[str, Any]], rows: list[dict[str, Any]]
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], int]:
     """Per row: the similarity of each block's attention maps with the previous block's (DeepViT §3), averaged
-    over the seeds, on the first held-out images; sets ``row["similar"]`` (blocks above 90 %, mean over seeds)."""
+    over the seeds, on the first held-out images (their number is returned beside the curves); sets
+    ``row["similar"]`` (blocks above 90 %, mean over seeds)."""
     images = heldout_images(plan)
     curves = {}
     for row, variant in zip(rows, plan.variants):
@@ -190,7 +202,7 @@ def similarity_curves(
         per_seed = [block_similarity(plan.out / r / "last.pt", images) for r in runs]
         row["similar"] = statistics.fmean(similar_block_count(sim, SIMILAR) for sim in per_seed)
         curves[row["row"]] = [statistics.fmean(c) for c in zip(*(adjacent_similarity(s).tolist() for s in per_seed))]
-    return curves
+    return curves, len(images)
 
 
 def heldout_images(plan: Plan) -> torch.Tensor:

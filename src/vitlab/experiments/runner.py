@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import os
 import statistics
 import sys
@@ -45,7 +46,7 @@ from ..common import options as opt
 from ..common.device import add_device_argument, resolve_device
 from ..common.io import open_append, write_json_atomic
 from ..common.report import Column, render_text
-from ..common.rundir import RunLock
+from ..common.rundir import RunDirError, RunLock
 from ..data.spec import data_spec
 from ..engine.checkpointing import run_is_complete
 from ..engine.data import data_shape, load_data
@@ -78,6 +79,7 @@ MB = 1024 * 1024
 # first, so that with several jobs the cheap ones fill the gaps and no core idles at the end
 # what a comparison writes: its tables and plots, and in each variant's folder the training run and these
 OUTPUT_FILES = ("table.csv", "table.json", "table.md", "curves.png", "acc_vs_speed.png")
+OWNER_FILE = ".vitlab-owner.json"  # the command whose runs the folder holds (a study's name included)
 VARIANT_FILES = (*RUN_FILES, "train.log", "result.json")
 COST = {"tnt": 3.0, "eamlp": 3.0, "aft_conv": 2.5, "refiner": 1.5, "deepvit": 1.2, "aft_full": 1.2, "cpvt": 1.1}
 
@@ -134,6 +136,13 @@ def add_run_arguments(
         type=opt.positive_int,
         default=None,
         help="variants trained at once, each with threads/jobs threads (default: = --threads)",
+    )
+    p.add_argument(
+        "--workers",
+        type=opt.Int(0, 256),
+        default=None,
+        help="DataLoader worker processes per training process decoding folder:/wds: data (default: a recipe's "
+        "workers, at most the threads each variant has)",
     )
     p.add_argument("--no-adapt", action="store_true", help="keep the mini configs as registered on 28-px data")
     start = p.add_mutually_exclusive_group()  # reuse the comparison in --out, or start over: not both
@@ -277,6 +286,25 @@ def inference_case(checkpoint: str, batch: int = 256, device: str = "cpu") -> Pr
     return Prepared(work, {"batch": batch}, device=str(dev))
 
 
+def train_step_case(checkpoint: str, batch: int, device: str = "cpu") -> Prepared:
+    """Measured case: one training step (forward, cross-entropy, backward, AdamW update) of the trained model
+    on a batch of the run's size, inputs made on the device: the model's own training speed, without the data
+    pipeline or another variant training beside it."""
+    dev = resolve_device(device)
+    model = load_model(checkpoint).to(dev).train()
+    c, h, w = model.meta["input_size"]
+    x = torch.randn(batch, c, h, w, device=dev)
+    y = torch.randint(0, model.num_classes, (batch,), device=dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def work() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return Prepared(work, {"batch": batch}, device=str(dev))
+
+
 # --------------------------------------------------------------------------- the command
 
 # options that do not change what a variant computes (a row trained in another folder, e.g. on another machine,
@@ -339,10 +367,32 @@ def run_variants(
     t_start = time.perf_counter()
     with RunLock(args.out, command, print_line) as lock:
         extra = report.files if report is not None else ()
+        check_owner(lock.folder, command, args.resume)
         old = lock.check_fresh(old_entries(lock.folder, extra), resume=args.resume, force=args.force)
         plan = plan_variants(args, variants, recipe, speed)
         lock.move_aside(old)  # the options and the data are fine: the old run goes out of the way
+        write_json_atomic(lock.folder / OWNER_FILE, {"command": command})
         return compare(args, plan, t_start, report)
+
+
+def check_owner(out: Path, command: str, resume: bool) -> None:
+    """Refuse a folder that belongs to something else: a ``vitlab train`` run (its files would sit among the
+    variants'), or, on ``--resume``, another study's or compare's tables (they would be written over)."""
+    train_files = [n for n in ("last.pt", "run.json", "summary.json") if (out / n).exists()]
+    if train_files:
+        raise RunDirError(
+            f"{out} holds a `vitlab train` run ({', '.join(train_files)}); give {command} a folder of its own "
+            "with --out"
+        )
+    try:
+        owner = json.loads((out / OWNER_FILE).read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    if resume and owner not in (None, command):
+        raise RunDirError(
+            f"{out} holds the runs of `{owner}`, not `{command}`: --resume continues the same command's runs only; "
+            "pass another --out, or --force to move its files aside"
+        )
 
 
 def old_entries(out: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -368,8 +418,10 @@ def compare(args: argparse.Namespace, plan: Plan, t_start: float, report: Report
         flush=True,
     )
     results = train_variants(plan, args.isolation, args.resume)
-    speeds = time_inference(plan, results, args.isolation) if plan.speed else {}
-    rows = [table_row(plan, v, [results[r] for r in plan.runs[v.label]], speeds.get(v.label)) for v in plan.variants]
+    speeds = time_speeds(plan, results, args.isolation) if plan.speed else {}
+    rows = [
+        table_row(plan, v, [results[r] for r in plan.runs[v.label]], speeds.get(v.label, {})) for v in plan.variants
+    ]
     logs = {v.label: [run_log(results[r]) for r in plan.runs[v.label]] for v in plan.variants}
     columns, text_columns = COLUMNS, TEXT_COLUMNS
     if report is not None:
@@ -412,7 +464,14 @@ def plan_variants(
         raise ValueError(f"--img-size must be positive, got {args.img_size}")
     resolve_device(args.device)  # a GPU that is not there: one line before any variant starts
     out = Path(args.out)
+    per_job = max(1, args.threads // jobs)
     recipe = {**recipe, "img_size": args.img_size}
+    if getattr(args, "workers", None) is not None:
+        recipe["workers"] = args.workers
+    elif recipe.get("workers", 0) > per_job:  # a paper recipe's 8 workers are a GPU node's, not this share
+        print(f"note: {recipe['workers']} DataLoader workers (the recipe's) capped at {per_job}, the threads each "
+              "variant has; --workers sets them", flush=True)  # fmt: skip
+        recipe["workers"] = per_job
     probe = TrainConfig(data=args.data, **recipe)
     dense = probe.task != "classification"
     if dense:  # the rows of a segmentation study (vitlab.tasks.segmentation.task): mask folders, mIoU
@@ -427,7 +486,6 @@ def plan_variants(
     shape = data_shape(probe, train_ds)
     img = shape["img_size"]
     input_size = (shape["in_chans"], img, img)
-    per_job = max(1, args.threads // jobs)
     seeds = [args.seed + i for i in range(n_seeds)]
     runs, configs, sizes = {}, {}, {}
     for v in variants:
@@ -533,27 +591,34 @@ def finished_run(cfg: TrainConfig, tag: str, result_file: Path) -> dict[str, Any
     return res
 
 
-def time_inference(plan: Plan, results: dict[str, dict[str, Any]], isolation: str) -> dict[str, float]:
-    """Inference throughput (img/s) of each variant's first run: one at a time, with the threads it trained with."""
-    speeds: dict[str, float] = {}
+def time_speeds(plan: Plan, results: dict[str, dict[str, Any]], isolation: str) -> dict[str, dict[str, float]]:
+    """Training and inference throughput (img/s) of each variant's first run, one variant at a time in a fresh
+    process, with the threads it trained with: variants that trained side by side shared the machine, so their
+    epochs' speeds compare their neighbours' luck; these compare the models."""
+    speeds: dict[str, dict[str, float]] = {}
+    cases = (("train_img_s", train_step_case, plan.recipe["batch_size"]), ("infer_img_s", inference_case, 256))
     with CaseRunner(isolation, timeout=600) as runner:
         for label in plan.names:
             first = plan.runs[label][0]
             if results[first]["status"] != "ok":
                 continue
-            spec = CaseSpec(
-                inference_case,
-                {"checkpoint": str(plan.out / first / "last.pt"), "device": plan.configs[first].device},
-                warmup=2,
-                repeats=20,
-                max_time=2.0,
-                threads=plan.per_job,
-                passes=("time",),
-            )
-            res = runner.run(spec)
-            if res["status"] == "ok":
-                speeds[label] = res["info"]["batch"] / res["time_s"]["median"]
+            checkpoint, device = str(plan.out / first / "last.pt"), plan.configs[first].device
+            for key, case, batch in cases:
+                args = {"checkpoint": checkpoint, "batch": batch, "device": device}
+                spec = CaseSpec(case, args, warmup=2, repeats=20, max_time=2.0, threads=plan.per_job, passes=("time",))
+                res = runner.run(spec)
+                if res["status"] == "ok":
+                    speeds.setdefault(label, {})[key] = res["info"]["batch"] / res["time_s"]["median"]
     return speeds
+
+
+def wilson_interval(percent: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval (in %) of an accuracy measured on ``n`` held-out images: the range of
+    accuracies the held-out sample cannot tell apart from the one measured (it stays inside 0..100 near 100 %)."""
+    p = percent / 100
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * max(0.0, centre - half), 100 * min(1.0, centre + half)
 
 
 def run_figures(res: dict[str, Any]) -> dict[str, Any]:
@@ -566,7 +631,8 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
         "miou": final.get("val_miou"),
         "top5": final.get("val_top5"),
         "ema_top1": final.get("ema_top1"),
-        "train_img_s": s["train_img_s"],
+        "epoch_img_s": s["train_img_s"],  # the epochs' own speed, with whatever trained beside them
+        "val_n": final.get("val_n"),
         "peak_mib": mem["peak"] / MB if mem else None,
         "train_mem_mib": mem["delta"] / MB if mem else None,
         "train_s": s["train_time_s"],
@@ -577,9 +643,10 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def table_row(plan: Plan, v: Variant, results: list[dict[str, Any]], infer_img_s: float | None) -> dict[str, Any]:
-    """One variant's row: its size, and its figures (one run), or their means over the seeds with the standard
-    deviation and every seed's value of top-1 / top-5."""
+def table_row(plan: Plan, v: Variant, results: list[dict[str, Any]], speeds: dict[str, float]) -> dict[str, Any]:
+    """One variant's row: its size, its figures (one run), or their means over the seeds with the standard
+    deviation and every seed's value of top-1 / top-5, the 95 % interval of top-1 on the held-out images, and
+    its speeds timed alone (:func:`time_speeds`)."""
     params, macs = plan.sizes[v.label]
     row: dict[str, Any] = {
         "model": v.label,
@@ -602,7 +669,11 @@ def table_row(plan: Plan, v: Variant, results: list[dict[str, Any]], infer_img_s
             values = [f[key] for f in runs if f.get(key) is not None]
             row[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else None
             row[f"{key}_seeds"] = values
-    row.update(infer_img_s=infer_img_s, model_args=json.dumps(plan.configs[plan.runs[v.label][0]].model_args))
+    if row.get("top1") is not None and row.get("val_n"):  # seeds: the interval of one seed's held-out set
+        row["top1_lo"], row["top1_hi"] = wilson_interval(row["top1"], row["val_n"])
+        row["top1_ci"] = f"{row['top1_lo']:.1f}-{row['top1_hi']:.1f}"
+    row.update(infer_img_s=speeds.get("infer_img_s"), train_img_s=speeds.get("train_img_s"))
+    row["model_args"] = json.dumps(plan.configs[plan.runs[v.label][0]].model_args)
     return row
 
 
@@ -612,7 +683,7 @@ def run_meta(args: argparse.Namespace, plan: Plan, wall: float) -> dict[str, Any
         "img_size": plan.img_size,
         "epochs": plan.recipe["epochs"],
         "batch_size": plan.recipe["batch_size"],
-        "lr": plan.recipe["lr"],
+        "lr": sorted({cfg.peak_lr for cfg in plan.configs.values()}),  # what ran: a recipe's base_lr scaled
         "seed": args.seed,
         "seeds": len(plan.seeds),
         "train_images": plan.train_images,

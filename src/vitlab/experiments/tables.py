@@ -17,31 +17,44 @@ SIMILAR = 0.9  # DeepViT: a block is "similar" above 90 % cross-layer similarity
 
 
 COLUMNS: list[Column] = [
-    ("model", "model", "{}"), ("method", "method", "{}"), ("top1", "top-1 %", "{:.2f}"), ("top5", "top-5 %", "{:.2f}"),
+    ("model", "model", "{}"), ("method", "method", "{}"), ("top1", "top-1 %", "{:.2f}"), ("top1_ci", "95% CI", "{}"),
+    ("top5", "top-5 %", "{:.2f}"),
     ("params_m", "params (M)", "{:.3f}"), ("mmacs", "MACs (M)", "{:.2f}"), ("train_img_s", "train img/s", "{:.0f}"),
     ("infer_img_s", "infer img/s", "{:.0f}"), ("peak_mib", "peak MiB", "{:.0f}"), ("train_s", "train s", "{:.0f}"),
 ]  # fmt: skip
 TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
 # measured per run and averaged over the seeds; the first two also get their standard deviation
-SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "train_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
+SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "epoch_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
 SEED_SPREAD = ("top1", "top5", "miou")
 
 
-def compare_note(meta: dict[str, Any]) -> str:
+def compare_note(meta: dict[str, Any], columns: list[Column] = COLUMNS) -> str:
+    """The table's caption: what ran (data, epochs, batch, the learning rate that ran) and what each measured
+    column means; it names only the columns the table has."""
+    keys = {k for k, *_ in columns}
     seeds = f", mean ± std over {meta['seeds']} seeds" if meta["seeds"] > 1 else ""
-    return (
-        f"Held-out top-1/top-5 after {meta['epochs']} epochs on {meta['data']} at {meta['img_size']} px "
+    lrs = meta["lr"] if isinstance(meta["lr"], list) else [meta["lr"]]
+    lr = f"peak lr {lrs[0]:.3g}" if len(lrs) == 1 else "peak lr " + " to ".join(f"{x:.3g}" for x in (lrs[0], lrs[-1]))
+    parts = [
+        f"Held-out scores after {meta['epochs']} epochs on {meta['data']} at {meta['img_size']} px "
         f"({meta['train_images']} train / {meta['heldout_images']} held-out images{seeds}), batch "
-        f"{meta['batch_size']}, lr {meta['lr']}; train img/s with {meta['threads_per_job']} thread(s) per variant, "
-        f"{meta['jobs']} variant(s) at a time; "
-        + (
-            f"inference img/s with the same {meta['threads_per_job']} thread(s), batch 256, one variant at a time; "
-            if meta.get("speed", True)
-            else ""
+        f"{meta['batch_size']}, {lr}."
+    ]
+    if "top1_ci" in keys:
+        parts.append("95% CI: the Wilson interval of top-1 on the held-out images (one seed's set).")
+    if meta.get("speed", True) and keys & {"train_img_s", "infer_img_s"}:
+        parts.append(
+            f"Speeds timed after training, one variant at a time in a fresh process with "
+            f"{meta['threads_per_job']} thread(s): train img/s = forward, backward and AdamW step on a batch of "
+            f"{meta['batch_size']} (no data loading); infer img/s = forward of a batch of 256."
         )
-        + "peak MiB = peak resident memory of the variant's training process. "
-        f"Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}."
-    )
+    if "peak_mib" in keys:
+        parts.append(
+            f"peak MiB = peak resident memory of the variant's training process ({meta['jobs']} variant(s) "
+            "trained at a time)."
+        )
+    parts.append(f"Wall time {meta['wall_s']:.0f} s, load average {meta['loadavg']}.")
+    return " ".join(parts)
 
 
 def write_tables(
@@ -50,7 +63,9 @@ def write_tables(
     write_csv_atomic(out / "table.csv", [{k: _csv_value(v) for k, v in r.items()} for r in rows])
     write_json_atomic(out / "table.json", {"meta": meta, "rows": rows})
     text_columns = meta.get("text_columns", TEXT_COLUMNS)
-    write_text_atomic(out / "table.md", render_markdown(rows, note or compare_note(meta), columns, text_columns))
+    write_text_atomic(
+        out / "table.md", render_markdown(rows, note or compare_note(meta, columns), columns, text_columns)
+    )
     return [out / "table.csv", out / "table.json", out / "table.md"]
 
 
@@ -102,22 +117,33 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     if not pts:
         return [out / "curves.png"]
     fig, ax = plt.subplots(figsize=(7, 5))
-    ax.scatter([r["infer_img_s"] for r in pts], [r["top1"] for r in pts], s=[40 + 200 * r["params_m"] for r in pts])
-    ax.errorbar(
-        [r["infer_img_s"] for r in pts],
-        [r["top1"] for r in pts],
-        yerr=[r.get("top1_std") or 0.0 for r in pts],
-        fmt="none",
-        ecolor="gray",
-        capsize=3,
-    )
-    for r in pts:
-        ax.annotate(r["model"], (r["infer_img_s"], r["top1"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    x, y = [r["infer_img_s"] for r in pts], [r["top1"] for r in pts]
+    ax.scatter(x, y, s=[40 + 200 * r["params_m"] for r in pts], alpha=0.8, label="dot area: parameters")
+    lo = [r["top1"] - r.get("top1_lo", r["top1"]) for r in pts]
+    hi = [r.get("top1_hi", r["top1"]) - r["top1"] for r in pts]
+    ax.errorbar(x, y, yerr=[lo, hi], fmt="none", ecolor="gray", capsize=3, label="95% CI of top-1 (held-out set)")
+    place_labels(ax, x, y, [r["model"] for r in pts])
     ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
+    ax.legend(fontsize=8, loc="lower left", markerscale=0.5)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, out / "acc_vs_speed.png", dpi=120)
     return [out / "curves.png", out / "acc_vs_speed.png"]
+
+
+def place_labels(ax: Any, x: list[float], y: list[float], labels: list[str], height: float = 11.0) -> None:
+    """Name each point beside it, moving a name down until it overlaps no name placed before (points close in
+    speed and accuracy would print their names on top of each other)."""
+    ax.figure.canvas.draw()  # the axes' final limits: positions in pixels
+    placed: list[tuple[float, float, float]] = []  # (left, bottom, width) of each name, in pixels
+    for i in sorted(range(len(x)), key=lambda i: -y[i]):
+        px, py = ax.transData.transform((x[i], y[i]))
+        width, dy = 6.5 * len(labels[i]), 5.0
+        while any(abs(py + dy - b) < height and px + 5 < left + w and left < px + 5 + width for left, b, w in placed):
+            dy -= height
+        placed.append((px + 5, py + dy, width))
+        ax.annotate(labels[i], (x[i], y[i]), textcoords="offset points", xytext=(5, dy * 72 / ax.figure.dpi),
+                    fontsize=8)  # fmt: skip
 
 
 def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:

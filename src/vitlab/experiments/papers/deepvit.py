@@ -62,6 +62,6 @@ TABLES: list[Study] = [
         measures=(("top1", "paper top-1 %", "{:.2f}"), ("similar", "paper #similar", "{:.0f}")),
         extra="similarity",
         notes="'#similar' counts blocks whose maps are more than 90 % similar to the previous block's (cosine of the "
-        "maps' columns, averaged: DeepViT §3); vitlab measures it on 64 held-out images of the trained models.",
+        "maps' columns, averaged: DeepViT §3); vitlab measures it on the first held-out images of the trained models.",
     ),
 ]
