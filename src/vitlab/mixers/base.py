@@ -9,8 +9,8 @@ The one return path for intermediates: ``forward(x, layout, return_aux=True)``
 returns ``(out, aux)`` where ``aux`` is a dict of tensors the mixer computed on
 the way (``"attn"``: the (B, H, N, N) self-attention map it multiplied V with,
 ``"memory_attn"``: external attention's (B, H, N, S) map over its S memory
-slots, ``"carry"``: the map handed to the next block for Refined-ViT's shared
-attention, AFT's ``"keys"``...). Asking for aux never changes ``out``: attention
+slots, ``"carry"``: a new map handed to the next block for Refined-ViT's shared
+attention (absent: the block before's goes on), AFT's ``"keys"``...). Asking for aux never changes ``out``: attention
 switches from SDPA to its explicit path, which computes the same function.
 
 Mixers also describe themselves: :meth:`ElementwiseFlops.extra_flops` is the

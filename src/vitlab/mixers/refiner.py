@@ -346,7 +346,10 @@ class RefinerAttention(Attention):
 
     ``aux["attn"]`` is the map multiplied with V; ``aux["carry"]`` the map to hand
     to the next block as the official code does: the (refined) map of a normal
-    block, the incoming ``attn_prev`` unchanged for a shared block.
+    block. A shared block hands on the incoming ``attn_prev`` unchanged, so it
+    leaves ``"carry"`` out (the caller keeps the map it has): a block that returned
+    its own input would hand FSDP a view of it, which an in-place op could detach
+    from the all-gather of the backward.
 
     ``reduction=False`` (paper Table 3 ablation: no linear reduction) leaves rH
     maps; vitlab's reading is that they multiply V split into rH heads of width
@@ -447,7 +450,7 @@ class RefinerAttention(Attention):
                 raise ValueError("RefinerAttention(share=True) reuses the previous block's map: pass attn_prev")
             v = split_heads(fused_linear(self.qkv, x), self.value_heads)
             attn = self.refine_map(attn_prev.to(v.dtype), self.scale, layout)
-            carry = attn_prev
+            carry = None  # attn_prev goes on: the caller holds it
         else:
             q, k, v = self.qkv_heads(x)
             if self.value_heads != self.num_heads:
@@ -461,4 +464,4 @@ class RefinerAttention(Attention):
                 attn = self.refine_map(attn, layout=layout)
             carry = attn
         out = self.project(attn @ v)
-        return out, {"attn": attn, "carry": carry}
+        return out, {"attn": attn} if carry is None else {"attn": attn, "carry": carry}
