@@ -116,6 +116,28 @@ def test_bench_runs_a_baseline_case():
     assert "0.34x / 1.01x" in bench.table(rows, 1, 32, 1)  # Table 4's Performer beside the measured ratios
 
 
+def test_bench_baselines_include_every_aft_row_with_its_paper_figures():
+    """--baselines measures AFT-full and Table 4's AFT rows beside the baselines; the AFT rows the paper has get
+    their paper ratios (against its Transformer of their shape), AFT-full (not in Table 4) an empty cell; a run
+    without the T = 3072 pair names the targets it did not check."""
+    import argparse
+
+    from vitlab.tasks.lm import bench
+    from vitlab.tasks.lm.targets import verdict_lines
+
+    args = argparse.Namespace(models=["aft_local"], flash=False, baselines=True, baseline="transformer")
+    models = bench.bench_models(args)
+    assert {"aft_full", "aft_local_32", "aft_simple", "performer", "transformer"} <= set(models)
+    measured = [("aft_full", 1.0), ("aft_local_32", 1.0), ("aft_simple", 1.0), ("transformer", 1.0)]
+    rows = bench.ratios([{"model": m, "T": 1024, "status": "ok", "step_s": s, "mem_mb": 10.0} for m, s in measured])
+    lines = {line.split(" | ")[0].strip("| "): line for line in bench.table(rows, 1, 32, 1).splitlines()}
+    assert lines["aft_local_32"].endswith(f"| {11.2 / 28.3:.2f}x / {2.04 / 1.57:.2f}x |")
+    assert lines["aft_simple"].endswith(f"| {9.6 / 28.3:.2f}x / {2.61 / 1.57:.2f}x |")
+    assert lines["aft_full"].endswith("|  |")
+    (line,) = verdict_lines({}, rows)
+    assert "at most 0.6x the Transformer's memory and faster per training step" in line and "--tokens 3072" in line
+
+
 @pytest.mark.slow
 def test_reformer_lm_under_ddp_matches_one_process(tmp_path):
     """Reformer redraws its rotations every training forward: two gloo processes of 4 sequences draw the same

@@ -15,8 +15,10 @@ gradient scaler, GPU only); ``--device cuda`` runs it on a GPU, timed with CUDA 
 allocator's peak - what was allocated before the model was built.
 
 ``--baselines`` adds the efficient-attention baselines of AFT's Tables 2 and 4 (Linear Transformer, Performer,
-Reformer, Synthesizer, strided and local sparse attention: :data:`BASELINES`), each in its named config's
-mixer at the same L, d and ``--heads`` as the rest, so that one table compares them all.
+Reformer, Synthesizer, strided and local sparse attention: :data:`BASELINES`) and the AFT rows of Table 4
+(AFT-full, AFT-local-32, AFT-simple: :data:`AFT_ENWIK8`), each in its named config's mixer at the same L, d
+and ``--heads`` as the rest, so that one table compares them all; the paper's ratios stand beside each row
+the paper has.
 
 Ratios are taken against the Transformer of the same run and T, measured side by side. Targets
 (:mod:`vitlab.tasks.lm.targets`): AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step
@@ -49,7 +51,7 @@ from ...measure.sweep import (
     write_json,
     write_text,
 )
-from .targets import PAPER, PAPER_ENWIK8, TARGET_T, judge, verdict_lines
+from .targets import judge, paper_ratios, verdict_lines
 
 # benchmark model -> (named config, extra mixer options)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -78,6 +80,8 @@ BASELINES: dict[str, tuple[str, dict[str, Any]]] = {
     "local_attention": ("image_transformer_local_cifar", {}),
 }
 MODELS.update(BASELINES)
+#: the AFT rows of the enwik8 table the baselines are read against (``--baselines`` adds them too)
+AFT_ENWIK8 = ("aft_full", "aft_local_32", "aft_simple")
 BASELINE = "transformer"
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -168,7 +172,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baselines",
         action="store_true",
-        help=f"also the efficient-attention baselines of AFT's Tables 2 and 4: {', '.join(BASELINES)}",
+        help=f"also the efficient-attention baselines of AFT's Tables 2 and 4 ({', '.join(BASELINES)}) and the "
+        f"AFT rows they are read against ({', '.join(AFT_ENWIK8)})",
     )
     p.add_argument(
         "--heads", type=opt.positive_int, default=2, help="heads of every multi-head mixer (Table 2's Transformer: 2)"
@@ -214,12 +219,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: L=1, d=64, T = 256 and 512")
 
 
+def bench_models(args: argparse.Namespace) -> list[str]:
+    """The benchmark models a run measures: ``--models``, what ``--flash`` and ``--baselines`` add, and the
+    model every ratio is taken against."""
+    extra = [*(["transformer_flash"] if args.flash else []), *((*BASELINES, *AFT_ENWIK8) if args.baselines else [])]
+    models = list(dict.fromkeys([*args.models, *extra]))
+    return models if args.baseline in models else [*models, args.baseline]
+
+
 def run_cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every model at every T, ``args.rounds`` times, each in a fresh process, one progress line each."""
-    extra = [*(["transformer_flash"] if args.flash else []), *(BASELINES if args.baselines else [])]
-    models = list(dict.fromkeys([*args.models, *extra]))
-    if args.baseline not in models:
-        models.append(args.baseline)
+    models = bench_models(args)
     # side by side: for each T, every model once per round
     cases = [
         {"model": m, "T": t, "layers": args.layers, "dim": args.dim, "batch": args.batch, "dtype": d, "round": k}
@@ -320,13 +330,16 @@ def table(rows: list[dict[str, Any]], layers: int, dim: int, batch: int, baselin
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        p = PAPER.get(r["model"]) if r["T"] == TARGET_T else PAPER_ENWIK8.get(r["model"]) if r["T"] == 1024 else None
+        p = paper_ratios(r["model"], r["T"])
         paper = f"{p['mem']:.2f}x / {p['speed']:.2f}x" if p else ""
         med = f" ({r['median_s']:.2f})" if r.get("median_s") else ""
         lines.append(
             f"| {r['model']} | {r['T']} | {r['dtype']} | {r['step_s']:.2f}{med} | {r['mem_mb']:.0f} | {r['mem_ratio']:.2f}x | "
             f"{r['speed_ratio']:.2f}x | {paper} |"
         )
+    lines += ["", "paper: the paper's ratios against its Transformer of the same shape (8 x V100): Table 2 at "
+              "T = 3072, Table 4 at T = 1024; rows the paper does not have (AFT-full is not in Table 4) stay "
+              "empty."]  # fmt: skip
     return "\n".join(lines)
 
 
