@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -192,3 +193,85 @@ def test_folder_means_one_thing_in_train_eval_and_analyze(tmp_path):
     assert images.shape == x.shape == (4, 3, 16, 16) and "4 images" in what
     first = torch.tensor((40, 100, 0)).view(3, 1, 1) / 255  # cat/0.png (class order: sorted names)
     assert (images[0] - first).abs().max() <= 1 / 255 + 1e-6
+
+
+# --------------------------------------------------------------------------- damaged shards and manifests
+
+
+@pytest.fixture
+def shards(tmp_path):
+    from vitlab.data.shard_writer import write_shards
+
+    _tree(tmp_path / "src" / "train", per_class=4)
+    _tree(tmp_path / "src" / "val", per_class=2)
+    write_shards(tmp_path / "src", tmp_path / "sh", shard_size=4)
+    return tmp_path / "sh"
+
+
+def _train_argv(data: str, out) -> list[str]:
+    return ["train", *TINY, "--data", data, "--batch-size", "2", "--epochs", "1", "--img-size", "14",
+            "--threads", "1", "--no-progress", "--device", "cpu", "--out", str(out)]  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_a_damaged_shard_is_one_line_from_train(shards, tmp_path, capsys, damage):
+    """`head -c 5000` of a shard, or random bytes, named by shards.json (no header scan at open): one line
+    naming the shard and the fix, from the training loop's DataLoader worker too."""
+    import random
+
+    shard = shards / "train-000000.tar"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:5000] if damage == "truncated" else random.Random(0).randbytes(len(data)))
+    for workers in ("0", "1"):
+        assert cli_main([*_train_argv(f"wds:{shards}", tmp_path / "run"), "--workers", workers]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert f"shard {shard} " in err and "truncated, damaged or not a tar file" in err, err
+        assert "write the shard again (vitlab data shards)" in err, err
+    # the same shard through a brace pattern: its headers are scanned when opened
+    (tmp_path / "alone").mkdir()
+    shard.rename(tmp_path / "alone" / "x-0.tar")
+    assert cli_main(["data", "info", f"wds:{tmp_path / 'alone'}/x-{{0..0}}.tar"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "x-0.tar is not a readable tar file" in err, err
+
+
+def _manifest_error(shards, meta) -> str:
+    import json
+
+    (shards / "shards.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    with pytest.raises(ValueError) as e:
+        open_source(f"wds:{shards}", "train")
+    message = str(e.value)
+    assert "\n" not in message and str(shards / "shards.json") in message, message
+    return message
+
+
+def test_every_manifest_field_is_checked(shards):
+    import json
+
+    good = json.loads((shards / "shards.json").read_text())
+    train = good["splits"]["train"]
+    cases = [
+        ({k: v for k, v in good.items() if k != "splits"}, r"'splits' must be an object such as"),
+        ({**good, "splits": [train]}, r"'splits' must be an object"),
+        ({**good, "splits": {"train": [train]}}, r"split 'train' must be an object"),
+        ({**good, "splits": {"train": {"counts": train["counts"]}}}, r"'shards' must be a non-empty list"),
+        ({**good, "splits": {"train": {**train, "shards": "train-000000.tar"}}}, r"'shards' must be a non-empty"),
+        ({**good, "splits": {"train": {**train, "counts": ["4", 4]}}}, r"'counts' must be a list of sample counts"),
+        ({**good, "splits": {"train": {**train, "counts": [4, -1]}}}, r"'counts' must be a list of sample counts"),
+        ({**good, "splits": {"train": {**train, "counts": [4, 2.5]}}}, r"'counts' must be a list of sample counts"),
+        ({**good, "splits": {"train": {**train, "counts": [4]}}}, r"'counts' must have one entry per shard \(2\)"),
+        ({**good, "splits": {"train": {**train, "counts": [4, 10**12]}}}, r"lists 1000000000000 samples for .* hold"),
+        ({**good, "splits": {"train": {**train, "shards": ["../x.tar", *train["shards"][1:]]}}}, r"outside the"),
+        ({**good, "splits": {"train": {**train, "shards": ["/etc/passwd", *train["shards"][1:]]}}}, r"absolute"),
+        ({**good, "classes": "a,b"}, r"'classes' must be a non-empty list of class names"),
+        ({**good, "classes": ["a", "a"]}, r"'classes' must name each class once"),
+        ({**good, "format": "zip"}, r"'format' must be \"webdataset\""),
+        ([good], r"the manifest must be a JSON object"),
+        ("{not json", r"is not valid JSON"),
+    ]
+    for meta, message in cases:
+        got = _manifest_error(shards, meta)
+        assert re.search(message, got), (message, got)
+        assert "re-write" not in got and "vitlab data shards" in got, got

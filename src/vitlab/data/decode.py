@@ -11,6 +11,8 @@ YCbCr/grayscale JPEG; everything else (PNG, CMYK JPEGs, GIF, 16-bit images...)
 goes through Pillow and ends as RGB (alpha dropped, as timm and torchvision do) or grayscale.
 
 A file that cannot be decoded raises :class:`UnreadableImage` naming the path; the loaders count and skip it.
+A path is read through :func:`read_image` (:func:`vitlab.data.safe_files.read_regular`): a named pipe or device
+given as an image is an unreadable image, never a read that blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .safe_files import read_regular
 
 DECODERS = ("auto", "pillow", "simplejpeg")
 
@@ -79,10 +83,19 @@ def _to_array(im, channels: int) -> np.ndarray:
     return a if a.ndim == 3 else a[..., None]
 
 
+def read_image(path: str | Path) -> bytes:
+    """The bytes of an image file; :class:`UnreadableImage` naming it when it is missing, unreadable, or not a
+    regular file (checked on the opened file, without blocking on a pipe)."""
+    try:
+        return read_regular(Path(path), "image", "replace it by the image file or remove it from the dataset")
+    except (OSError, ValueError) as e:  # FileNotFoundError, DataFileError (a pipe, a device, too large)
+        raise UnreadableImage(f"{path}: {type(e).__name__}: {e}") from None
+
+
 def _open_pillow(data: bytes | Path):
     from PIL import Image
 
-    return Image.open(io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data)
+    return Image.open(io.BytesIO(data if isinstance(data, (bytes, bytearray, memoryview)) else read_image(data)))
 
 
 def image_size(data: bytes | Path, decoder: str = "pillow") -> tuple[int, int]:
@@ -98,7 +111,7 @@ def image_size(data: bytes | Path, decoder: str = "pillow") -> tuple[int, int]:
 
 
 def _as_bytes(data: bytes | Path) -> bytes:
-    return bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else Path(data).read_bytes()
+    return bytes(data) if isinstance(data, (bytes, bytearray, memoryview)) else read_image(data)
 
 
 def _is_jpeg(data: bytes | Path) -> bool:

@@ -34,7 +34,7 @@ from torch import Tensor
 from .augment import RandAugment
 from .crop import crop_resize, eval_resize_crop, load_sample
 from .datasets import IMAGENET_MEAN, IMAGENET_STD, ImageDataset, load_dataset
-from .decode import Decoded, resolve_decoder
+from .decode import Decoded, UnreadableImage, read_image, resolve_decoder
 from .geometry import DEFAULT_CROP_PCT, CropSpec, train_box
 from .loader import BatchLoader, BatchOp
 from .samplers import RepeatedAugSampler, ShardedSampler
@@ -61,9 +61,10 @@ class TransformPipeline:
     ``batch`` (float ops on a batch: RandAugment or colour jitter, normalisation, random erasing).
 
     Called on a PIL image, a path or file bytes it returns one normalised ``(C, H, W)`` tensor (``g`` drives
-    the random choices); on a ``(B, C, H, W)`` tensor it runs :meth:`batched`. ``crop_padding`` (training on
-    in-memory sets only): resize the whole image and cut a random crop of the padded image instead of
-    RandomResizedCrop (0: resize only).
+    the random choices; a file that cannot be read or decoded, a named pipe included, is
+    :class:`~vitlab.data.decode.UnreadableImage` naming it); on a ``(B, C, H, W)`` tensor it runs
+    :meth:`batched`. ``crop_padding`` (training on in-memory sets only): resize the whole image and cut a
+    random crop of the padded image instead of RandomResizedCrop (0: resize only).
     """
 
     crop: CropSpec
@@ -89,8 +90,16 @@ class TransformPipeline:
         if self.crop.train and self.crop_padding is not None:
             raise ValueError("crop_padding crops batches of in-memory images; one image takes RandomResizedCrop")
         g = g if g is not None else torch.Generator().manual_seed(0)
-        if isinstance(img, (bytes, bytearray, str, Path)):
-            x, _ = load_sample(img if isinstance(img, (bytes, bytearray)) else Path(img), self.crop, g, "pillow")
+        if isinstance(img, (bytes, bytearray)):
+            x, _ = load_sample(bytes(img), self.crop, g, "pillow")
+        elif isinstance(img, (str, Path)):  # read here: a pipe given as an image is refused, never waited on
+            try:
+                x, _ = load_sample(read_image(img), self.crop, g, "pillow")
+            except UnreadableImage as e:
+                message = str(e)
+                raise UnreadableImage(
+                    message if message.startswith(str(img)) else f"{img}: {message.split(': ', 1)[-1]}"
+                ) from None
         else:  # a PIL image already opened
             from .decode import _to_array
 

@@ -10,6 +10,9 @@ error (the labels would silently shift otherwise), a val folder lacking some cla
 
 Only regular files are listed (a named pipe or a device among the images would block a reader forever); a
 class folder without images is an error (the class count and every later label would shift silently).
+:meth:`FolderSource.read`, through which every reader (``folder:``, ``pets:``, ``flowers102:``) gets a file to
+open, checks again, without blocking, that the file is still a regular file: one that became a pipe or device
+after the listing is one line, never a read that waits forever.
 
 Dense token-label targets (see :mod:`vitlab.data.tokenlabel`) are read per image from ``<image name>.tl.npy``
 beside the image (``a.JPEG.tl.npy``: the whole name, so ``a.JPEG`` and ``a.png`` have maps of their own), or
@@ -19,6 +22,7 @@ from ``<dense_root>/<class>/<image name>.tl.npy``.
 from __future__ import annotations
 
 import os
+import stat
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +32,10 @@ import numpy as np
 import torch
 
 from .datasets import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, stratified_holdout
+from .safe_files import DataFileError, check_regular, read_regular
 
 DENSE_SUFFIX = ".tl.npy"
+DENSE_FIX = "write the token-label maps again (vitlab relabel)"
 LAYOUT = "ROOT/train/<class>/<image> and ROOT/val/<class>/<image> (or ROOT/<class>/<image>)"
 
 
@@ -148,7 +154,10 @@ class FolderSource:
         return self.root / self.files.path(i)
 
     def read(self, i: int) -> tuple[Path, int]:
-        return self.path(i), int(self.files.labels[i])
+        """The path of file ``i`` and its label; a file that is no longer a regular file is refused (one line)."""
+        path = self.path(i)
+        refuse_special(path, "image")
+        return path, int(self.files.labels[i])
 
     def dense_path(self, i: int) -> Path:
         return dense_file((self.dense_root or self.root) / self.files.path(i))
@@ -204,6 +213,18 @@ def open_folder(
     return src
 
 
+def refuse_special(path: Path, what: str) -> None:
+    """One line when ``path`` is a pipe, socket, device or folder (opening it to read could block forever); a
+    regular file, a missing or an unreadable one passes (the decoder counts those as unreadable images). A
+    ``stat``, which never blocks."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, no permission, a NUL in the name: the decoder says so
+        return
+    if not stat.S_ISREG(mode):
+        check_regular(path, what, "replace it by the image file or remove it from the dataset")
+
+
 def _sub(dense: Path | None, name: str) -> Path | None:
     return None if dense is None else (dense / name if (dense / name).is_dir() else dense)
 
@@ -212,12 +233,17 @@ def read_dense(path: Path | bytes) -> np.ndarray:
     """A dense token-label file: ``float16 (2, k, Hm, Wm)`` (top-k scores, class indices); never unpickles."""
     import io
 
+    name = "bytes" if isinstance(path, bytes) else str(path)
     try:
-        arr = np.load(io.BytesIO(path) if isinstance(path, bytes) else path, allow_pickle=False)
+        # read through read_regular: a pipe in the file's place is refused, never waited on
+        data = path if isinstance(path, bytes) else read_regular(path, "token-label file", DENSE_FIX)
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except DataFileError:
+        raise
+    except FileNotFoundError as e:  # a ValueError line, as every other unreadable token-label file
+        raise ValueError(str(e)) from None
     except (OSError, ValueError, EOFError) as e:
-        raise ValueError(
-            f"token-label file {path if isinstance(path, Path) else 'bytes'} cannot be read: {e}"
-        ) from None
+        raise ValueError(f"token-label file {name} cannot be read: {e}") from None
     if arr.ndim != 4 or arr.shape[0] != 2:
         raise ValueError(f"token-label maps must have shape (2, k, H, W) (scores, class indices), got {arr.shape}")
     return arr

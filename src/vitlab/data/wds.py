@@ -22,6 +22,7 @@ samples of the batches already handed out.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -37,6 +38,7 @@ import torch
 from .crop import load_samples
 from .decode import UnreadableImage
 from .geometry import CropSpec
+from .safe_files import DataFileError, check_regular, inside_root, open_regular, read_regular
 from .samplers import derive_seed
 from .sources import IMAGE_EXTS, IMAGENET_MEAN, IMAGENET_STD, read_dense
 from .stream import StreamBatch, _batch_generator, collate
@@ -44,6 +46,17 @@ from .tokenlabel import crop_dense
 
 MANIFEST = "shards.json"
 WDS_FIX = "install it with: pip install 'vitlab[data]'"
+SHARD_FIX = "copy or write the shard again (vitlab data shards), or leave it out of the pattern or shards.json"
+MANIFEST_FORM = (
+    '{"format": "webdataset", "classes": ["name", ...], "splits": {"train": {"shards": ["train-000000.tar", ...], '
+    '"counts": [1000, ...]}, "val": {...}}}'
+)
+MANIFEST_FIX = f"write the shards again with `vitlab data shards`, or correct {MANIFEST} to the form {MANIFEST_FORM}"
+MANIFEST_LIMIT = 64 << 20  # a manifest of a million shards holds ~40 MB
+MAX_SHARDS = 1_000_000  # a brace pattern naming more is a typo (ImageNet-21k fits in ~15,000 shards)
+TAR_BLOCK = 512  # every sample takes at least one tar header of this size: a shard holds at most size / 512
+# compressed shards: tarfile would inflate them without a bound; vitlab reads (and writes) plain POSIX tar
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
 def _webdataset():
@@ -60,21 +73,59 @@ def expand_pattern(pattern: str) -> list[str]:
         import braceexpand  # webdataset's own dependency
     except ImportError as e:
         raise ImportError(f"wds: data needs the webdataset package; {WDS_FIX}") from e
-    paths = [str(Path(p).expanduser()) for p in braceexpand.braceexpand(pattern)]
-    missing = [p for p in paths if not Path(p).is_file()]
+    try:
+        paths = [str(Path(p).expanduser()) for p in itertools.islice(braceexpand.braceexpand(pattern), MAX_SHARDS + 1)]
+    except Exception as e:  # braceexpand's own errors on a malformed pattern
+        raise ValueError(
+            f"shard pattern {pattern!r} cannot be expanded ({e}); write e.g. /data/train-{{000000..000009}}.tar"
+        ) from None
+    if len(paths) > MAX_SHARDS:
+        raise ValueError(f"shard pattern {pattern!r} names more than {MAX_SHARDS} shards; check the braces")
+    missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} of the {len(paths)} shards of {pattern!r} do not exist (first: {missing[0]})"
         )
+    for p in paths:
+        check_regular(p, "shard", SHARD_FIX)  # a pipe named as a shard would block its reader forever
     return paths
 
 
+def _check_plain(head: bytes, path: str) -> None:
+    for magic, kind in _COMPRESSED.items():
+        if head.startswith(magic):
+            raise DataFileError(f"shard {path} is {kind}-compressed; vitlab reads plain tar shards: decompress it")
+
+
 def iter_shard(path: str) -> Iterator[dict]:
-    """The samples of one shard as dicts ``{__key__, <ext>: bytes, ...}`` (local files only)."""
+    """The samples of one shard as dicts ``{__key__, <ext>: bytes, ...}`` (local files only). A shard that is
+    not a regular file, is compressed, truncated or not a tar file at all is one :class:`DataFileError` line
+    naming it, raised where the damage is found (the samples before it are read)."""
     wds = _webdataset()
-    with open(path, "rb") as f:
+    with open_regular(path, "shard", SHARD_FIX) as f:
+        _check_plain(f.peek(8)[:8], path)
         files = wds.tariterators.tar_file_expander([{"url": path, "stream": f}])
-        yield from wds.tariterators.group_by_keys(files)
+        samples = wds.tariterators.group_by_keys(files)
+        read = 0
+        while True:
+            try:
+                sample = next(samples)
+            except StopIteration:
+                return
+            except Exception as e:  # tarfile's, webdataset's and the OS's errors all mean a damaged shard
+                raise DataFileError(
+                    f"shard {path} cannot be read after {read} samples: it is truncated, damaged or not a tar file "
+                    f"({_detail(e)}); {SHARD_FIX}"
+                ) from None
+            read += 1
+            yield sample
+
+
+def _detail(e: BaseException) -> str:
+    """The first argument of an error in a few words (webdataset appends the stream and url to ``args``)."""
+    first = e.args[0] if e.args else ""
+    text = " ".join(str(first).split())[:120]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def image_member(sample: dict) -> str | None:
@@ -84,11 +135,13 @@ def image_member(sample: dict) -> str | None:
 def count_shard(path: str) -> int:
     """Samples in a shard from its tar headers alone (``tarfile`` seeks over the file contents)."""
     key = _webdataset().tariterators.base_plus_ext
-    try:
-        with tarfile.open(path, "r:") as tar:
-            return len({key(m.name)[0] for m in tar if m.isreg()})
-    except (tarfile.TarError, OSError) as e:
-        raise ValueError(f"shard {path} is not a readable tar file ({e})") from None
+    with open_regular(path, "shard", SHARD_FIX) as f:
+        _check_plain(f.peek(8)[:8], path)
+        try:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                return len({key(m.name)[0] for m in tar if m.isreg()})
+        except Exception as e:  # tarfile.TarError, OSError, EOFError, UnicodeDecodeError...: a damaged shard
+            raise DataFileError(f"shard {path} is not a readable tar file ({_detail(e)}); {SHARD_FIX}") from None
 
 
 @dataclass
@@ -166,39 +219,97 @@ def open_shards(spec_path: str, split: str = "train") -> ShardSource:
 def _open_written(path: Path, split: str) -> ShardSource:
     """One split of a folder written by ``vitlab data shards`` (its ``shards.json``)."""
     manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not manifest.exists():
         raise FileNotFoundError(f"{path} holds no {MANIFEST}; write shards with `vitlab data shards` or give a "
                                 "brace pattern of shard files, e.g. wds:/data/train-{000000..000009}.tar")  # fmt: skip
-    meta = _read_manifest(manifest)
+    meta = read_manifest(manifest)
     if split not in meta["splits"]:
         raise ValueError(f"{manifest} has no {split!r} split (it has {sorted(meta['splits'])})")
     part = meta["splits"][split]
     shards = [str(path / s) for s in part["shards"]]
-    missing = [s for s in shards if not Path(s).is_file()]
+    missing = [s for s in shards if not Path(s).exists()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} shards listed in {manifest} do not exist (first: {missing[0]})")
-    return ShardSource(shards, [int(c) for c in part["counts"]], meta.get("classes"), f"{path.name}-{split}")
+    for shard, count in zip(shards, part["counts"]):
+        _check_count(shard, count, manifest)
+    return ShardSource(shards, list(part["counts"]), meta.get("classes"), f"{path.name}-{split}")
 
 
-def _read_manifest(path: Path) -> dict:
+def _check_count(shard: str, count: int, manifest: Path) -> None:
+    """The shard is a regular file that can hold ``count`` samples (each takes at least one tar header)."""
+    size = check_regular(shard, "shard", SHARD_FIX).stat().st_size
+    if count > size // TAR_BLOCK:
+        raise DataFileError(
+            f"{manifest} lists {count} samples for {shard}, whose {size} bytes hold at most {size // TAR_BLOCK}; "
+            f"{MANIFEST_FIX}"
+        )
+
+
+def _bad(path: Path, what: str, value: object) -> DataFileError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return DataFileError(f"{path}: {what}, got {shown}; {MANIFEST_FIX}")
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_manifest(path: Path) -> dict:
+    """``shards.json``, every field checked (one line naming the manifest, the field and the expected form):
+    ``format`` "webdataset" (optional), ``classes`` a list of distinct names (optional), ``splits`` an object
+    of splits, each ``{"shards": [names inside the manifest's folder], "counts": [samples per shard]}``."""
+    raw = read_regular(path, "shard manifest", MANIFEST_FIX, MANIFEST_LIMIT)
     try:
-        meta = json.loads(path.read_text())
-        assert isinstance(meta.get("splits"), dict)
-        return meta
-    except (ValueError, AssertionError, OSError) as e:
-        raise ValueError(f"{path} is not a shard manifest ({e or 'no splits'}); re-write the shards") from None
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise DataFileError(f"{path} is not valid JSON ({type(e).__name__}); {MANIFEST_FIX}") from None
+    if not isinstance(meta, dict):
+        raise _bad(path, "the manifest must be a JSON object", type(meta).__name__)
+    if meta.get("format", "webdataset") != "webdataset":
+        raise _bad(path, "'format' must be \"webdataset\"", meta["format"])
+    classes = meta.get("classes")
+    if classes is not None:
+        if not isinstance(classes, list) or not classes or not all(isinstance(c, str) for c in classes):
+            raise _bad(path, "'classes' must be a non-empty list of class names", classes)
+        twice = [c for c, n in collections.Counter(classes).items() if n > 1]
+        if twice:
+            raise _bad(path, "'classes' must name each class once", twice[0])
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise _bad(path, '\'splits\' must be an object such as {"train": {...}, "val": {...}}', splits)
+    for name, part in splits.items():
+        if not isinstance(part, dict):
+            raise _bad(path, f'split {name!r} must be an object {{"shards": [...], "counts": [...]}}', part)
+        shards, counts = part.get("shards"), part.get("counts")
+        if not isinstance(shards, list) or not shards or not all(isinstance(s, str) for s in shards):
+            raise _bad(path, f"split {name!r}: 'shards' must be a non-empty list of shard file names", shards)
+        if not isinstance(counts, list) or not all(_is_count(c) for c in counts):
+            raise _bad(path, f"split {name!r}: 'counts' must be a list of sample counts (integers >= 0)", counts)
+        if len(counts) != len(shards):
+            raise _bad(path, f"split {name!r}: 'counts' must have one entry per shard ({len(shards)})", counts)
+        for shard in shards:  # names, not paths: a shard outside the manifest's folder is refused
+            inside_root(path.parent, shard, f"{path} split {name!r}", MANIFEST_FIX)
+    return meta
 
 
 def _counts_beside(shards: list[str]) -> tuple[list[int], list[str] | None]:
     manifest = Path(shards[0]).parent / MANIFEST
     known: dict[str, int] = {}
     classes = None
-    if manifest.is_file():
-        meta = _read_manifest(manifest)
+    if manifest.exists():
+        meta = read_manifest(manifest)
         classes = meta.get("classes")
         for part in meta["splits"].values():
             known.update(zip(part["shards"], part["counts"]))
-    return [int(known[Path(s).name]) if Path(s).name in known else count_shard(s) for s in shards], classes
+    counts = []
+    for s in shards:
+        if Path(s).name in known:
+            _check_count(s, known[Path(s).name], manifest)
+            counts.append(known[Path(s).name])
+        else:
+            counts.append(count_shard(s))
+    return counts, classes
 
 
 class ShardStream(torch.utils.data.IterableDataset):
