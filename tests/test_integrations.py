@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import inspect
+import os
 import sys
 import types
 from collections import deque
@@ -285,3 +286,82 @@ def test_timm_reads_vitlab_folders_and_hub_configs(timm, tmp_path):
     meta = timm.create_model("vitlab.deit_mini", device="meta", dtype=torch.float64)
     assert meta.head.weight.device.type == "meta" and meta.head.weight.dtype == torch.float64
     assert isinstance(timm.create_model("vitlab"), vitlab.models.VisionTransformer)  # the default tag: DeiT-Ti
+
+
+def save_for_hf_layout(model: torch.nn.Module, folder, model_args: dict | None = None) -> dict:
+    """What timm 1.0's ``save_for_hf(model, folder)`` writes, by hand (timm is not installed): the weights as
+    ``pytorch_model.bin`` (its default, ``torch.save`` of the state_dict) and ``config.json`` with the
+    architecture, classes and features at the top, model_args only when given, and the pretrained_cfg without
+    its source entries and nulls (``filter_pretrained_cfg(remove_source=True, remove_null=True)``)."""
+    import json
+
+    folder.mkdir(parents=True)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    source = ("file", "url", "hf_hub_id", "hf_hub_filename", "source")
+    cfg = {k: v for k, v in model.pretrained_cfg.items() if v is not None and k not in source}
+    config = {"architecture": cfg.pop("architecture"), "num_classes": model.num_classes,
+              "num_features": model.num_features, "global_pool": model.global_pool}  # fmt: skip
+    if model_args:
+        config["model_args"] = model_args
+    config["pretrained_cfg"] = cfg
+    (folder / "config.json").write_text(json.dumps(config, default=list))
+    return config
+
+
+def timm_local_dir(timm, folder, **kwargs):
+    """``timm.create_model("local-dir:FOLDER", pretrained=True)``: timm reads config.json (the top-level
+    num_classes into the pretrained_cfg, ``file`` the folder) and calls the architecture with model_args."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    cfg = {**config["pretrained_cfg"], "file": str(folder), "source": "local-dir", "num_classes": config["num_classes"]}
+    args = config.get("model_args", {})
+    return timm.create_model(config["architecture"], pretrained=True, pretrained_cfg=cfg, **args, **kwargs)
+
+
+def test_a_folder_timms_save_for_hf_writes_loads_back(timm, tmp_path):
+    """timm's default save_for_hf writes pytorch_model.bin (a pickle): it loads through local-dir: and through
+    vitlab.create_model(checkpoint_path=...), read with torch.load(weights_only=True); a pickle that asks to
+    run code is refused."""
+    torch.manual_seed(0)
+    trained = timm.create_model("vitlab.deit_mini", num_classes=5)
+    save_for_hf_layout(trained, tmp_path / "hf")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = trained.eval()(x)
+        for model in (
+            timm_local_dir(timm, tmp_path / "hf"),
+            vitlab.create_model("deit_mini", checkpoint_path=tmp_path / "hf"),
+        ):
+            assert model.num_classes == 5 and torch.equal(model.eval()(x), expected)
+    # a model built with other options: save_for_hf(model_args=...) records them
+    deeper = timm.create_model("vitlab.deit_mini", num_classes=2, depth=1)
+    save_for_hf_layout(deeper, tmp_path / "hf1", model_args=dict(deeper.model_kwargs))
+    loaded = timm_local_dir(timm, tmp_path / "hf1")
+    assert len(loaded.blocks) == 1 and torch.equal(loaded.head.weight, deeper.head.weight)
+    # nothing in pytorch_model.bin runs
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"head.weight": Evil()}, tmp_path / "hf" / "pytorch_model.bin")
+    for load in (lambda: timm_local_dir(timm, tmp_path / "hf"),
+                 lambda: vitlab.create_model("deit_mini", checkpoint_path=tmp_path / "hf")):  # fmt: skip
+        with pytest.raises(ValueError, match="asks to run code and vitlab will not load it") as e:
+            load()
+        assert "\n" not in str(e.value) and not marker.exists()
+
+
+def test_train_py_pretrained_path_head_marker_is_not_kept(timm, tmp_path):
+    """timm's train.py --pretrained-path passes pretrained_cfg_overlay={"file": ..., "num_classes": -1}: the
+    weights load, the head follows --num-classes, and the -1 is not saved with the model."""
+    trained = vitlab.create_model("deit_mini", num_classes=4)
+    trained.save_pretrained(tmp_path / "m")
+    model = timm.create_model("vitlab.deit_mini", pretrained=True, num_classes=7,
+                              pretrained_cfg_overlay={"file": str(tmp_path / "m"), "num_classes": -1})  # fmt: skip
+    assert model.num_classes == 7 and torch.equal(model.blocks[0].norm1.weight, trained.blocks[0].norm1.weight)
+    assert model.pretrained_cfg["num_classes"] != -1
+    model.save_pretrained(tmp_path / "again")
+    assert vitlab.from_pretrained(tmp_path / "again").num_classes == 7

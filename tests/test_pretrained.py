@@ -10,6 +10,7 @@ DeiT; the slow suite repeats it at full size with random official-layout weights
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -394,3 +395,75 @@ def test_python_m_vitlab():
         timeout=300,
     )
     assert proc.returncode == 0 and "deit_mini" in proc.stdout, proc.stderr
+
+
+def _tamper(config: dict, change) -> dict:
+    config = json.loads(json.dumps(config))
+    change(config)
+    return config
+
+
+TAMPERED_CONFIGS = {
+    "version '2'": (lambda c: c.update(version="2"), r"version must be an integer format version"),
+    "version null": (lambda c: c.update(version=None), r"version must be an integer format version"),
+    "num_classes 'ten'": (lambda c: c.update(num_classes="ten"), r": num_classes must be an integer >= 0, got 'ten'"),
+    "num_classes 10.5": (lambda c: c.update(num_classes=10.5), r": num_classes must be an integer >= 0, got 10\.5"),
+    "num_classes 7": (lambda c: c.update(num_classes=7), r"num_classes must be the num_classes of model_args \(3\)"),
+    "model_args num_classes 'ten'": (
+        lambda c: c["model_args"].update(num_classes="ten"),
+        r"model_args\.num_classes must be an integer >= 0, got 'ten'",
+    ),
+    "model_args num_classes 10.5": (
+        lambda c: c["model_args"].update(num_classes=10.5),
+        r"model_args\.num_classes must be an integer >= 0, got 10\.5",
+    ),
+    "pretrained_cfg_overlay in model_args": (
+        lambda c: c["model_args"].update(pretrained_cfg_overlay={"crop_pct": 0.9}),
+        r"model_args\.pretrained_cfg_overlay must be absent \(a keyword of the build",
+    ),
+    "unknown model_args key": (
+        lambda c: c["model_args"].update(colour="red"),
+        r"model_args do not build deit_mini \(deit_mini: unknown option\(s\) colour",
+    ),
+    "crop_pct 0": (lambda c: c["pretrained_cfg"].update(crop_pct=0), r"pretrained_cfg\.crop_pct must be a number in"),
+    "crop_pct 'a'": (lambda c: c["pretrained_cfg"].update(crop_pct="a"), r"crop_pct must be a number in \(0, 2\.0\]"),
+    "input_size": (lambda c: c["pretrained_cfg"].update(input_size=[3, 32]), r"input_size must be \[channels"),
+    "interpolation": (lambda c: c["pretrained_cfg"].update(interpolation="magic"), r"interpolation must be one of"),
+    "model_args list": (lambda c: c.update(model_args=[1]), r"model_args, pretrained_cfg and vitlab_cfg objects"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED_CONFIGS))
+def test_a_tampered_model_folder_is_one_line_everywhere(tmp_path, capsys, case):
+    change, message = TAMPERED_CONFIGS[case]
+    build_model("deit_mini", num_classes=3, depth=1).save_pretrained(tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps(_tamper(json.loads(config.read_text()), change)))
+    with pytest.raises(ValueError, match=message) as e:
+        vitlab.from_pretrained(tmp_path / "m")
+    assert "\n" not in str(e.value) and str(config) in str(e.value)
+    for argv in (["eval", str(tmp_path / "m"), "--data", "mnist"], ["convert", str(tmp_path / "m"), "--json"]):
+        code, _, err = run_cli(capsys, *argv, "--device", "cpu") if argv[0] == "eval" else run_cli(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+        assert re.search(message, err), (argv, err)
+
+
+def test_weights_of_another_kind_than_the_model_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    build_model("deit_mini", num_classes=3, depth=1).save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    state = load_file(weights)
+    state["head.weight"] = state["head.weight"].round().long()
+    save_file(state, weights)
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor head\.weight is torch\.int64 \(integer\), but the "
+                                         r"model's head\.weight is torch\.float32 \(floating point\)") as e:  # fmt: skip
+        vitlab.from_pretrained(tmp_path / "m")
+    assert "\n" not in str(e.value)
+    state["head.weight"] = state["head.weight"].to(torch.bfloat16)  # another precision: a cast keeps it
+    save_file(state, weights)
+    assert vitlab.from_pretrained(tmp_path / "m").head.weight.dtype == torch.float32
+    # integer buffers that are integers in the model too (BatchNorm's counters) load
+    build_model("eamlp_bn_mini", num_classes=3).save_pretrained(tmp_path / "bn")
+    loaded = vitlab.from_pretrained(tmp_path / "bn").state_dict()
+    assert loaded["blocks.0.norm1.num_batches_tracked"].dtype == torch.int64

@@ -24,6 +24,7 @@ from ..checkpoint import (
     FORMAT,
     check_image_classifier,
     check_model_name,
+    describe_mismatch,
     load_checkpoint,
     load_state_checked,
     model_from_checkpoint,
@@ -31,11 +32,15 @@ from ..checkpoint import (
 from ..data.data_config import training_data_cfg
 from ..models import build_model, get_config, list_models
 from ..models.base import feature_extractor
-from ..models.folder import WEIGHTS, is_model_folder, is_vitlab_folder, read_config
+from ..models.folder import CONFIG, CONFIG_FIX, WEIGHTS, is_model_folder, is_vitlab_folder, read_config
 from ..models.registry import CFG_KEYS, channel_stats, check_overlay, input_cfg, overlay_cfg
 from .convert import load_reference, read_checkpoint
 
 WEIGHTS_ENV = "VITLAB_WEIGHTS"
+#: the weights file of a folder another library wrote, in the order looked for: safetensors (timm's
+#: ``save_for_hf(safe_serialization=True)``, the Trainer), then timm's default ``pytorch_model.bin`` (a torch
+#: pickle, read as every other: ``torch.load(weights_only=True)``, tensors and plain values only)
+FOREIGN_WEIGHTS = (WEIGHTS, "pytorch_model.bin")
 
 
 def weights_dir() -> Path:
@@ -122,8 +127,8 @@ def _with_weights(name: str, path: Path, overlay: dict[str, Any], overrides: dic
     num_classes = overrides.pop("num_classes", None)
     if not path.exists():
         raise FileNotFoundError(f"weights {path} not found")
-    if path.is_dir() and not is_vitlab_folder(path) and (path / WEIGHTS).is_file():
-        path = path / WEIGHTS  # a folder another library wrote (timm's hub format, a Trainer checkpoint)
+    if path.is_dir() and not is_vitlab_folder(path):  # another library's folder (timm's hub format, a Trainer's)
+        path = next((path / w for w in FOREIGN_WEIGHTS if (path / w).is_file()), path)
     try:
         model = load_model(name, path, **overrides)
     except ValueError:  # weights for other channels than asked: loaded as they are, the first layer adapted
@@ -247,13 +252,58 @@ def load_folder(folder: str | Path, **overrides: Any) -> nn.Module:
     """The model saved in ``folder`` by ``save_pretrained`` (config.json + model.safetensors), in eval mode.
 
     Only JSON and raw tensors are read: nothing in the folder runs. ``overrides`` change build options
-    that do not change the weights' shapes (``drop_path_rate``, ``dynamic_img_size``, ...)."""
+    that do not change the weights' shapes (``drop_path_rate``, ``dynamic_img_size``, ...). The model is first
+    built on the meta device (no memory): options that do not build it, and weights whose names, shapes or
+    kinds (floating point against integer) differ from the model's own, are one line before anything is
+    allocated."""
     folder = Path(folder).expanduser()
     config = read_config(folder)
+    name, where = config["model_name"], folder / CONFIG
     cfg = {k: v for k, v in config["pretrained_cfg"].items() if k in CFG_KEYS}
-    model = build_model(config["model_name"], pretrained_cfg_overlay=cfg, **{**config["model_kwargs"], **overrides})
-    load_state_checked(model, read_checkpoint(folder / WEIGHTS), f"{folder / WEIGHTS}")
+    kwargs = {**config["model_kwargs"], **overrides}
+    try:
+        with torch.device("meta"):
+            shaped = build_model(name, pretrained_cfg_overlay=cfg, **kwargs)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        first = " ".join(str(e).split())[:200]
+        raise ValueError(f"{where}: model_args do not build {name} ({first}); {CONFIG_FIX}") from None
+    recorded = config["num_classes"]
+    if recorded is not None and "num_classes" not in overrides and recorded != shaped.num_classes:
+        raise ValueError(f"{where}: num_classes {recorded} is not the {shaped.num_classes} classes model_args "
+                         f"build; {CONFIG_FIX}")  # fmt: skip
+    state = read_checkpoint(folder / WEIGHTS)
+    check_state_fits(shaped.state_dict(), state, f"{folder / WEIGHTS}")  # before the real build allocates
+    model = build_model(name, pretrained_cfg_overlay=cfg, **kwargs)
+    load_state_checked(model, state, f"{folder / WEIGHTS}")
     return _ready(model, f"{folder} (vitlab model folder)")
+
+
+def _kind(t: Tensor) -> str:
+    return "complex" if t.is_complex() else "floating point" if t.is_floating_point() else (
+        "bool" if t.dtype == torch.bool else "integer")  # fmt: skip
+
+
+def check_state_fits(own: Mapping[str, Tensor], state: Mapping[str, Tensor], what: str) -> None:
+    """One line when ``state`` does not fit a model whose state_dict is ``own`` (meta tensors will do): names
+    missing or unexpected, shapes that differ, or the first tensor whose kind (floating point, integer, bool,
+    complex) is not the model's own (``load_state_dict`` would cast int64 weights to float silently). Another
+    float precision (bf16 weights for a float32 model) fits: a cast keeps them."""
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{what} does not fit the model: {describe_mismatch(missing, unexpected, shapes)}")
+    for key, tensor in state.items():
+        mine = own.get(key)
+        if isinstance(mine, Tensor) and isinstance(tensor, Tensor) and _kind(mine) != _kind(tensor):
+            raise ValueError(
+                f"{what}: tensor {key} is {tensor.dtype} ({_kind(tensor)}), but the model's {key} is {mine.dtype} "
+                f"({_kind(mine)}): the file is damaged or not this model's weights; re-create it or pass another file"
+            )
 
 
 def _is_model_name(name: str) -> bool:

@@ -13,7 +13,8 @@ weights folder (never the network), timm's ``pretrained_cfg_overlay={"file": ...
 --pretrained-path``) names a local file, and ``timm.create_model("local-dir:FOLDER")`` reads a folder written
 by vitlab's ``save_pretrained`` or by timm's own ``save_for_hf`` of a vitlab model. ``features_only=True``
 (``feature_cls`` None or ``'getter'``), ``in_chans`` (with pretrained weights: the first layer adapted),
-``device`` and ``dtype`` follow timm's factory.
+``device`` and ``dtype`` follow timm's factory. timm's ``train.py`` and ``validate.py`` take the models once
+this module's :func:`register` has run in their process (docs/ecosystem.md shows a wrapper of a few lines).
 
 Only the registry functions ``register_model`` and ``generate_default_cfgs`` of ``timm.models`` are used.
 """
@@ -81,6 +82,10 @@ def vitlab(
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     name = _model_name(pretrained_cfg)
     overlay = dict(pretrained_cfg_overlay or {})
+    if isinstance(overlay.get("num_classes"), int) and overlay["num_classes"] < 0:
+        # train.py --pretrained-path passes num_classes=-1 ("adapt the head"): vitlab's head follows the
+        # num_classes option already, and a -1 kept in pretrained_cfg would be saved with the model
+        del overlay["num_classes"]
     if pretrained and "file" not in overlay and _cfg_file(pretrained_cfg):
         overlay["file"] = _cfg_file(pretrained_cfg)
     with torch.device(device) if device is not None else contextlib.nullcontext():
