@@ -59,6 +59,12 @@ class ImageDataset:
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         return self.images[i], int(self.labels[i])
 
+    @property
+    def classes(self) -> list[str] | None:
+        """The class names, when the data names them: what a run's checkpoint keeps as ``label_names``, as for
+        a folder's classes."""
+        return self.class_names
+
     def get_batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         return self.images[idx], self.labels[idx]
 

@@ -27,7 +27,6 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -52,19 +51,6 @@ FLOWERS_SUBFOLDERS = ("flowers-102", "102flowers")
 PETS_CLASSES, FLOWERS_CLASSES = 37, 102
 SPLIT_FILE_LIMIT = 64 << 20  # Pets' split files hold ~100 kB; a larger one is not a split file
 MAT_LIMIT = 64 << 20  # Flowers' .mat files hold ~100 kB
-
-
-class NamedImageDataset(ImageDataset):
-    """An in-memory set with class names that travel as a folder's do: ``classes`` (what a run's checkpoint
-    keeps as ``label_names``), kept by :meth:`subset`."""
-
-    @property
-    def classes(self) -> list[str]:
-        return list(self.class_names or ())
-
-    def subset(self, idx: torch.Tensor, name: str | None = None) -> NamedImageDataset:
-        part = super().subset(idx, name)
-        return NamedImageDataset(**{f.name: getattr(part, f.name) for f in fields(part)})
 
 
 def _folder(root: str | Path, what: str, fix: str) -> Path:
@@ -96,9 +82,8 @@ def _find_root(
 
 # ------------------------------------------------------------------------------------------------- CIFAR-100
 def cifar100(root: str | Path, split: str = "train") -> ImageDataset:
-    """CIFAR-100 (fine labels) from a ``cifar-100-python`` folder or its parent: ``train`` or ``test``. With the
-    class names of ``meta`` the set is a :class:`NamedImageDataset`; without them (a warning says why) a plain
-    :class:`ImageDataset`."""
+    """CIFAR-100 (fine labels) from a ``cifar-100-python`` folder or its parent: ``train`` or ``test``, named
+    by the class names of ``meta`` (without them, a warning says why, the classes are unnamed)."""
     root = _folder(root, "CIFAR-100", CIFAR100_FIX)
     part = _part(split)
     folder = _find_root(
@@ -112,8 +97,7 @@ def cifar100(root: str | Path, split: str = "train") -> ImageDataset:
     path = folder / part
     data, labels = read_cifar_arrays(path, "CIFAR-100 file", "fine_labels", 100, CIFAR100_FIX)
     names = read_label_names(folder / "meta", "CIFAR-100 meta file", "fine_label_names", 100, CIFAR100_FIX, False)
-    kind = ImageDataset if names is None else NamedImageDataset
-    return kind(
+    return ImageDataset(
         torch.from_numpy(data.copy()),
         torch.from_numpy(labels),
         100,
