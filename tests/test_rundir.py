@@ -87,6 +87,88 @@ def test_a_second_writer_is_refused_with_the_owner_named(tmp_path, capsys):
     assert not out.exists()  # the lock created the folder and removed it, empty, on release
 
 
+# a `vitlab` command whose synthetic images wait for a gate file (argv[1]) to exist: a writer held mid-write
+GATED_SYNTH = """
+import sys, time
+from pathlib import Path
+import vitlab.data.synth as synth
+gate, real = Path(sys.argv[1]), synth.synth_image
+def gated(*args, **kwargs):
+    while not gate.exists():
+        time.sleep(0.05)
+    return real(*args, **kwargs)
+synth.synth_image = gated
+from vitlab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+SYNTH = ["--classes", "2", "--train-per-class", "3", "--val-per-class", "1", "--size", "40", "30"]
+
+
+def wait_for_owner(folder: Path, pid: int, proc: subprocess.Popen) -> None:
+    """Until ``pid`` has recorded itself in ``folder``'s lock file (or the process has ended: a failure)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads((folder / LOCK_NAME).read_text()).get("pid") == pid:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()  # the process this test started, stuck before its lock
+    raise AssertionError(f"the writer never locked {folder} (exit {proc.wait()}): {proc.communicate()[1]}")
+
+
+def test_a_second_data_writer_is_refused_and_the_first_completes_intact(tmp_path, capsys):
+    """Two real processes: `vitlab data synth` holds OUT mid-write; `data synth` and `data shards` into the same
+    OUT are refused with one line naming the folder and the holder, and the first writes every image."""
+    src, out, gate = tmp_path / "src", tmp_path / "out", tmp_path / "gate"
+    assert cli_main(["data", "synth", str(src), *SYNTH]) == 0
+    first = python(GATED_SYNTH, str(gate), "data", "synth", str(out), *SYNTH, "--seed", "1")
+    try:
+        wait_for_owner(out, first.pid, first)
+        capsys.readouterr()
+        for argv in (["data", "synth", str(out), *SYNTH], ["data", "shards", f"folder:{src}", str(out)]):
+            assert cli_main(argv) == 2
+            err = one_line_error(capsys)
+            assert f"{out} is in use by vitlab data synth (pid {first.pid} on " in err, err
+        gate.touch()
+        stdout, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, stderr
+    assert "wrote 8 JPEGs" in stdout
+    assert sorted(p.name for p in out.iterdir()) == ["train", "val"]  # no shard, no lock left
+    assert len(list(out.rglob("*.JPEG"))) == 8
+
+
+def test_shards_and_analyze_hold_their_output_folder(tmp_path, capsys):
+    """`vitlab data shards` and `vitlab analyze` refuse a folder another command holds (nothing written into it);
+    free, `data shards` takes SRC as `vitlab train --data` does (folder:PATH) or as a path, and refuses other
+    data in one line."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    assert cli_main(["data", "synth", str(src), *SYNTH]) == 0
+    analyze = ["analyze", "deit_mini", "--img-size", "28", "--in-chans", "1", "--num-classes", "10", "--num-images",
+               "1", "--what", "evolution", "--out", str(out)]  # fmt: skip
+    with RunLock(out, "vitlab train", log=lambda line: None):
+        capsys.readouterr()
+        for argv in (["data", "shards", f"folder:{src}", str(out)], analyze):
+            assert cli_main(argv) == 2
+            err = one_line_error(capsys)
+            assert f"{out} is in use by vitlab train (pid {os.getpid()} on " in err, err
+        assert [p.name for p in out.iterdir()] == [LOCK_NAME]
+    for spec in (f"folder:{src}", str(src)):
+        assert cli_main(["data", "shards", spec, str(out), "--shard-size", "4"]) == 0
+        assert json.loads((out / "shards.json").read_text())["splits"]["train"]["counts"] == [4, 2]
+    assert not (out / LOCK_NAME).exists()
+    capsys.readouterr()
+    for spec, words in (("mnist", "is mnist data"), (f"wds:{out}", "is wds data"), ("folder:", "needs a path")):
+        assert cli_main(["data", "shards", spec, str(tmp_path / "other")]) == 2
+        assert words in one_line_error(capsys)
+    assert not (tmp_path / "other").exists()
+
+
 def test_the_lock_of_a_killed_process_is_taken_over(tmp_path):
     out = tmp_path / "run"
     holder = python(

@@ -22,6 +22,7 @@ The numbers are the pure tensor functions of :mod:`vitlab.measure.maps`; the fig
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from ..common.io import write_json_atomic
+from ..common.rundir import RunLock
 from ..measure import maps as metrics
 from ..mixers import AFTConv
 from ..mixers.base import TokenLayout
@@ -451,10 +453,12 @@ def analyze(
     max_heads: int = 24,
     batch_size: int = 8,
     log: Callable[[str], None] = print,
+    lock: bool = True,
 ) -> dict[str, Any]:
     """Run the analyses ``what`` (names of :data:`ANALYSES`) on the model input ``x`` (``images``: the same
     in [0, 1], for the figures); write ``<name>.json`` / ``<name>.png`` and ``summary.json`` to ``out_dir``
-    and return the summary."""
+    and return the summary. ``out_dir`` is owned while it is written (:class:`vitlab.common.rundir.RunLock`:
+    a second writer is refused with one line naming this one); ``lock=False`` when the caller holds that lock."""
     if not 0.0 <= threshold <= 1.0:
         raise ValueError(f"--threshold must be in [0, 1], got {threshold}")
     if not hasattr(model, "forward_trace"):
@@ -462,8 +466,16 @@ def analyze(
     if max_heads < 1 or batch_size < 1:
         raise ValueError(f"--max-heads and --batch-size must be positive, got {max_heads}, {batch_size}")
     out_dir = Path(out_dir)
+    ctx = Context(model, images.cpu(), query, threshold, list(slots), max_heads)
+    with RunLock(out_dir, "vitlab analyze", log) if lock else contextlib.nullcontext():
+        return _run(model, x, [CLASSES[n](ctx) for n in what], out_dir, batch_size, log)
+
+
+def _run(
+    model: nn.Module, x: Tensor, todo: list[Analysis], out_dir: Path, batch_size: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """:func:`analyze`'s work, in the folder it owns."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo = [CLASSES[n](Context(model, images.cpu(), query, threshold, list(slots), max_heads)) for n in what]
     logits_diff, skipped = _feed(model, x, todo, batch_size)
     report: dict[str, Any] = {
         "model": getattr(model, "meta", {}).get("name", type(model).__name__),

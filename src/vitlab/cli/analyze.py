@@ -16,6 +16,7 @@ from ..analysis.inputs import load_images
 from ..common import options as opt
 from ..common.device import add_device_argument, resolve_device
 from ..common.io import check_writable_folder
+from ..common.rundir import RunLock
 from ..data.spec import SPEC_HELP, data_spec
 from ..interop.pretrained import load_model
 
@@ -92,8 +93,14 @@ def parse_slots(spec: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable_folder(args.out)
+    with RunLock(args.out, "vitlab analyze", print):  # owned before the model and the images are loaded
+        return analyze_into(args)
+
+
+def analyze_into(args: argparse.Namespace) -> int:
+    """The analysis ``args`` describe, written to ``args.out`` (owned by the caller)."""
     what, slots = args.what, args.slots  # parsed and checked with the command line
-    check_writable_folder(args.out)  # before the model and the images are loaded
     sizes = (("img_size", args.img_size), ("in_chans", args.in_chans), ("num_classes", args.num_classes))
     torch.manual_seed(args.seed)
     model = load_model(args.model, args.checkpoint or None, ema=args.ema, **{k: v for k, v in sizes if v is not None})
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         slots=slots,
         max_heads=args.max_heads,
         batch_size=args.batch_size,
+        lock=False,
     )
     diff = report["explicit_path_max_abs_logit_diff"]
     print(f"explicit path vs model(x): max |logit difference| = {diff:.2e}; summary: {Path(args.out) / 'summary.json'}")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from ..common import options as opt
 from ..common.io import check_writable_folder
-from ..data.spec import SPEC_HELP, data_spec
+from ..data.spec import KINDS, SPEC_HELP, data_spec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,12 +35,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--quality", type=opt.Int(1, 100), default=90, help="JPEG quality (default 90)")
     s.add_argument("--seed", type=opt.seed, default=0)
     w = sub.add_parser("shards", help="write an image folder (ImageNet layout) as WebDataset tar shards")
-    w.add_argument("src", help="image folder: SRC/train/<class>/* and SRC/val/<class>/*")
+    w.add_argument(
+        "src",
+        type=opt.Validated(image_folder, "an image folder"),
+        help="image folder, as `vitlab train --data` takes it (folder:PATH) or a plain path: SRC/train/<class>/* "
+        "and SRC/val/<class>/*",
+    )
     w.add_argument("out", help="folder for OUT/<split>-NNNNNN.tar and OUT/shards.json (read back as wds:OUT)")
     w.add_argument("--shard-size", type=opt.positive_int, default=1000, help="samples per shard (default 1000)")
     i = sub.add_parser("info", help="what a data spec holds: images, classes, per-class counts")
     i.add_argument("spec", type=data_spec, help=f"a dataset spec: {SPEC_HELP}")
     i.add_argument("--split", default="train", choices=["train", "val"])
+
+
+def image_folder(spec: str) -> str:
+    """The folder of an image-folder spec: ``folder:PATH`` (as ``vitlab train --data`` takes it) or a plain
+    path; a spec of another kind of data (``mnist``, ``wds:...``) is one line saying what SRC takes."""
+    kind, sep, path = spec.strip().partition(":")
+    kind = kind.strip().lower()
+    if sep and kind == "folder":
+        if not path.strip():
+            raise ValueError(f"{spec!r} needs a path: write folder:/path/to/images")
+        return path.strip()
+    embedded = not sep and kind == "mnist" and not Path(spec).expanduser().is_dir()  # a folder named mnist: a path
+    if (sep and kind in KINDS) or embedded:
+        raise ValueError(
+            f"{spec!r} is {kind} data; vitlab data shards writes an image folder (folder:PATH or a plain path)"
+        )
+    return spec
 
 
 def run(args: argparse.Namespace) -> int:

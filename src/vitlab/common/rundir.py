@@ -86,7 +86,7 @@ def _acquire(path: Path) -> int:
             owner = _read_owner(fd)
             os.close(fd)
             raise RunDirError(
-                f"{path.parent} is in use by {describe(owner)}; wait for it to end or use another --out"
+                f"{path.parent} is in use by {describe(owner)}; wait for it to end or use another output folder"
             ) from None
         if _same_file(fd, path):
             return fd

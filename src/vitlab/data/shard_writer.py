@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +14,32 @@ from .wds import MANIFEST
 
 
 def write_shards(
-    src_root: str | Path, out: str | Path, *, shard_size: int = 1000, splits: tuple[str, ...] = ("train", "val")
+    src_root: str | Path,
+    out: str | Path,
+    *,
+    shard_size: int = 1000,
+    splits: tuple[str, ...] = ("train", "val"),
+    log: Callable[[str], None] = print,
 ) -> dict:
     """Write an ImageNet-layout folder as WebDataset shards ``OUT/<split>-NNNNNN.tar`` (image bytes unchanged,
     ``.cls``, ``.tl.npy`` where a token-label file sits beside the image) and ``OUT/shards.json``. Samples go
-    into the shards in a seeded random order so that a shard holds a mix of classes."""
-    from ..common.io import atomic_open, write_json_atomic
-    from .sources import open_folder
+    into the shards in a seeded random order so that a shard holds a mix of classes.
+
+    ``OUT`` is owned for the whole write (:class:`vitlab.common.rundir.RunLock`): a second writer into the same
+    folder is refused with one line naming this one; ``log`` receives the lock's notes."""
+    from ..common.rundir import RunLock
 
     if shard_size < 1:
         raise ValueError(f"shard size must be >= 1, got {shard_size}")
     out = Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out, "vitlab data shards", log):
+        return _write_shards(src_root, out, shard_size, splits)
+
+
+def _write_shards(src_root: str | Path, out: Path, shard_size: int, splits: tuple[str, ...]) -> dict:
+    from ..common.io import atomic_open, write_json_atomic
+    from .sources import open_folder
+
     meta: dict = {"format": "webdataset", "splits": {}}
     for split in splits:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import colorsys
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -77,16 +78,27 @@ def synthesize(
     size: tuple[int, int] | None = None,
     quality: int = 90,
     seed: int = 0,
+    log: Callable[[str], None] = print,
 ) -> dict:
     """Write the folder (see the module docstring); ``size=(W, H)`` fixes the size (else ImageNet's mix).
-    Returns a summary: counts, sizes, bytes written."""
-    from ..common.io import atomic_open
+    Returns a summary: counts, sizes, bytes written. ``out`` is owned for the whole write
+    (:class:`vitlab.common.rundir.RunLock`): a second writer into it is refused with one line naming this one;
+    ``log`` receives the lock's notes."""
+    from ..common.rundir import RunLock
 
     if num_classes < 2 or train_per_class < 1 or val_per_class < 0:
         raise ValueError(f"need >= 2 classes and >= 1 training image per class, got {num_classes}, {train_per_class}")
     if not 1 <= quality <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
     out = Path(out).expanduser()
+    with RunLock(out, "vitlab data synth", log):
+        return _write(out, num_classes, train_per_class, val_per_class, size, quality, seed)
+
+
+def _write(out: Path, num_classes: int, train_per_class: int, val_per_class: int, size: tuple[int, int] | None,
+           quality: int, seed: int) -> dict:  # fmt: skip
+    from ..common.io import atomic_open
+
     total_bytes, count = 0, 0
     for split, per_class in (("train", train_per_class), ("val", val_per_class)):
         for c in range(num_classes):
