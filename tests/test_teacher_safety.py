@@ -26,6 +26,7 @@ from torch import nn
 import vitlab
 from vitlab.checkpoint import save_checkpoint
 from vitlab.cli import main as cli_main
+from vitlab.data.synth import synthesize
 from vitlab.distill.safety import check_expression, check_guard, check_target
 from vitlab.distill.teacher import TeacherError, load_teacher
 
@@ -428,3 +429,204 @@ def test_wrong_weights_and_oversized_archives_are_one_line_before_loading(progra
     monkeypatch.setattr(safety, "MAX_TEACHER_BYTES", 1000)
     with pytest.raises(TeacherError, match="more than any teacher"):
         load_teacher(program, img_size=24)
+
+
+# --------------------------------------------------------------------------- teachers that never answer, or fail
+
+
+class EndlessLoop(nn.Module):
+    """A forward whose loop never ends (TorchScript compiles it to ``prim::Loop``)."""
+
+    def forward(self, x):
+        i = 0
+        while i >= 0:
+            i = i + 1
+        return x.mean((2, 3))
+
+
+def add_three_times(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(3):
+        x = x + 1
+    return x
+
+
+class LoopInACalledFunction(nn.Module):
+    def forward(self, x):
+        return add_three_times(x).mean((2, 3))
+
+
+class LoopInABranch(nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 0:
+            for _ in range(x.shape[1]):
+                x = x * 2
+        return x.mean((2, 3))
+
+
+class DimensionsTimesAMillion(nn.Module):
+    def forward(self, x):
+        for _ in range(len(x.size()) * 1000000):
+            x = x + 1
+        return x.mean((2, 3))
+
+
+class LoopInALoop(nn.Module):
+    """Two loops over the dimensions, one within the other (nesting multiplies what each bounds)."""
+
+    def forward(self, x):
+        for _ in range(x.dim()):
+            for _ in range(x.dim()):
+                x = x + 1
+        return x.mean((2, 3))
+
+
+class RepeatedList(nn.Module):
+    def forward(self, x):
+        for _ in range(len([1] * 1000000)):
+            x = x + 1
+        return x.mean((2, 3))
+
+
+LOOPS = [EndlessLoop, LoopInACalledFunction, LoopInABranch, DimensionsTimesAMillion, LoopInALoop, RepeatedList]
+
+
+@pytest.mark.parametrize("cls", LOOPS, ids=[c.__name__ for c in LOOPS])
+def test_a_torchscript_teacher_with_a_loop_is_refused(tmp_path, cls):
+    """A loop could run forever inside C++, where nothing interrupts it: refused wherever it is (the forward, a
+    function it calls, a sub-block), before anything runs; a ``for`` over a tensor's dimensions passes only with
+    its count unchanged (give or take a little) and not within another loop."""
+    path = tmp_path / "loop.pt"
+    torch.jit.script(cls()).save(str(path))
+    assert_refused(path, tmp_path / "marker", "prim::Loop", lambda p: load_teacher(p, img_size=24))
+
+
+class NormsAndResize(nn.Module):
+    """Layers whose scripted code loops over a tensor's dimensions (BatchNorm's and GroupNorm's batch-size checks,
+    the output size of an interpolation): what a scripted CNN holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.gn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.GroupNorm(2, 8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.gn(self.bn(self.conv(x)))
+        return self.fc(nn.functional.interpolate(x, scale_factor=0.5, mode="bilinear").mean((2, 3)))
+
+
+def test_a_scripted_cnn_with_loops_over_its_dimensions_still_teaches(tmp_path):
+    torch.manual_seed(0)
+    model, path = NormsAndResize().eval(), tmp_path / "cnn.pt"
+    script = torch.jit.script(model)
+    graph = script.forward.inlined_graph
+    assert graph.findAllNodes("prim::Loop", True)  # the loops are there, and pass
+    script.save(str(path))
+    x = torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(load_teacher(path, img_size=24)(x), model(x))
+
+
+def test_an_exported_while_loop_is_refused(tmp_path):
+    import warnings
+
+    from torch._higher_order_ops.while_loop import while_loop
+
+    class Endless(nn.Module):
+        def forward(self, x):
+            _, y = while_loop(lambda i, y: i >= 0, lambda i, y: (i + 1, y.clone()), (torch.tensor(0), x))
+            return y.mean((2, 3))
+
+    path = tmp_path / "loop.pt2"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.export.save(torch.export.export(Endless(), (torch.randn(2, 3, 24, 24),)), path)
+    except Exception as e:  # a torch that cannot export while_loop cannot make such a file either
+        pytest.skip(f"torch.export cannot export while_loop here: {type(e).__name__}")
+    assert_refused(path, tmp_path / "marker", "'while_loop', which may never end")
+    assert check_target("torch.ops.higher_order.while_loop") is not None
+
+
+class Raises(nn.Module):
+    """A TorchScript teacher that raises on the data it is given (it wants 7 channels)."""
+
+    def forward(self, x):
+        if x.shape[1] != 7:
+            raise RuntimeError("wants 7 channels")
+        return x.mean((2, 3))
+
+
+# a tiny student with a distillation token on the embedded MNIST (1 x 28 x 28, 10 classes)
+STUDENT = ["--model", "deit_mini", "--model-arg", "patch_size=7", "--model-arg", "depth=1", "--model-arg",
+           "embed_dim=32", "--dist-token", "--train-limit", "32", "--holdout", "100", "--batch-size", "16",
+           "--epochs", "1", "--threads", "1", "--no-progress"]  # fmt: skip
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_teachers_that_do_not_fit_the_data_or_raise_are_one_line(tmp_path, capsys):
+    """A program's input channels are checked against the data before the first batch (train: MNIST's 1 channel,
+    relabel: RGB), as is a fixed input size against the one asked for; a teacher that raises is one line naming
+    its file, in `vitlab train` and `vitlab relabel`."""
+    rgb, gray, raises = tmp_path / "rgb.pt2", tmp_path / "gray.pt2", tmp_path / "raises.pt"
+    torch.export.save(torch.export.export(SmallCnn().eval(), (torch.randn(2, 3, 24, 24),)), rgb)
+    gray_cnn = nn.Sequential(nn.Conv2d(1, 4, 3)).eval()  # dense scores: what relabelling takes
+    torch.export.save(torch.export.export(gray_cnn, (torch.randn(2, 1, 24, 24),)), gray)
+    torch.jit.script(Raises()).save(str(raises))
+    images = tmp_path / "images"
+    synthesize(images, num_classes=2, train_per_class=2, val_per_class=1, size=(32, 32))
+    capsys.readouterr()
+    assert cli_main(["train", *STUDENT, "--teacher", str(rgb), "--out", str(tmp_path / "a")]) == 2
+    assert "the teacher takes 3-channel images, the data has 1" in one_line(capsys)
+    assert cli_main(["relabel", str(gray), str(images), "--threads", "1"]) == 2
+    assert f"teacher {gray} takes 1-channel images, the data has 3" in one_line(capsys)
+    assert cli_main(["relabel", str(gray), str(images), "--img-size", "32", "--threads", "1"]) == 2
+    assert f"teacher {gray} was exported for 24x24 inputs only, not the 32x32 asked for" in one_line(capsys)
+    assert cli_main(["train", *STUDENT, "--teacher", str(raises), "--out", str(tmp_path / "b")]) == 2
+    err = one_line(capsys)
+    assert f"teacher {raises} failed on a batch of shape (16, 1, 28, 28) (RuntimeError: wants 7 channels)" in err
+    assert cli_main(["relabel", str(raises), str(images), "--img-size", "24", "--threads", "1"]) == 2
+    assert f"teacher {raises} failed on a batch" in one_line(capsys)
+    assert not list(images.rglob("*.tl.npy"))
+
+
+# a `vitlab` command whose TorchScript teachers never answer (a stand-in for a loop inside C++: a sleep)
+HUNG_TEACHER = """
+import sys, time
+import vitlab.distill.safety as safety
+safety.ScriptTeacher.forward = lambda self, x: time.sleep(600)
+from vitlab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_teacher_that_never_answers_ends_the_run_with_one_line(tmp_path):
+    """The first call runs under --teacher-timeout: past it, a watchdog prints one line and ends the process
+    (exit code 2), in `vitlab train` and `vitlab relabel`; the default bound is generous."""
+    import subprocess
+    import sys
+    import time
+
+    from vitlab.distill.teacher import DEFAULT_TIMEOUT_S
+    from vitlab.engine.config import TrainConfig
+
+    assert TrainConfig().teacher_timeout == DEFAULT_TIMEOUT_S >= 60
+    teacher, images = tmp_path / "t.pt", tmp_path / "images"
+    torch.jit.script(Raises()).save(str(teacher))
+    synthesize(images, num_classes=2, train_per_class=1, val_per_class=1, size=(32, 32))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    for argv in (["train", *STUDENT, "--teacher", str(teacher), "--out", str(tmp_path / "run")],
+                 ["relabel", str(teacher), str(images), "--img-size", "24", "--threads", "1"]):  # fmt: skip
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", HUNG_TEACHER, *argv, "--teacher-timeout", "1"],
+                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+        assert f"teacher {teacher} gave no answer to its first batch within 1 s" in done.stderr
+        assert "--teacher-timeout" in done.stderr
+        assert time.monotonic() - start < 120  # far below the teacher's 600 s

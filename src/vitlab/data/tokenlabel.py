@@ -66,7 +66,18 @@ def crop_dense(maps: np.ndarray | Tensor, box: Box, grid: tuple[int, int]) -> tu
 
 
 def dense_targets(classes: Tensor, weights: Tensor, num_classes: int) -> Tensor:
-    """Scatter (class, weight) pairs ``(B, N, P)`` into dense per-token scores ``(B, N, num_classes)``."""
+    """Scatter (class, weight) pairs ``(B, N, P)`` into dense per-token scores ``(B, N, num_classes)``; a class
+    index outside ``0 .. num_classes - 1`` (maps a teacher of other classes wrote) is one ValueError line."""
+    if classes.numel():
+        # one host sync per batch: a scatter out of bounds is an opaque error on the CPU and a device-side
+        # assert that ends the process on a GPU
+        low, high = (int(v) for v in torch.aminmax(classes))
+        if low < 0 or high >= num_classes:
+            bad = high if high >= num_classes else low
+            raise ValueError(
+                f"the token-label maps name class {bad}, but the data has {num_classes} classes (0..{num_classes - 1}); "
+                "relabel the images with a teacher of these classes (vitlab relabel)"
+            )
     out = torch.zeros(*classes.shape[:-1], num_classes, dtype=weights.dtype, device=weights.device)
     return out.scatter_add_(-1, classes, weights)
 

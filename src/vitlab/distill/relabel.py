@@ -16,16 +16,13 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..common.device import resolve_device
-
-if TYPE_CHECKING:
-    from .teacher import Teacher
+from .teacher import DEFAULT_TIMEOUT_S, Teacher, load_teacher
 
 
 class DenseTeacher(nn.Module):
@@ -63,10 +60,11 @@ def top_k_maps(scores: Tensor, k: int) -> np.ndarray:
     return torch.stack([values, classes.float()], 1).to(torch.float16).numpy()
 
 
-def load_dense_teacher(path: str, img_size: int | None, device: torch.device) -> tuple[Teacher, tuple[int, int]]:
-    from .teacher import load_teacher
-
-    teacher = load_teacher(path, device, img_size)
+def load_dense_teacher(
+    path: str, img_size: int | None, device: torch.device, timeout: float | None = DEFAULT_TIMEOUT_S
+) -> tuple[Teacher, tuple[int, int]]:
+    """The teacher of ``path`` giving per-location scores, and the input size it takes."""
+    teacher = load_teacher(path, device, img_size, timeout)
     if teacher.num_classes is not None:  # a vitlab model: per patch token
         teacher.model = DenseTeacher(teacher.model)
     if teacher.input_size is None:
@@ -89,9 +87,11 @@ def image_files(folder: Path) -> list[Path]:
 
 
 def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int | None = None,
-            out: str | Path | None = None, batch_size: int = 64, device: str = "auto") -> tuple[int, list[str]]:  # fmt: skip
+            out: str | Path | None = None, batch_size: int = 64, device: str = "auto",
+            timeout: float | None = DEFAULT_TIMEOUT_S) -> tuple[int, list[str]]:  # fmt: skip
     """Write the dense maps of every image of ``folder``; returns how many were written and the unreadable
-    images skipped (each also warned)."""
+    images skipped (each also warned). ``timeout``: the seconds the teacher's first call may take (see
+    :mod:`vitlab.distill.teacher`)."""
     from ..common.io import atomic_open
     from ..data import create_transform
     from ..data.decode import UnreadableImage
@@ -100,7 +100,7 @@ def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int
     folder, dev = Path(folder).expanduser(), resolve_device(device)
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist")
-    teacher, size = load_dense_teacher(teacher_path, img_size, dev)
+    teacher, size = load_dense_teacher(teacher_path, img_size, dev, timeout)
     tf = create_transform(size, crop_mode="squash", crop_pct=1.0)  # the whole image: the map covers all of it
     files, written, skipped = image_files(folder), 0, []
     for start in range(0, len(files), batch_size):
@@ -115,6 +115,7 @@ def relabel(teacher_path: str, folder: str | Path, top_k: int = 5, img_size: int
             targets.append(dense_file(Path(out) / f.relative_to(folder) if out else f))
         if not images:
             continue
+        teacher.check_channels(images[0].shape[0])  # before the teacher sees a batch
         maps = top_k_maps(dense_scores(teacher.predict(torch.stack(images).to(dev))).cpu(), top_k)
         for target, m in zip(targets, maps):  # predict chunks as the teacher's batch allows
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ The check (:func:`read_export`):
   compiled code, no pickled custom objects, no legacy pickled weights;
 - every node target and operator argument is on the operator allowlist (:func:`check_target`): the ``aten``
   and ``prims`` namespaces except the operators of :data:`REFUSED_OPS` (files, printing, foreign memory,
-  global random state, remote calls), a vetted few higher-order operators, and the symbolic-integer
-  arithmetic torch itself emits (:data:`SYMBOLIC_OPS`), and vitlab's own operators (:data:`PACKAGE_OPS`); no
-  other namespace, and no Python callable;
+  global random state, remote calls), a vetted few higher-order operators (none that loops: :data:`LOOP_OPS`),
+  the symbolic-integer arithmetic torch itself emits (:data:`SYMBOLIC_OPS`), and vitlab's own operators
+  (:data:`PACKAGE_OPS`); no other namespace, and no Python callable;
 - every name is a plain dotted identifier, every shape expression is integer arithmetic over size symbols
   (:func:`check_expression`), every guard a comparison of input sizes (:func:`check_guard`), and the input and
   output tree specs name only tuples, lists and dicts;
@@ -26,8 +26,15 @@ them reaches torch. The loaded graph is checked again, node by node, against the
 
 A TorchScript file (:func:`read_torchscript`) is refused before ``torch.jit.load`` when its code defines
 ``__setstate__`` (the one method loading runs) or its pickles name C++ custom classes; after loading, the
-inlined graph of ``forward`` is checked against the allowlist (:data:`SCRIPT_PRIMS` for TorchScript's own
-instructions) before it ever runs, and the teacher calls ``forward`` itself, not the module (no hooks).
+inlined graph of ``forward`` (the functions it calls included) is checked against the allowlist
+(:data:`SCRIPT_PRIMS` for TorchScript's own instructions; no ``prim::Loop`` but a ``for`` over a tensor's
+dimensions, :func:`bounded_loop`) before it ever runs, and the teacher calls ``forward`` itself, not the module
+(no hooks).
+
+No loop whose end the file decides passes (a ``while``, a ``for`` over any count but a tensor's number of
+dimensions, a loop within a loop), because it could run forever inside torch's C++, where Python cannot
+interrupt it; what is left could still be slow, so :mod:`.teacher` also bounds the time of a teacher's first
+call.
 
 Every refusal, and every file that is not what it says, is one :class:`TeacherError` line.
 """
@@ -87,8 +94,17 @@ REFUSED_OPS = {
 #: vitlab's own registered operators (:mod:`vitlab.ops.onednn`: oneDNN's linear product), which a vitlab model
 #: exported with the fast paths on calls; defined by this package, not by the file
 PACKAGE_OPS = {"vitlab": frozenset({"onednn_linear", "onednn_linear_grad_input", "onednn_linear_grad_weight"})}
-#: higher-order operators a teacher may use: they only run subgraphs of the program itself
-HIGHER_ORDER_OPS = frozenset({"cond", "while_loop", "map_impl", "wrap_with_set_grad_enabled", "wrap_with_autocast"})
+#: higher-order operators a teacher may use: they only run subgraphs of the program itself, each a bounded
+#: number of times (a branch, or once per row of a tensor)
+HIGHER_ORDER_OPS = frozenset({"cond", "map_impl", "wrap_with_set_grad_enabled", "wrap_with_autocast"})
+#: higher-order operators that repeat a subgraph until a condition of the program says stop: a file could make
+#: that never happen, and a loop inside torch's C++ cannot be interrupted (a denial of service, not a teacher)
+LOOP_OPS = frozenset({"while_loop", "while_loop_stack_output", "scan"})
+LOOP_FIX = "a teacher's forward must not loop (trace or export the model so that its loops are unrolled)"
+#: a ``for`` over a tensor's dimensions may count a few more or fewer (``range(len(size) - 2)``)
+MAX_LOOP_OFFSET = 64
+#: how deep the trip count of such a loop is traced back to the shapes it counts
+MAX_SHAPE_DEPTH = 8
 #: Python callables torch.export records for symbolic-integer arithmetic (its serialiser's own list)
 SYMBOLIC_OPS: tuple[Callable, ...] = (
     *(getattr(operator, n) for n in _words("eq ne le ge lt gt neg pos mul add sub floordiv mod pow truediv and_ or_")),
@@ -97,12 +113,15 @@ SYMBOLIC_OPS: tuple[Callable, ...] = (
     torch.sym_not, torch.sym_int, torch.sym_float, torch.sym_ite, torch.sym_max, torch.sym_min, torch.sym_sqrt,
 )  # fmt: skip
 SYMBOLIC_NAMES = {f"{f.__module__}.{f.__name__}": f for f in SYMBOLIC_OPS}
-#: TorchScript's own instructions (``prim::``) a teacher's forward may use: data movement and control flow.
+#: TorchScript's own instructions (``prim::``) a teacher's forward may use: data movement and branches.
 #: Not here: PythonOp (a Python callback), Print, CallFunction/CallMethod left after inlining (interfaces),
-#: CreateObject/SetAttr (script objects and module state), Enter/Exit (context managers), rpc_*.
+#: CreateObject/SetAttr (script objects and module state), Enter/Exit (context managers), rpc_*, and Loop (a
+#: ``for`` or ``while`` of scripted code: its trip count and condition are values the file chooses, so it may
+#: never end, inside C++ where nothing interrupts it), but for a ``for`` over a tensor's dimensions
+#: (:func:`bounded_loop`).
 SCRIPT_PRIMS = _words(
     "Constant ListConstruct ListUnpack TupleConstruct TupleUnpack TupleIndex TupleSlice DictConstruct GetAttr If "
-    "Loop NumToTensor device dtype layout is_cuda is_cpu is_mkldnn is_quantized is_sparse is_nested RaiseException "
+    "NumToTensor device dtype layout is_cuda is_cpu is_mkldnn is_quantized is_sparse is_nested RaiseException "
     "Uninitialized unchecked_cast unchecked_unwrap_optional isinstance min max abs data requires_grad shape "
     "ConstantChunk BroadcastSizes ListIndex StringIndex EnumName EnumValue tolist AutogradAdd rangelist index "
     "itemsize nbytes type"
@@ -162,6 +181,8 @@ def check_target(name: str) -> str | None:
         return f"it calls {name!r}, which is not a tensor operator"
     namespace, op = m[1], m[2]
     if namespace == "higher_order":
+        if op in LOOP_OPS:
+            return f"it runs the loop {op!r}, which may never end; {LOOP_FIX}"
         return None if op in HIGHER_ORDER_OPS else f"it calls the higher-order operator {op!r}"
     if namespace in PACKAGE_OPS:
         return None if op in PACKAGE_OPS[namespace] else f"it calls {name!r}, which {namespace} does not define"
@@ -561,19 +582,82 @@ def _check_script_archive(path: Path, data: bytes) -> None:
                 raise refuse(path, f"it holds an object of the C++ class {custom}")
 
 
-def check_script_graph(graph: Any) -> str | None:
+def _constant(value: Any) -> Any:
+    """The value of a TorchScript constant (None for anything computed)."""
+    if value.node().kind() != "prim::Constant":
+        return None
+    try:
+        return value.toIValue()
+    except RuntimeError:
+        return None
+
+
+def _counts_dimensions(value: Any, depth: int = 0) -> bool:
+    """Whether a TorchScript integer is a tensor's number of dimensions, or the length of a list of shapes (see
+    :func:`_shape_list`), give or take a small constant: what a ``for`` over a shape counts to."""
+    node, inputs = value.node(), list(value.node().inputs())
+    if depth > MAX_SHAPE_DEPTH:
+        return False
+    if node.kind() == "aten::dim":
+        return True
+    if node.kind() == "aten::len":
+        return _shape_list(inputs[0], depth + 1)
+    if node.kind() in ("aten::add", "aten::sub") and len(inputs) == 2:
+        offset = _constant(inputs[1])
+        return (
+            isinstance(offset, int)
+            and not isinstance(offset, bool)
+            and abs(offset) <= MAX_LOOP_OFFSET
+            and _counts_dimensions(inputs[0], depth + 1)
+        )
+    return False
+
+
+def _shape_list(value: Any, depth: int) -> bool:
+    """Whether a TorchScript list is a tensor's shape, a copy or slice of one, a list written out in the code, or
+    two such lists joined: as long as a tensor has dimensions, or the code has items (never a repeated list)."""
+    node, inputs = value.node(), list(value.node().inputs())
+    if depth > MAX_SHAPE_DEPTH:
+        return False
+    if node.kind() == "aten::size":
+        return len(inputs) == 1
+    if node.kind() == "prim::ListConstruct":
+        return True
+    if node.kind() in ("aten::list", "aten::slice") and inputs:
+        return _shape_list(inputs[0], depth + 1)
+    if node.kind() == "aten::add" and len(inputs) == 2:
+        return all(_shape_list(v, depth + 1) for v in inputs)
+    return False
+
+
+def bounded_loop(node: Any) -> bool:
+    """Whether a ``prim::Loop`` is a ``for`` over the dimensions of a tensor: no condition of its own (constant
+    true, before and after each turn) and a trip count that :func:`_counts_dimensions` bounds. TorchScript's
+    own library code has such loops (BatchNorm's batch-size check, the sizes of an interpolation), so a scripted
+    CNN keeps them; they end after at most as many turns as a tensor has dimensions."""
+    trips, condition = list(node.inputs())[:2]
+    body = next(iter(node.blocks()))
+    again = next(iter(body.outputs()))
+    return _constant(condition) is True and _constant(again) is True and _counts_dimensions(trips)
+
+
+def check_script_graph(graph: Any, in_loop: bool = False) -> str | None:
     """Why a TorchScript graph is refused: an instruction outside ``aten`` (minus :data:`REFUSED_OPS`) and
-    :data:`SCRIPT_PRIMS`, in any block."""
+    :data:`SCRIPT_PRIMS`, or a loop but a :func:`bounded_loop` (not within another loop), in any block (the graph
+    given is the inlined one: called functions included)."""
     for node in graph.nodes():
         namespace, _, op = node.kind().partition("::")
-        if namespace == "prim" and op not in SCRIPT_PRIMS:
+        loop = node.kind() == "prim::Loop"
+        if loop and (in_loop or not bounded_loop(node)):
+            return f"its forward has a loop (prim::Loop) that may never end; {LOOP_FIX}"
+        if namespace == "prim" and op not in SCRIPT_PRIMS and not loop:
             return f"its forward runs prim::{op}, which is not a tensor operation"
         if namespace not in ("prim", "aten"):
             return f"its forward calls {node.kind()}, an operator outside aten"
         if namespace == "aten" and op in REFUSED_OPS:
             return f"its forward calls aten::{op}, which {REFUSED_OPS[op]}"
         for block in node.blocks():
-            why = check_script_graph(block)
+            why = check_script_graph(block, in_loop or loop)
             if why:
                 return why
     return None

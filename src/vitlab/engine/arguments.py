@@ -52,6 +52,8 @@ HELP = {
     "teacher": "distil from this teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file "
     "(needs --dist-token)",
     "teacher_img_size": "the teacher's input size (default: what its file says, else the training size)",
+    "teacher_timeout": "seconds the teacher's first batch may take; past them the run ends with an error (a teacher "
+    "that never answers)",
     "distillation": "hard (DeiT: the teacher's argmax) or soft (KL at temperature --distill-tau)",
     "distill_alpha": "weight of the distillation term",
     "distill_tau": "temperature of soft distillation",
@@ -201,6 +203,13 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run the parsed flags describe (a recipe's values already under them); flags that contradict each
+    other are one line."""
+    if {"lr", "base_lr"} <= set(getattr(args, "given", ())):  # the config would keep base_lr and drop lr
+        raise ValueError(
+            "--lr and --base-lr both set the learning rate (--base-lr scales it: BASE_LR x global batch / 512); "
+            "give one of them"
+        )
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     values["model_args"] = parse_model_args(values.get("model_args") or [])
     if values.get("out") is None:
@@ -214,6 +223,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     from ..common.distributed import close_distributed, peer_failure
     from .loop import train
 
+    warn_ineffective(cfg)
     try:
         return train(cfg)
     except RuntimeError as e:
@@ -222,6 +232,30 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         raise ValueError(line) from None
     finally:
         close_distributed()
+
+
+def warn_ineffective(cfg: TrainConfig) -> None:
+    """One warning line (rank 0) for each option that does nothing in this run: ``fsdp`` in a single process
+    (nothing to shard over: the model trains whole), ``tf32`` off an NVIDIA GPU (it sets CUDA's matrix units)."""
+    import warnings
+
+    from ..common.device import resolve_device
+    from ..common.distributed import current_world
+
+    world = current_world()
+    if not world.main:
+        return
+    if cfg.fsdp and world.size == 1:
+        warnings.warn(
+            "--fsdp shards the model over the processes torchrun starts (torchrun --nproc_per_node=N -m vitlab.cli "
+            "train ...); this run is a single process, so it trains the model unsharded",
+            stacklevel=2,
+        )
+    if cfg.tf32 and (device := resolve_device(cfg.device)).type != "cuda":
+        warnings.warn(
+            f"--tf32 enables the TF32 matrix units of NVIDIA GPUs; it has no effect on this run's device ({device})",
+            stacklevel=2,
+        )
 
 
 def train_from_args(args: argparse.Namespace) -> int:

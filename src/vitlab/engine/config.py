@@ -72,6 +72,7 @@ class TrainConfig:
     crop_pct: float | None = None  # evaluation crop of streaming data (default: the model's)
     teacher: str | None = None  # teacher: a vitlab checkpoint, a torch.export .pt2 or a TorchScript file
     teacher_img_size: int | None = None  # the teacher's input size (default: what its file says, else the data's)
+    teacher_timeout: float = 300.0  # seconds the teacher's first batch may take before the run ends (one line)
     distillation: str = "hard"  # "hard" (DeiT) or "soft" (KL at temperature distill_tau)
     distill_alpha: float = 0.5
     distill_tau: float = 1.0
@@ -190,6 +191,7 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "num_classes": opt.Int(1, 10**6),
     "crop_pct": opt.Float(0, 2, low_open=True),
     "teacher_img_size": opt.image_size,
+    "teacher_timeout": opt.positive_float,
     "distillation": opt.Choice("hard", "soft"),
     "distill_alpha": opt.probability,
     "distill_tau": opt.positive_float,

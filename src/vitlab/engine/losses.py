@@ -32,7 +32,7 @@ def make_criterion(cfg: TrainConfig, model: nn.Module, in_chans: int, device: to
         from ..distill.loss import DistillationLoss
         from ..distill.teacher import load_teacher
 
-        teacher = load_teacher(cfg.teacher, device, cfg.teacher_img_size)
+        teacher = load_teacher(cfg.teacher, device, cfg.teacher_img_size, cfg.teacher_timeout)
         loss = DistillationLoss(teacher, cfg.distillation, cfg.distill_alpha, cfg.distill_tau, cfg.smoothing,
                                 cfg.distill_reduction)  # fmt: skip
         loss.check_student(model, in_chans)

@@ -7,9 +7,10 @@ mapping of options the command line must give, each with what to give (a fine-tu
 starting checkpoint: without them the run would train from scratch on the default data). Options given on the command
 line override the file's; ``--lr`` on the command line also drops the file's ``base_lr`` (an absolute learning
 rate instead of one scaled by the batch). Every key and value is checked before any work: an unknown key, a
-key given twice (YAML would keep the last silently; TOML refuses it too), more than ``MAX_ALIASES`` YAML aliases
-(a few nested aliases expand into billions of values), and a distillation recipe run without ``--teacher`` are
-each one line.
+value of another type than its option's (:func:`check_type`, from the annotation of :class:`TrainConfig`'s
+field) or outside its range, ``lr`` beside ``base_lr`` (one would be ignored), a key given twice (YAML would
+keep the last silently; TOML refuses it too), more than ``MAX_ALIASES`` YAML aliases (a few nested aliases
+expand into billions of values), and a distillation recipe run without ``--teacher`` are each one line.
 
 The papers' recipes ship inside the package (``vitlab/recipes/<paper>/*.yaml``, package data read through
 ``importlib.resources``), so an installed wheel has them; a bare name is looked up in ``./recipes`` first (a
@@ -19,6 +20,7 @@ user's own), then among them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import tomllib
 from importlib import resources
@@ -115,20 +117,49 @@ def _strict_loader(yaml):
     return StrictLoader
 
 
+#: the Python types a recipe value of each annotation of :class:`TrainConfig`'s fields may have (YAML and TOML give
+#: these), and how a message names them; ``X | None`` also takes null
+VALUE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+    "dict[str, Any]": ((dict,), "a mapping of constructor options"),
+}
+
+
+def check_type(key: str, value: Any) -> str | None:
+    """Why ``value`` is not of the type of :class:`TrainConfig`'s field ``key`` (from its annotation), or None."""
+    annotation = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}[key]
+    parts = [part.strip() for part in annotation.split("|")]
+    optional = "None" in parts
+    kinds = [VALUE_TYPES[part] for part in parts if part in VALUE_TYPES]
+    if value is None:
+        return None if optional or not kinds else f"{key} must be {kinds[0][1]}, got null (leave the key out instead)"
+    # a boolean is an int to Python, never a number or a count in a recipe
+    fits = any(isinstance(value, types) and (bool in types or not isinstance(value, bool)) for types, _ in kinds)
+    if fits or not kinds:
+        return None
+    what = " or ".join(name for _, name in kinds) + (" (or null)" if optional else "")
+    hint = ""
+    if isinstance(value, str) and any(float in types for types, _ in kinds):
+        with contextlib.suppress(ValueError):
+            float(value)
+            hint = " (a number as text: drop the quotes; YAML also reads 1e-3 as text, write 1.0e-3)"
+    return f"{key} must be {what}, got {value!r}{hint}"
+
+
 def check_value(path: Path, key: str, value: Any) -> None:
-    """A recipe value of the option's type and range (one line naming the key)."""
-    kind = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}[key]
+    """A recipe value of the option's type (its annotation in :class:`TrainConfig`), then of its range (one line
+    naming the key)."""
+    why = check_type(key, value)
+    if why:
+        raise ValueError(f"recipe {path}: {why}")
     if key in OPTION_CHECKS and value is not None:
         try:
             OPTION_CHECKS[key].check(value, key)
         except ValueError as e:
             raise ValueError(f"recipe {path}: {e}") from None
-    elif kind == "bool" and not isinstance(value, bool):
-        raise ValueError(f"recipe {path}: {key} must be true or false, got {value!r}")
-    elif kind.startswith("str") and not (isinstance(value, str) or (value is None and "None" in kind)):
-        raise ValueError(f"recipe {path}: {key} must be a string, got {value!r}")
-    elif key == "model_args" and not isinstance(value, dict):
-        raise ValueError(f"recipe {path}: model_args must be a mapping of constructor options, got {value!r}")
 
 
 def load_recipe(name: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
@@ -148,6 +179,10 @@ def load_recipe(name: str) -> tuple[Path, dict[str, Any], dict[str, Any]]:
         if key not in names:
             raise ValueError(f"recipe {path}: unknown key {key!r} (not an option of vitlab train)")
         check_value(path, key, value)
+    if data.get("lr") is not None and data.get("base_lr") is not None:
+        raise ValueError(
+            f"recipe {path}: lr and base_lr both set the learning rate (base_lr x global batch / 512 wins); keep one"
+        )
     return path, data, reference
 
 
