@@ -12,6 +12,7 @@ times that, while every weight moves more than 1e-3 from its initial value (a di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -27,7 +28,7 @@ import torch
 import vitlab
 from vitlab.checkpoint import load_checkpoint, save_checkpoint
 from vitlab.checkpoint.sharded import ShardError, read_sharded_weights, save_sharded
-from vitlab.common.distributed import World
+from vitlab.common.distributed import World, blocks_of
 from vitlab.engine.optim import create_optimizer
 
 # a tiny DeiT (4x4 grid of 7-px patches, 1 block of width 32) on 128 digits: 4 steps of 32 per epoch
@@ -190,6 +191,44 @@ def test_a_resumed_epoch_row_on_two_processes_equals_the_uninterrupted_one(mode,
     assert a["val_top1"] == b["val_top1"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_workers_stop_with_their_torchrun(tmp_path):
+    """SIGKILL of torchrun alone (as a scheduler or a killed `vitlab study` ends it) ends its workers at once,
+    though they run in sessions of their own, instead of training on until a collective times out."""
+    import signal
+    import time
+
+    from test_study import descendants
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(torchrun(2, "train", *TINY_RUN, "--epochs", "500", "--out", str(out)), env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (out / "last.pt").exists() and time.time() < deadline:  # both workers in the process group
+            time.sleep(0.2)
+        assert (out / "last.pt").exists(), "the workers never reached their first checkpoint"
+        workers = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while any(Path(f"/proc/{w}").exists() for w in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in _state(w)]
+        assert not alive, f"workers {alive} outlived their torchrun"
+    finally:
+        for w in descendants(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 # runs `vitlab ARGS` with FSDP's reduce-scatter counted, the count written to PREFIX-rank<r>.json
 COUNT_REDUCE_SCATTER = """
 import json, os, sys
@@ -316,3 +355,26 @@ def test_a_models_penalty_trains_the_same_under_ddp(tmp_path):
     assert_same_run(weights(one), weights(two))
     gap = max((weights(one)[k] - weights(free)[k]).abs().max().item() for k in weights(one) if ".mixer." in k)
     assert gap > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("name", [n for n in vitlab.list_models() if n.endswith("_mini")])
+def test_no_block_returns_a_tensor_it_was_given(name):
+    """Under FSDP every block is a unit whose inputs FSDP wraps as views: a block that returned one of them
+    (Refined-ViT's shared block handing on the previous map did) makes FSDP warn, 10 times a run, that an
+    in-place op on it would skip the all-gather of the backward."""
+    from torch.utils._pytree import tree_leaves
+
+    torch.manual_seed(0)
+    model = vitlab.create_model(name).train()
+    handed_back, calls = [], []
+
+    def hook(module, args, kwargs, output):
+        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        handed_back.extend(t.shape for t in tree_leaves(output) if any(t is g for g in given))
+        calls.append(module)
+
+    for block in blocks_of(model):  # FSDP's units
+        block.register_forward_hook(hook, with_kwargs=True)
+    c, h, w = model.meta["input_size"]
+    model(torch.randn(2, c, h, w))
+    assert calls and not handed_back

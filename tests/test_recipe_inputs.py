@@ -43,7 +43,7 @@ def test_an_alias_expansion_bomb_is_refused_at_once(tmp_path, capsys):
 def test_wrong_types_folders_and_binary_files_are_one_line(tmp_path, capsys):
     bad = tmp_path / "int.yaml"
     bad.write_text("data: 3\n")
-    assert "dataset spec is text" in _refused(capsys, bad)
+    assert "data must be a string, got 3" in _refused(capsys, bad)
     binary = tmp_path / "bin.yaml"
     binary.write_bytes(b"\xff\xfe\x00model: x")
     assert "not UTF-8" in _refused(capsys, binary)
@@ -78,3 +78,30 @@ def test_a_fine_tuning_recipe_needs_its_data_and_starting_checkpoint(tmp_path, c
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: deit_mini\nneeds: {not_an_option: x}\n")
     assert "needs must map options of vitlab train" in _refused(capsys, bad)
+
+
+def test_every_value_has_its_options_type_and_lr_is_not_beside_base_lr(tmp_path, capsys):
+    """A value is checked against the type of its option (the annotation of TrainConfig's field) before its
+    range, so no check meets a value it cannot read (auto_augment: 7 was a traceback); lr beside base_lr would
+    drop lr silently."""
+    cases = {
+        "auto_augment: 7\n": "auto_augment must be a string (or null), got 7",
+        "auto_augment = 7\n": "auto_augment must be a string (or null), got 7",  # TOML
+        "epochs: true\n": "epochs must be an integer, got True",
+        "epochs: 2.5\n": "epochs must be an integer, got 2.5",
+        "epochs: null\n": "epochs must be an integer, got null",
+        "lr: 1e-3\n": "lr must be a number, got '1e-3' (a number as text: drop the quotes; YAML also reads 1e-3 as "
+        "text, write 1.0e-3)",
+        "mixup: [0.8]\n": "mixup must be a number, got [0.8]",
+        "dist_token: 1\n": "dist_token must be true or false, got 1",
+        "model_args: [1, 2]\n": "model_args must be a mapping of constructor options, got [1, 2]",
+        "img_size: {a: 1}\n": "img_size must be an integer (or null), got {'a': 1}",
+        "lr: 0.001\nbase_lr: 0.0005\n": "lr and base_lr both set the learning rate",
+    }
+    for i, (text, words) in enumerate(cases.items()):
+        recipe = tmp_path / (f"r{i}.toml" if " = " in text else f"r{i}.yaml")
+        recipe.write_text(text)
+        assert words in _refused(capsys, recipe, "--out", str(tmp_path / "run")), text
+    good = tmp_path / "good.yaml"
+    good.write_text("lr: 1.0e-3\nimg_size: null\nepochs: 3\nmixup: 1\nauto_augment: rand-m9-n2\n")
+    assert load_recipe(str(good))[1]["mixup"] == 1

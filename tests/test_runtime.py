@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -56,3 +57,49 @@ def test_env_setting_is_checked(monkeypatch):
         runtime.configure_from_env()
     monkeypatch.setenv("VITLAB_ALLOCATOR", "default")
     assert runtime.configure_from_env() == runtime.allocator_policy()
+
+
+def _vitlab(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env, "PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_a_wrong_fast_path_switch_is_one_warning_line_not_a_crash():
+    """VITLAB_FAST_PATHS is read while vitlab is imported: a value that is no switch warns once, in one line
+    naming the accepted values, and the default (on) holds; the library and the command both still work."""
+    done = _vitlab("import vitlab.ops as o; print(o.fast_paths_enabled())", {"VITLAB_FAST_PATHS": "junk"})
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "VITLAB_FAST_PATHS='junk' is not a switch" in done.stderr and "0, false, off, no" in done.stderr
+    code = "import sys; from vitlab.cli import main; import vitlab.ops; sys.exit(main(['data', 'info', 'mnist']))"
+    done = _vitlab(code, {"VITLAB_FAST_PATHS": "2"})
+    assert done.returncode == 0 and '"images": ' in done.stdout, done.stderr
+    assert done.stderr.count("\n") == 1 and "VITLAB_FAST_PATHS='2'" in done.stderr, done.stderr
+
+
+def test_a_wrong_collective_timeout_is_one_line_without_torchrun_too(tmp_path, monkeypatch, capsys):
+    """VITLAB_DIST_TIMEOUT was read only under torchrun: a single-process run now says it is wrong as well."""
+    import torch
+
+    from vitlab.cli import main
+    from vitlab.common.distributed import init_distributed
+
+    for env in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(env, raising=False)
+    for value in ("junk", "-3", "inf", "nan"):
+        monkeypatch.setenv("VITLAB_DIST_TIMEOUT", value)
+        with pytest.raises(ValueError, match=f"VITLAB_DIST_TIMEOUT must be a number of seconds > 0, got '{value}'"):
+            init_distributed(torch.device("cpu"))
+    monkeypatch.setenv("VITLAB_DIST_TIMEOUT", "junk")
+    capsys.readouterr()
+    argv = ["train", "--model", "deit_mini", "--train-limit", "16", "--epochs", "1", "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "VITLAB_DIST_TIMEOUT must be a number of seconds > 0, got 'junk'" in err, err
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setenv("VITLAB_DIST_TIMEOUT", "30")
+    assert init_distributed(torch.device("cpu")).size == 1

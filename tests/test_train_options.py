@@ -55,3 +55,24 @@ def test_impossible_combinations_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(vitlab.models, "build_model", lambda name, **kw: torch.nn.Sequential(without))
     assert cli_main(["train", *TINY_RUN, "--grad-checkpointing", "--out", str(tmp_path / "b")]) == 2
     assert "cannot recompute its blocks (no set_grad_checkpointing)" in one_line_error(capsys)
+
+
+def test_options_that_would_be_dropped_or_do_nothing_are_said(tmp_path, capsys):
+    """--lr beside --base-lr (the run kept base_lr and dropped lr without a word) is refused; --fsdp in a single
+    process (nothing to shard over) and --tf32 on the CPU (a GPU's matrix units) each warn in one line and train."""
+    import warnings
+
+    assert cli_main(["train", *TINY_RUN, "--lr", "0.01", "--base-lr", "0.001", "--out", str(tmp_path / "a")]) == 2
+    assert "--lr and --base-lr both set the learning rate" in one_line_error(capsys)
+    assert not (tmp_path / "a").exists()
+    assert cli_main(["train", *TINY_RUN, "--teacher-timeout", "0", "--out", str(tmp_path / "a")]) == 2
+    assert "argument --teacher-timeout: must be a number > 0, got '0'" in one_line_error(capsys)
+    for flag, words in (
+        ("--fsdp", "this run is a single process, so it trains the model unsharded"),
+        ("--tf32", "it has no effect on this run's device (cpu)"),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cli_main(["train", *TINY_RUN, flag, "--device", "cpu", "--out", str(tmp_path / flag[2:])]) == 0
+        said = [str(w.message) for w in caught if flag in str(w.message)]
+        assert len(said) == 1 and words in said[0] and "\n" not in said[0], [str(w.message) for w in caught]

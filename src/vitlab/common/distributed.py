@@ -61,27 +61,51 @@ def collective_timeout() -> float:
     """Seconds a collective waits for the other processes: ``VITLAB_DIST_TIMEOUT`` (default 900)."""
     text = os.environ.get("VITLAB_DIST_TIMEOUT", "")
     try:
-        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+        seconds = float(text) if text.strip() else DEFAULT_TIMEOUT_S
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if not 0 < seconds < 10**8:  # timedelta and the process group's clock take no infinity (nor nan)
         raise ValueError(f"VITLAB_DIST_TIMEOUT must be a number of seconds > 0, got {text!r}")
     return seconds
 
 
 def init_distributed(device: torch.device) -> World:
     """Join the process group of a ``torchrun`` launch (NCCL for GPUs, gloo for the CPU), every collective
-    bounded by :func:`collective_timeout`; alone, nothing."""
+    bounded by :func:`collective_timeout`; alone, nothing but the check of ``VITLAB_DIST_TIMEOUT``."""
     from datetime import timedelta
 
     world = current_world()
+    collective_timeout()  # checked alone too: a wrong VITLAB_DIST_TIMEOUT is said now, not at the first torchrun
     if world.size > 1 and not dist.is_initialized():
+        end_with_launcher()
         timeout = timedelta(seconds=collective_timeout())
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     return world
+
+
+def end_with_launcher() -> None:
+    """Have the kernel kill this process when the process that launched it dies (Linux; elsewhere nothing).
+
+    torchrun starts its workers in sessions of their own, so killing a job's process group (a scheduler's
+    SIGKILL, Ctrl-C of ``vitlab study``) ends torchrun but leaves the workers training until their next
+    collective times out; tied to their launcher, they stop with it."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def peer_failure(e: BaseException) -> str | None:
@@ -136,11 +160,16 @@ def all_reduce_sum(t: Tensor, world: World) -> Tensor:
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP shards one by one: the model's ``blocks`` (every vitlab model has them)."""
+    """The units FSDP shards one by one: the model's ``blocks`` (every vitlab model has them), a pyramid's
+    stages (lists of blocks, never called themselves) opened into their blocks."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, Iterable) or not len(blocks):
         raise ValueError(f"FSDP shards a model block by block, but {type(model).__name__} has no .blocks")
-    return list(blocks)
+    return _opened(blocks)
+
+
+def _opened(blocks: Iterable[nn.Module]) -> list[nn.Module]:
+    return [unit for b in blocks for unit in (_opened(b) if type(b) is nn.ModuleList else [b])]
 
 
 def parallelize(model: nn.Module, device: torch.device, world: World, fsdp: bool = False) -> nn.Module:

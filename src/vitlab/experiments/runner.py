@@ -309,7 +309,7 @@ def train_step_case(checkpoint: str, batch: int, device: str = "cpu") -> Prepare
 
 # options that do not change what a variant computes (a row trained in another folder, e.g. on another machine,
 # with other threads, is the same run)
-RUN_ONLY = ("force", "resume", "progress", "run_id", "out", "threads")
+RUN_ONLY = ("force", "resume", "progress", "run_id", "out", "threads", "teacher_timeout")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -23,12 +24,22 @@ _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 def _from_environment() -> bool:
+    """The switch as ``VITLAB_FAST_PATHS`` sets it; a value that is no switch is one warning line (it is read
+    while ``vitlab`` is imported, where an error would stop every program that imports it) and the default, on."""
     value = os.environ.get("VITLAB_FAST_PATHS", "").strip().lower()
     if value in ("", *_ON):
         return True
     if value in _OFF:
         return False
-    raise ValueError(f"VITLAB_FAST_PATHS={value!r} is not a switch: set it to 1 (fast paths, the default) or 0 (off)")
+    # warn_explicit with a location that has no source line: one line under any warning format
+    warnings.warn_explicit(
+        f"VITLAB_FAST_PATHS={value!r} is not a switch: set it to one of {', '.join(_ON)} (fast paths, the default) "
+        f"or {', '.join(_OFF)} (off); the fast paths stay on",
+        RuntimeWarning,
+        "VITLAB_FAST_PATHS",
+        0,
+    )
+    return True
 
 
 _enabled = _from_environment()
