@@ -158,11 +158,22 @@ def test_shards_and_analyze_hold_their_output_folder(tmp_path, capsys):
             err = one_line_error(capsys)
             assert f"{out} is in use by vitlab train (pid {os.getpid()} on " in err, err
         assert [p.name for p in out.iterdir()] == [LOCK_NAME]
-    for spec in (f"folder:{src}", str(src)):
-        assert cli_main(["data", "shards", spec, str(out), "--shard-size", "4"]) == 0
+    for spec, force in ((f"folder:{src}", []), (str(src), ["--force"])):
+        assert cli_main(["data", "shards", spec, str(out), "--shard-size", "4", *force]) == 0
         assert json.loads((out / "shards.json").read_text())["splits"]["train"]["counts"] == [4, 2]
     assert not (out / LOCK_NAME).exists()
+    # one after the other: the second writer's shards never mix with the first's (a smaller shard size would
+    # leave the first's extra shards beside a manifest that does not list them)
+    (replaced,) = out.glob(".replaced-*")
+    assert sorted(p.name for p in replaced.iterdir()) == ["shards.json", "train-000000.tar", "train-000001.tar",
+                                                          "val-000000.tar"]  # fmt: skip
     capsys.readouterr()
+    assert cli_main(["data", "shards", str(src), str(out), "--shard-size", "2"]) == 2
+    assert "already holds shards.json, train-000000.tar, train-000001.tar and 1 more; pass --force" in (
+        one_line_error(capsys)
+    )
+    assert cli_main(["data", "synth", str(src), *SYNTH]) == 2
+    assert "already holds train, val; pass --force" in one_line_error(capsys)
     for spec, words in (("mnist", "is mnist data"), (f"wds:{out}", "is wds data"), ("folder:", "needs a path")):
         assert cli_main(["data", "shards", spec, str(tmp_path / "other")]) == 2
         assert words in one_line_error(capsys)
@@ -326,7 +337,7 @@ def test_force_then_sigkill_leaves_nothing_of_the_old_run_beside_the_new(tmp_pat
     out = tmp_path / "run"
     assert train(out) == 0
     old = {n: (out / n).read_bytes() for n in OLD_RUN}
-    killed_at("engine.train_epoch", out, "--epochs", "1", "--force")  # the old run moved aside, then the kill
+    killed_at("loop.train_epoch", out, "--epochs", "1", "--force")  # the old run moved aside, then the kill
     (aside,) = out.glob(".replaced-*")
     assert {n: (aside / n).read_bytes() for n in OLD_RUN} == old
     assert not [n for n in OLD_RUN if (out / n).exists()]

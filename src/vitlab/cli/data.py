@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--quality", type=opt.Int(1, 100), default=90, help="JPEG quality (default 90)")
     s.add_argument("--seed", type=opt.seed, default=0)
+    s.add_argument("--force", action="store_true", help="OUT holds a set already: move it aside and write anew")
     w = sub.add_parser("shards", help="write an image folder (ImageNet layout) as WebDataset tar shards")
     w.add_argument(
         "src",
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("out", help="folder for OUT/<split>-NNNNNN.tar and OUT/shards.json (read back as wds:OUT)")
     w.add_argument("--shard-size", type=opt.positive_int, default=1000, help="samples per shard (default 1000)")
+    w.add_argument("--force", action="store_true", help="OUT holds shards already: move them aside and write anew")
     i = sub.add_parser("info", help="what a data spec holds: images, classes, per-class counts")
     i.add_argument("spec", type=data_spec, help=f"a dataset spec: {SPEC_HELP}")
     i.add_argument("--split", default="train", choices=["train", "val"])
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         check_writable_folder(args.out, "OUT")
         size = tuple(args.size) if args.size else None
         info = synthesize(args.out, num_classes=args.classes, train_per_class=args.train_per_class,
-                          val_per_class=args.val_per_class, size=size, quality=args.quality, seed=args.seed)  # fmt: skip
+                          val_per_class=args.val_per_class, size=size, quality=args.quality, seed=args.seed,
+                          force=args.force)  # fmt: skip
         mb = info["bytes"] / 2**20
         print(f"wrote {info['images']} JPEGs ({mb:.1f} MiB, {info['classes']} classes) to {args.out} "
               f"in {time.perf_counter() - t0:.1f} s; use it as --data folder:{args.out}")  # fmt: skip
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         from ..data.shard_writer import write_shards
 
         check_writable_folder(args.out, "OUT")
-        meta = write_shards(args.src, args.out, shard_size=args.shard_size)
+        meta = write_shards(args.src, args.out, shard_size=args.shard_size, force=args.force)
         parts = ", ".join(
             f"{k}: {sum(v['counts'])} samples in {len(v['shards'])} shards" for k, v in meta["splits"].items()
         )

@@ -167,6 +167,17 @@ class RunLock:
             )
         return [] if resume else found
 
+    def make_room(self, names: Sequence[str], force: bool) -> None:
+        """Before a tool writes ``names``: refuse a folder that holds some of them (one line), unless ``force``,
+        which moves them aside first (a new output never mixes with an old one)."""
+        found = self.present(names)
+        if found and not force:
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise RunDirError(
+                f"{self.folder} already holds {shown}; pass --force to move them aside, or write to another folder"
+            )
+        self.move_aside(found)
+
     def move_aside(self, names: Sequence[str]) -> Path | None:
         """Move the entries of ``names`` that exist into a new ``.replaced-<time>`` folder; one note."""
         found = self.present(names)

@@ -20,19 +20,22 @@ def write_shards(
     shard_size: int = 1000,
     splits: tuple[str, ...] = ("train", "val"),
     log: Callable[[str], None] = print,
+    force: bool = False,
 ) -> dict:
     """Write an ImageNet-layout folder as WebDataset shards ``OUT/<split>-NNNNNN.tar`` (image bytes unchanged,
     ``.cls``, ``.tl.npy`` where a token-label file sits beside the image) and ``OUT/shards.json``. Samples go
     into the shards in a seeded random order so that a shard holds a mix of classes.
 
     ``OUT`` is owned for the whole write (:class:`vitlab.common.rundir.RunLock`): a second writer into the same
-    folder is refused with one line naming this one; ``log`` receives the lock's notes."""
+    folder is refused with one line naming this one; ``log`` receives the lock's notes. A folder that holds
+    shards already is refused too, unless ``force`` moves them aside (new shards never mix with old ones)."""
     from ..common.rundir import RunLock
 
     if shard_size < 1:
         raise ValueError(f"shard size must be >= 1, got {shard_size}")
     out = Path(out).expanduser()
-    with RunLock(out, "vitlab data shards", log):
+    with RunLock(out, "vitlab data shards", log) as lock:
+        lock.make_room([MANIFEST, *sorted(p.name for p in out.glob("*-[0-9][0-9][0-9][0-9][0-9][0-9].tar"))], force)
         return _write_shards(src_root, out, shard_size, splits)
 
 

@@ -79,11 +79,13 @@ def synthesize(
     quality: int = 90,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    force: bool = False,
 ) -> dict:
     """Write the folder (see the module docstring); ``size=(W, H)`` fixes the size (else ImageNet's mix).
     Returns a summary: counts, sizes, bytes written. ``out`` is owned for the whole write
     (:class:`vitlab.common.rundir.RunLock`): a second writer into it is refused with one line naming this one;
-    ``log`` receives the lock's notes."""
+    ``log`` receives the lock's notes. A folder that holds ``train/`` or ``val/`` already is refused, unless
+    ``force`` moves them aside (a new set never mixes with an old one's classes)."""
     from ..common.rundir import RunLock
 
     if num_classes < 2 or train_per_class < 1 or val_per_class < 0:
@@ -91,7 +93,8 @@ def synthesize(
     if not 1 <= quality <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
     out = Path(out).expanduser()
-    with RunLock(out, "vitlab data synth", log):
+    with RunLock(out, "vitlab data synth", log) as lock:
+        lock.make_room(["train", "val"], force)
         return _write(out, num_classes, train_per_class, val_per_class, size, quality, seed)
 
 
