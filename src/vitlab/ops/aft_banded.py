@@ -71,8 +71,11 @@ def _band_masks(
         if causal:
             seen &= lag >= 0
         inside = seen & (lag.abs() < window)
-        far = seen & ~inside & outside_zero
-        fill = torch.full(inside.shape, float("-inf"), device=device).masked_fill(far, 0.0)
+        fill = torch.full(inside.shape, float("-inf"), device=device)
+        # a Python branch, not `seen & ~inside & outside_zero`: a TorchScript trace records that as aten::__and__
+        # of a tensor and a bool, which TorchScript cannot run (AFT-local failed to export)
+        if outside_zero:
+            fill = fill.masked_fill(seen & ~inside, 0.0)
     return inside, fill
 
 
@@ -109,6 +112,13 @@ def banded_sums(
     blocks <= i-2 (and >= i+2) lie wholly outside the window and enter with weight ``e^{-c_t}`` through
     cumulative sums of block sums.
     """
+    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():  # eager: the first test is False
+        # that exporter has no unfold of a tensor whose size it does not track (the band's windows), and with
+        # the windows copied instead it breaks the band's broadcasts: refused here rather than fail inside torch
+        raise ValueError(
+            "AFT-local does not export with the TorchScript-based ONNX exporter (torch.onnx.export(..., "
+            "dynamo=False)): export with the default exporter (dynamo=True), as `vitlab export` does"
+        )
     bsz, n, c = k.shape
     nb, block = w_band.shape[:2]
     span = _span(causal)

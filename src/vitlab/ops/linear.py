@@ -29,7 +29,10 @@ def _context_allows(x: Tensor, weight: Tensor, compiled: bool) -> bool:
     if x.dtype not in _ONEDNN_DTYPES:
         return False
     if torch.compiler.is_compiling():  # before the queries that torch.compile cannot trace (a graph break)
-        return compiled and not torch.is_autocast_enabled("cpu")
+        # torch.export (also the ONNX exporter's default path) records the plain product: a graph holding the
+        # registered operator vitlab::onednn_linear would run only where vitlab is imported, and no exporter
+        # translates it (ONNX: "No ONNX function found"); inside torch.compile the operator stays
+        return compiled and not torch.compiler.is_exporting() and not torch.is_autocast_enabled("cpu")
     mode = _get_current_dispatch_mode()
     return (
         not traced_or_exported()

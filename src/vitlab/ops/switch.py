@@ -92,8 +92,12 @@ def capturing_graph() -> bool:
 def no_autograd(*tensors: Tensor) -> bool:
     """Whether autograd records nothing on ``tensors`` (inference, no_grad): a core may then reuse its own
     intermediates in place (fewer allocations, less memory traffic; the same values). False with the fast paths
-    off, so that the plain path is the one the autograd form takes."""
-    return fast_paths_enabled() and (not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors))
+    off, so that the plain path is the one the autograd form takes, and while a TorchScript trace or the
+    TorchScript-based ONNX exporter records (writes into views of a new tensor are recorded wrongly there:
+    TNT's logits were 0.1-0.2 off)."""
+    if not fast_paths_enabled() or traced_or_exported():
+        return False
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
 def eager_fast_path() -> bool:
