@@ -245,7 +245,8 @@ def test_seg_train_learns_resumes_bit_identically_and_evaluates(voc, tmp_path, c
     out_json = tmp_path / "eval.json"
     assert main(["seg", "eval", str(tmp_path / "a" / "best.pt"), "--data", str(voc), "--stride", "8",
                  "--json", str(out_json)]) == 0  # fmt: skip
-    assert "mIoU" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mIoU" in printed and "background" in printed  # VOC's class names beside the per-class IoU
     assert json.loads(out_json.read_text())["n"] == 4
 
 

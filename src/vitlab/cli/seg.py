@@ -16,6 +16,7 @@ from ..common.options import positive_int, seed
 from ..engine import arguments as train_cli
 from ..tasks.segmentation.data import SPEC_HELP, mask_spec
 from ..tasks.segmentation.infer import INFER_MODES
+from ..tasks.segmentation.metrics import per_class_lines
 from ..tasks.segmentation.task import evaluate_checkpoint
 
 SEG_DEFAULTS = {"model": "pcpvt_mini", "smoothing": 0.0, "drop_path": 0.0, "weight_decay": 0.01, "batch_size": 8}
@@ -89,9 +90,8 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     print(f"{ckpt['model_name']} on {args.data} ({args.split}, {result['n']} images, {args.mode}): "
           f"mIoU {result['miou']:.2f}  aAcc {result['aacc']:.2f}  mAcc {result['macc']:.2f}")  # fmt: skip
-    for k, iou in enumerate(result["iou"]):
-        if iou is not None:
-            print(f"  class {k:3d}  IoU {iou:6.2f}")
+    for line in per_class_lines(result["iou"], result.get("classes")):  # named where the data names its classes
+        print(line)
     if args.json:
         from ..common.io import write_json_atomic
 

@@ -37,7 +37,8 @@ def shape_points(rng: np.random.Generator, kind: int, n: int) -> np.ndarray:
 
 def make_modelnet40(root: str | Path, train: int = 64, test: int = 32, points: int = 256, classes: int = 4,
                     seed: int = 0) -> Path:  # fmt: skip
-    """``ply_data_train0.h5``, ``ply_data_test0.h5`` and ``shape_names.txt`` under ``root`` (needs h5py)."""
+    """``ply_data_train0.h5``, ``ply_data_test0.h5``, their lists ``train_files.txt`` and ``test_files.txt``, and
+    ``shape_names.txt`` under ``root`` (needs h5py)."""
     h5py = require("h5py", "writing ModelNet40's HDF5 files", extra="points")
     root, rng = Path(root), np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
@@ -47,6 +48,8 @@ def make_modelnet40(root: str | Path, train: int = 64, test: int = 32, points: i
         with atomic_path(root / f"ply_data_{split}0.h5") as tmp, h5py.File(tmp, "w") as h5:
             h5.create_dataset("data", data=data)
             h5.create_dataset("label", data=labels.astype(np.uint8)[:, None])
+        with atomic_path(root / f"{split}_files.txt") as tmp:  # the official list, with its paths as it writes them
+            tmp.write_text(f"data/modelnet40_ply_hdf5_2048/ply_data_{split}0.h5\n")
     with atomic_path(root / "shape_names.txt") as tmp:
         tmp.write_text("".join(f"shape{k}\n" for k in range(40)))
     return root

@@ -6,7 +6,13 @@ Layouts (``--data voc:ROOT``, ``ade20k:ROOT``, or a bare ``ROOT`` recognised by 
             21 classes (background + 20); mask values are class indices (palette PNG), 255 = ignored (object
             borders, "difficult")
     ade20k  ROOT/images/{training,validation}/<name>.jpg  ROOT/annotations/{training,validation}/<name>.png
-            150 classes; mask value 0 ("other") is ignored and 1..150 become 0..149 (the benchmark's rule)
+            150 classes; mask value 0 ("other") is ignored and 1..150 become 0..149 (the benchmark's rule);
+            ROOT/objectInfo150.csv, when there, names the classes (its ``Name`` column)
+
+``ROOT`` may also be the folder an archive unpacks to: the one holding ``VOCdevkit/VOC2012`` (VOC2007 too), or
+the one holding ``ADEChallengeData2016``. Every file a split list names is resolved inside the dataset folder
+(an id with ``../`` or an absolute one is refused), images and masks are opened only when they are regular
+files (a named pipe would block the reader), and an image or mask that cannot be decoded is one line naming it.
 
 Training samples are augmented jointly (:class:`JointTransform`): the image and its mask resized by one random
 factor (short side = crop x U(0.5, 2.0); bilinear for the image, nearest for the mask), padded to the crop
@@ -17,6 +23,8 @@ resumed run sees the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +36,38 @@ from torch import Tensor
 from ...common.options import Validated
 from ...data import BatchLoader
 from ...data.datasets import IMAGENET_MEAN, IMAGENET_STD
+from ...data.safe_files import MAX_UNPACKED_BYTES, DataFileError, inside_root, open_regular, read_regular
 from ...engine.dense import IGNORE_INDEX
 
 LAYOUTS = {"voc": 21, "ade20k": 150}  # layout -> classes
 SPLITS = {"voc": {"train": "train", "val": "val"}, "ade20k": {"train": "training", "val": "validation"}}
 SPEC_HELP = "voc:<root> (PASCAL VOC layout), ade20k:<root> (ADEChallengeData2016 layout), or a bare root"
 
+#: PASCAL VOC's 21 classes, in the order of their mask values
+VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+               "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train",
+               "tvmonitor")  # fmt: skip
 
-def detect_layout(root: Path) -> str | None:
+# Where each layout's archive puts the dataset folder, relative to the folder it is unpacked in (first match).
+NESTED = {
+    "voc": ("VOC2012", "VOCdevkit/VOC2012", "VOC2007", "VOCdevkit/VOC2007"),
+    "ade20k": ("ADEChallengeData2016",),
+}
+EXPECTED = {
+    "voc": "JPEGImages/, SegmentationClass/ and ImageSets/Segmentation/{train,val}.txt (the VOC2012 folder), or the "
+    "folder holding VOCdevkit/VOC2012/ (where VOCtrainval_11-May-2012.tar unpacks)",
+    "ade20k": "images/{training,validation}/ and annotations/{training,validation}/ (the ADEChallengeData2016 "
+    "folder), or the folder holding ADEChallengeData2016/ (where ADEChallengeData2016.zip unpacks)",
+}
+FIX = {
+    "voc": "re-extract the file from the VOC archive, or remove its id from the split list",
+    "ade20k": "re-extract the file from ADEChallengeData2016.zip, or remove the image and its annotation",
+}
+LIST_LIMIT = 64 << 20  # a split list of ids (VOC's longest, with SBD's extra masks, is ~150 KB)
+NAMES_LIMIT = 1 << 20  # objectInfo150.csv is ~5 KB
+
+
+def _own_layout(root: Path) -> str | None:
     if (root / "JPEGImages").is_dir() and (root / "SegmentationClass").is_dir():
         return "voc"
     if (root / "images").is_dir() and (root / "annotations").is_dir():
@@ -43,20 +75,34 @@ def detect_layout(root: Path) -> str | None:
     return None
 
 
+def locate(root: Path, layout: str | None = None) -> tuple[str, Path] | None:
+    """(layout, dataset folder) of ``root`` or of the folder its archive put inside it (:data:`NESTED`); None
+    when neither is in ``layout`` (any layout when None)."""
+    for candidate in (root, *(root / sub for layouts in NESTED.values() for sub in layouts)):
+        found = _own_layout(candidate)
+        if found is not None and layout in (None, found):
+            return found, candidate
+    return None
+
+
+def detect_layout(root: Path) -> str | None:
+    """The layout of ``root`` (or of the dataset folder an archive unpacked inside it); None if none."""
+    found = locate(root)
+    return found[0] if found else None
+
+
 def parse_mask_spec(text: str) -> tuple[str, Path]:
-    """``voc:ROOT`` / ``ade20k:ROOT`` / ``ROOT`` -> (layout, root); ValueError saying what is wrong."""
+    """``voc:ROOT`` / ``ade20k:ROOT`` / ``ROOT`` -> (layout, dataset folder); ValueError saying what is wrong."""
     kind, sep, rest = text.partition(":")
     layout, root = (kind, Path(rest)) if sep and kind in LAYOUTS else (None, Path(text))
     if not root.is_dir():
         raise ValueError(f"segmentation data {text!r}: {root} is not a folder; give {SPEC_HELP}")
-    found = detect_layout(root)
-    if found is None or (layout is not None and found != layout):
+    found = locate(root, layout)
+    if found is None:
         want = layout or "voc or ade20k"
-        raise ValueError(
-            f"segmentation data {text!r}: {root} is not in the {want} layout (VOC: JPEGImages/ and "
-            "SegmentationClass/; ADE20K: images/ and annotations/)"
-        )
-    return found, root
+        expected = EXPECTED[layout] if layout else f"VOC: {EXPECTED['voc']}; ADE20K: {EXPECTED['ade20k']}"
+        raise ValueError(f"segmentation data {text!r}: {root} is not in the {want} layout; expected {expected}")
+    return found
 
 
 def _checked_spec(text: str) -> str:
@@ -68,25 +114,69 @@ def _checked_spec(text: str) -> str:
 mask_spec = Validated(_checked_spec, "segmentation data")
 
 
+def _voc_ids(listing: Path) -> list[tuple[int, str]]:
+    """(line number, id) of a VOC split list; a list that is not text is one line."""
+    fix = "it lists one image id per line (ImageSets/Segmentation of the VOC archive)"
+    data = read_regular(listing, "VOC split list", fix, LIST_LIMIT)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataFileError(f"VOC split list {listing} is not UTF-8 text; {fix}") from None
+    return [(n, line.split()[0]) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
 def pairs(layout: str, root: Path, split: str) -> list[tuple[Path, Path]]:
-    """(image, mask) paths of ``split`` ("train" or "val") in the layout's order."""
+    """(image, mask) paths of ``split`` ("train" or "val") in the layout's order, each inside ``root``."""
     if split not in SPLITS[layout]:
         raise ValueError(f"split must be train or val, got {split!r}")
     if layout == "voc":
         listing = root / "ImageSets" / "Segmentation" / f"{split}.txt"
-        if not listing.is_file():
-            raise FileNotFoundError(f"{listing} is missing: the VOC layout lists each split's image ids there")
-        ids = [line.split()[0] for line in listing.read_text().splitlines() if line.strip()]
-        return [(root / "JPEGImages" / f"{i}.jpg", root / "SegmentationClass" / f"{i}.png") for i in ids]
+        out = []
+        for n, i in _voc_ids(listing):
+            what = f"VOC split list {listing} line {n}"
+            fix = "an id names an image of JPEGImages/ and its mask in SegmentationClass/; correct or remove the line"
+            # resolved against the image and mask folders themselves, so an id cannot reach the other folder,
+            # and a folder that is a symlink (a dataset kept on another disk) still works
+            out.append((inside_root(root / "JPEGImages", f"{i}.jpg", what, fix),
+                        inside_root(root / "SegmentationClass", f"{i}.png", what, fix)))  # fmt: skip
+        return out
     sub = SPLITS[layout][split]
-    images = sorted((root / "images" / sub).glob("*.jpg"))
-    return [(p, root / "annotations" / sub / f"{p.stem}.png") for p in images]
+    image_dir, mask_dir = root / "images" / sub, root / "annotations" / sub
+    out = []
+    for p in sorted(image_dir.glob("*.jpg")):
+        if not p.name.isprintable():  # a line break in a file name would split every message naming it
+            raise DataFileError(f"ADE20K image {str(p)!r} has a control character in its name; rename or remove it")
+        what, fix = f"ADE20K image {p}", "the images and annotations must lie in the dataset folder itself"
+        out.append((inside_root(image_dir, p.name, what, fix), inside_root(mask_dir, f"{p.stem}.png", what, fix)))
+    return out
+
+
+def _clean_name(name: str) -> str:
+    """A class name fit for one line of a terminal: printable, at most 40 characters."""
+    return "".join(c for c in name if c.isprintable()).strip()[:40]
+
+
+def ade20k_classes(root: Path) -> list[str] | None:
+    """The 150 class names of ``root/objectInfo150.csv`` (its ``Name`` column, the first name of each ``a;b``
+    list, in the order of ``Idx`` 1..150); None when the file is absent or not that table."""
+    path = root / "objectInfo150.csv"
+    if not path.exists():
+        return None
+    try:
+        text = read_regular(path, "ADE20K class table", "it is optional: remove it", NAMES_LIMIT).decode("utf-8")
+        rows = list(csv.DictReader(io.StringIO(text)))
+        names = {int(r["Idx"]): _clean_name(r["Name"].split(";")[0]) for r in rows}
+    except (ValueError, FileNotFoundError, KeyError, TypeError, AttributeError, csv.Error):
+        return None  # the names are only shown beside the scores: numbers serve when the table is unusable
+    if sorted(names) != list(range(1, 151)) or not all(names.values()):
+        return None
+    return [names[k] for k in range(1, 151)]
 
 
 @dataclass
 class MaskDataset:
     """Image-mask pairs of one split; :meth:`load` decodes one as ``uint8 (3, H, W)`` and ``int64 (H, W)`` with
-    the layout's labels (0..K-1, or 255 ignored)."""
+    the layout's labels (0..K-1, or 255 ignored). ``classes`` names the K classes when the layout does."""
 
     items: list[tuple[Path, Path]]
     layout: str
@@ -95,6 +185,7 @@ class MaskDataset:
     std: tuple[float, ...] = IMAGENET_STD
     source: str = ""
     extra: dict = field(default_factory=dict)
+    classes: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -104,28 +195,60 @@ class MaskDataset:
         return 3
 
     def load(self, i: int) -> tuple[Tensor, Tensor]:
-        from PIL import Image
-
         image_path, mask_path = self.items[i]
-        for p in (image_path, mask_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{p} is missing (listed in the {self.layout} split)")
-        with Image.open(image_path) as im:
-            image = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).contiguous()
-        with Image.open(mask_path) as m:
-            if m.mode not in ("P", "L"):
-                raise ValueError(f"{mask_path}: a mask must be a one-channel PNG of class indices, got mode {m.mode}")
-            mask = torch.from_numpy(np.asarray(m, dtype=np.uint8).astype(np.int64))
+        name = "VOC" if self.layout == "voc" else "ADE20K"
+        fix = FIX.get(self.layout, "replace or remove the file")
+        image = _decode(image_path, f"{name} image", fix, mask=False)
+        image = torch.from_numpy(image).permute(2, 0, 1).contiguous()
+        mask = _decode(mask_path, f"{name} mask", fix, mask=True)
+        mask = torch.from_numpy(mask.astype(np.int64))
         if mask.shape != image.shape[1:]:
-            raise ValueError(f"{mask_path}: mask {tuple(mask.shape)} and image {tuple(image.shape[1:])} differ in size")
+            raise ValueError(
+                f"{name} mask {mask_path}: mask {tuple(mask.shape)} and image {tuple(image.shape[1:])} differ in "
+                f"size; {fix}"
+            )
         if self.layout == "ade20k":  # 0 = "other", not scored; classes 1..150 -> 0..149
             mask = torch.where(mask == 0, IGNORE_INDEX, mask - 1)
         bad = (mask != IGNORE_INDEX) & (mask >= self.num_classes)
         if bad.any():
             raise ValueError(
-                f"{mask_path}: label {int(mask[bad].max())} is outside the {self.num_classes} classes of {self.layout}"
+                f"{name} mask {mask_path}: label {int(mask[bad].max())} is outside the {self.num_classes} classes of "
+                f"{self.layout}; {fix}"
             )
         return image, mask
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _decode(path: Path, what: str, fix: str, mask: bool) -> np.ndarray:
+    """The pixels of the image file ``path``: ``uint8 (H, W, 3)``, or for a ``mask`` the ``(H, W)`` values of a
+    one-channel (palette or grey) image; anything that is not such a file is one line naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    with open_regular(path, what, fix) as f:
+        try:
+            with Image.open(f) as im:
+                w, h = im.size
+                if w * h * 3 > MAX_UNPACKED_BYTES:
+                    raise DataFileError(
+                        f"{what} {path} declares {w} x {h} pixels, more than any sample of this dataset; {fix}"
+                    )
+                if mask and im.mode not in ("P", "L"):
+                    raise DataFileError(
+                        f"{what} {path}: a mask must be a one-channel PNG of class indices, got mode {im.mode}; {fix}"
+                    )
+                return np.asarray(im, dtype=np.uint8) if mask else np.array(im.convert("RGB"))
+        except DataFileError:
+            raise
+        except UnidentifiedImageError:
+            raise DataFileError(f"{what} {path} is not an image Pillow can read (not a JPEG or PNG); {fix}") from None
+        except MemoryError:
+            raise
+        except Exception as e:  # Pillow raises many types on damaged files (OSError, SyntaxError, zlib.error, ...)
+            detail = _one_line(f"{type(e).__name__}: {e}")
+            raise DataFileError(f"{what} {path} cannot be decoded ({detail}): damaged or truncated; {fix}") from None
 
 
 def open_masks(text: str, split: str) -> MaskDataset:
@@ -134,7 +257,8 @@ def open_masks(text: str, split: str) -> MaskDataset:
     items = pairs(layout, root, split)
     if not items:
         raise ValueError(f"segmentation data {text!r}: the {split} split has no images")
-    return MaskDataset(items, layout, LAYOUTS[layout], source=str(root))
+    classes = list(VOC_CLASSES) if layout == "voc" else ade20k_classes(root)
+    return MaskDataset(items, layout, LAYOUTS[layout], source=str(root), classes=classes)
 
 
 def normalize(image: Tensor, mean, std) -> Tensor:

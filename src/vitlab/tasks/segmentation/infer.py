@@ -64,7 +64,8 @@ def evaluate_segmentation(model: nn.Module, dataset: MaskDataset, crop: int, dev
                           mode: str = "slide", stride: int | None = None, dtype: torch.dtype | None = None,
                           limit: int | None = None) -> dict[str, object]:  # fmt: skip
     """mIoU, per-class IoU, aAcc, mAcc (%) of ``model`` over ``dataset`` at each image's own size (one image at
-    a time), the mean cross-entropy over the labelled pixels, images/s."""
+    a time), the mean cross-entropy over the labelled pixels, images/s; ``classes``, the class names, when the
+    data names them."""
     was_training = model.training
     model.eval()
     matrix = ConfusionMatrix(dataset.num_classes, IGNORE_INDEX)
@@ -84,4 +85,6 @@ def evaluate_segmentation(model: nn.Module, dataset: MaskDataset, crop: int, dev
     model.train(was_training)
     result = matrix.result()
     result.update(loss=loss_sum / max(pixels, 1), n=n, img_s=n / (time.perf_counter() - t0))
+    if getattr(dataset, "classes", None) is not None:
+        result["classes"] = list(dataset.classes)
     return result

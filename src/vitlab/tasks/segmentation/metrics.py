@@ -8,6 +8,8 @@ pixels labelled ``ignore_index`` left out), summed over a whole evaluation set b
     mAcc    = mean over classes present in the truth of M_kk / sum_j M_kj
 
 The same sums serve point-cloud part segmentation (:mod:`vitlab.tasks.points.metrics`).
+:func:`per_class_lines` writes the per-class IoU for a person, each class by its number and, where the data
+names its classes (VOC's 21; ADE20K's from ``objectInfo150.csv``), its name.
 """
 
 from __future__ import annotations
@@ -61,3 +63,15 @@ class ConfusionMatrix:
     def result(self) -> dict[str, object]:
         m = self.matrix if self.matrix is not None else torch.zeros(self.num_classes, self.num_classes)
         return iou_from_confusion(m.cpu())
+
+
+def per_class_lines(iou: list[float | None], classes: list[str] | None = None) -> list[str]:
+    """One line per class with an IoU (``iou`` as :func:`iou_from_confusion` gives it): its number, its name
+    when ``classes`` names every class, the IoU (%)."""
+    named = classes is not None and len(classes) == len(iou)
+    width = max((len(c) for c in classes), default=0) if named else 0
+    return [
+        f"  class {k:3d}  {classes[k]:<{width}}  IoU {v:6.2f}" if named else f"  class {k:3d}  IoU {v:6.2f}"
+        for k, v in enumerate(iou)
+        if v is not None
+    ]
