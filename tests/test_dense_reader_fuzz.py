@@ -14,14 +14,11 @@ message; nothing blocks on a pipe. Everything follows fixed seeds: no dependence
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import random
 import shutil
 import struct
-import threading
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from hangs import unblocked
 from vitlab.tasks.points import open_points
 from vitlab.tasks.points.synth import make_modelnet40, make_shapenet_part
 from vitlab.tasks.segmentation import open_masks
@@ -48,40 +46,13 @@ CASES_PER_FILE = 6  # seeded mutations drawn for every file of an instance, besi
 # --------------------------------------------------------------------------- running one case
 
 
-def guarded(fn: Callable[[], object], seconds: float = 10.0) -> object:
-    """``fn()`` in a thread; a call still running after ``seconds`` (blocked on a pipe) fails the test after the
-    pipes of the case are opened for writing and closed, so that the blocked reader sees their end."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the test thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        deadline = time.monotonic() + seconds
-        while t.is_alive() and time.monotonic() < deadline:
-            for fifo in FIFOS:
-                with contextlib.suppress(OSError):
-                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            t.join(0.05)
-        pytest.fail("a reader blocked on a named pipe")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-FIFOS: list[Path] = []  # the pipes of the case being read (guarded unblocks them)
+FIFOS: list[Path] = []  # the pipes of the case being read (unblocked frees them)
 
 
 def outcome(case: str, read: Callable[[], None]) -> str:
     """ "ok" or the name of the one-line error ``read`` raised; anything else fails the test naming ``case``."""
     try:
-        guarded(read)
+        unblocked(read, FIFOS)
     except ONE_LINE_ERRORS as e:
         message = str(e)
         assert message and "\n" not in message, f"{case}: {type(e).__name__} of more than one line: {message!r}"

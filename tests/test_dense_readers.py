@@ -5,10 +5,7 @@ Every refusal is one line naming the file; nothing blocks on a pipe."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from hangs import unblocked
 from vitlab.cli import main
 from vitlab.data.safe_files import DataFileError
 from vitlab.tasks.points import open_points
@@ -54,33 +52,6 @@ def one_line(excinfo, *parts: str) -> str:
     for p in parts:
         assert p in text, (p, text)
     return text
-
-
-def unblocked(fn, fifo: Path, seconds: float = 10.0):
-    """``fn()``, run so that a reader blocked on the pipe ``fifo`` cannot hang the test: after ``seconds`` a
-    writer opens and closes the pipe (the reader sees its end) as often as the reader opens it again, and the
-    test fails as having blocked."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the test thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        deadline = time.monotonic() + seconds
-        while t.is_alive() and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):  # no reader at this instant
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            t.join(0.05)
-        pytest.fail(f"reading {fifo} blocked on the named pipe")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def write_h5(path: Path, **datasets) -> Path:

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 import vitlab
+from hangs import Hang, deadline
 from vitlab.data import create_loader, create_transform, open_source
 from vitlab.data.wds import count_shard, iter_shard
 
@@ -39,24 +40,6 @@ ONE_LINE = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 OUTCOMES: collections.Counter = collections.Counter()  # printed at the end (pytest -s)
 HANG_SECONDS = 15
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo") or not hasattr(signal, "SIGALRM"), reason="POSIX only")
-
-
-class Hang(BaseException):
-    """Raised by the alarm: a BaseException, so no reader's ``except OSError`` / ``except Exception`` hides it."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: int) -> Iterator[None]:
-    def expired(*_):
-        raise Hang(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def attempt(what: str, case: str, read: Callable[[], object]) -> str:

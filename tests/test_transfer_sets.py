@@ -3,10 +3,8 @@ publishers distribute, through the dataset specs every tool takes; a model train
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from hangs import deadline
 from vitlab.checkpoint import load_checkpoint
 from vitlab.data import create_loader, create_transform, open_source
 from vitlab.data.readers import read_cifar_batch, read_cifar_meta
@@ -147,22 +146,6 @@ class System:
         import os
 
         return os.system, (f"touch {self.marker}",)
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Fail, instead of hanging the suite, when the block has not finished in ``seconds``."""
-
-    def expired(*_):
-        raise TimeoutError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:
