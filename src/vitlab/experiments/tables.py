@@ -124,7 +124,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     ax.errorbar(x, y, yerr=[lo, hi], fmt="none", ecolor="gray", capsize=3, label="95% CI of top-1 (held-out set)")
     place_labels(ax, x, y, [r["model"] for r in pts])
     ax.set(xlabel="inference throughput (img/s)", ylabel="held-out top-1 (%)", title="accuracy vs inference speed")
-    ax.legend(fontsize=8, loc="lower left", markerscale=0.5)
+    ax.legend(fontsize=8, loc="best", markerscale=0.5)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, out / "acc_vs_speed.png", dpi=120)
