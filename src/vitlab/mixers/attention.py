@@ -133,7 +133,10 @@ class Attention(TokenMixer):
         """``softmax(q kᵀ s + bias) v`` per head (B, H, N, d_h): SDPA unless the map is asked for (the explicit
         path computes the same function and returns the map as ``aux["attn"]``)."""
         aux: dict[str, Tensor] = {}
-        if self.fused and not return_aux and not self._explicit_trains_faster(q):
+        # torch's ONNX decomposition of SDPA with an additive bias fails with autograd on (torch.onnx.export's
+        # default): an export with a bias records the explicit form, the same function
+        exported_bias = bias is not None and torch.compiler.is_exporting()
+        if self.fused and not return_aux and not exported_bias and not self._explicit_trains_faster(q):
             drop = self.attn_drop.p if self.training else 0.0
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=drop, is_causal=self.causal, scale=self.scale
