@@ -178,7 +178,7 @@ def test_the_run_prints_the_papers_figure_beside_its_own():
     reference = load_recipe("tnt_small")[2]
     summary = {"final": {"val_top1": 12.5}, "best": {"val_top1": 25.0}}
     line = paper_line(reference, summary)
-    assert line.startswith("this run: held-out top-1 12.50 % (best 25.00 %)") and "81.3 % top-1" in line
+    assert line.startswith("this run: held-out top-1 12.50 % (best 25.00 %)") and "81.5 % top-1" in line
     assert reference["source"] in line
     assert paper_line({"source": "none given"}, summary) is None
 
