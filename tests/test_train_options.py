@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vitlab.checkpoint import load_checkpoint
@@ -76,3 +77,14 @@ def test_options_that_would_be_dropped_or_do_nothing_are_said(tmp_path, capsys):
             assert cli_main(["train", *TINY_RUN, flag, "--device", "cpu", "--out", str(tmp_path / flag[2:])]) == 0
         said = [str(w.message) for w in caught if flag in str(w.message)]
         assert len(said) == 1 and words in said[0] and "\n" not in said[0], [str(w.message) for w in caught]
+
+
+def test_a_config_built_in_python_checks_its_types_as_a_recipe_does():
+    """The type check lives in TrainConfig itself: a value of another type is one line however the config is
+    built (recipe, flags, `vitlab study --config`, Python), never an AttributeError later."""
+    from vitlab.engine.config import TrainConfig, TrainingError
+
+    with pytest.raises(TrainingError, match=r"^auto_augment must be a string \(or null\), got 7$"):
+        TrainConfig(auto_augment=7)
+    with pytest.raises(TrainingError, match=r"lr must be a number, got '1e-3' \(a number as text"):
+        TrainConfig(lr="1e-3")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -126,6 +127,9 @@ class TrainConfig:
             self.data = str(self.data)
         if self.amp not in AMP_CHOICES:
             raise TrainingError(f"amp must be one of {AMP_CHOICES}, got {self.amp!r}")
+        for f in fields(self):  # the types first (a recipe's `auto_augment: 7`, Python's TrainConfig(lr="1e-3"))
+            if why := check_type(f.name, getattr(self, f.name)):
+                raise TrainingError(why)
         for name, check in OPTION_CHECKS.items():  # the ranges the command line checks while parsing
             if (name == "data" and self.task != "classification") or (name == "model" and self.task == "points"):
                 continue  # the other tasks read their own data layouts (point models: their own names)
@@ -142,6 +146,41 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+#: the Python types a value of each annotation of :class:`TrainConfig`'s fields may have (what YAML, TOML and the
+#: command line give), and how a message names them; ``X | None`` also takes null
+VALUE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+    "dict[str, Any]": ((dict,), "a mapping of constructor options"),
+}
+
+
+def check_type(key: str, value: Any) -> str | None:
+    """Why ``value`` is not of the type of :class:`TrainConfig`'s field ``key`` (from its annotation), or None."""
+    annotation = _ANNOTATIONS[key]
+    parts = [part.strip() for part in annotation.split("|")]
+    optional = "None" in parts
+    kinds = [VALUE_TYPES[part] for part in parts if part in VALUE_TYPES]
+    if value is None:
+        return None if optional or not kinds else f"{key} must be {kinds[0][1]}, got null (leave the key out instead)"
+    # a boolean is an int to Python, never a number or a count in a recipe
+    fits = any(isinstance(value, types) and (bool in types or not isinstance(value, bool)) for types, _ in kinds)
+    if fits or not kinds:
+        return None
+    what = " or ".join(name for _, name in kinds) + (" (or null)" if optional else "")
+    hint = ""
+    if isinstance(value, str) and any(float in types for types, _ in kinds):
+        with contextlib.suppress(ValueError):
+            float(value)
+            hint = " (a number as text: drop the quotes; YAML also reads 1e-3 as text, write 1.0e-3)"
+    return f"{key} must be {what}, got {value!r}{hint}"
+
+
+_ANNOTATIONS = {f.name: str(f.type) for f in fields(TrainConfig)}
 
 
 def _registered_model(name: str) -> str:

@@ -20,14 +20,13 @@ user's own), then among them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .config import OPTION_CHECKS, TrainConfig
+from .config import OPTION_CHECKS, TrainConfig, check_type
 
 SUFFIXES = (".yaml", ".yml", ".toml")
 REFERENCE_KEYS = ("paper", "top1", "source", "notes")
@@ -115,38 +114,6 @@ def _strict_loader(yaml):
             return super().construct_mapping(node, deep=deep)
 
     return StrictLoader
-
-
-#: the Python types a recipe value of each annotation of :class:`TrainConfig`'s fields may have (YAML and TOML give
-#: these), and how a message names them; ``X | None`` also takes null
-VALUE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "bool": ((bool,), "true or false"),
-    "int": ((int,), "an integer"),
-    "float": ((int, float), "a number"),
-    "str": ((str,), "a string"),
-    "dict[str, Any]": ((dict,), "a mapping of constructor options"),
-}
-
-
-def check_type(key: str, value: Any) -> str | None:
-    """Why ``value`` is not of the type of :class:`TrainConfig`'s field ``key`` (from its annotation), or None."""
-    annotation = {f.name: str(f.type) for f in dataclasses.fields(TrainConfig)}[key]
-    parts = [part.strip() for part in annotation.split("|")]
-    optional = "None" in parts
-    kinds = [VALUE_TYPES[part] for part in parts if part in VALUE_TYPES]
-    if value is None:
-        return None if optional or not kinds else f"{key} must be {kinds[0][1]}, got null (leave the key out instead)"
-    # a boolean is an int to Python, never a number or a count in a recipe
-    fits = any(isinstance(value, types) and (bool in types or not isinstance(value, bool)) for types, _ in kinds)
-    if fits or not kinds:
-        return None
-    what = " or ".join(name for _, name in kinds) + (" (or null)" if optional else "")
-    hint = ""
-    if isinstance(value, str) and any(float in types for types, _ in kinds):
-        with contextlib.suppress(ValueError):
-            float(value)
-            hint = " (a number as text: drop the quotes; YAML also reads 1e-3 as text, write 1.0e-3)"
-    return f"{key} must be {what}, got {value!r}{hint}"
 
 
 def check_value(path: Path, key: str, value: Any) -> None:
