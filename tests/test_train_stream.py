@@ -102,21 +102,13 @@ def shards(folder, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["folder", pytest.param("wds", marks=pytest.mark.slow)])
-def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_path, monkeypatch):
-    """A run stopped right after a mid-epoch checkpoint and resumed ends with the same weights, EMA, log rows
-    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on): on a
-    folder (sampler position) and on shards (each worker's place in its shard stream)."""
+def train_stopped_after_third_save(cfg: TrainConfig, monkeypatch) -> list[int]:
+    """Train ``cfg`` and stop it (as a kill would) right after its third mid-epoch checkpoint; the steps saved at."""
     import vitlab.engine.loop as engine
-
-    data = f"{kind}:{request.getfixturevalue('folder' if kind == 'folder' else 'shards')}"
-    base = dict(TINY, data=data, epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
-                auto_augment="rand-m9-mstd0.5-inc1", reprob=0.25, threads=1, progress=False, save_every=3)  # fmt: skip
-    train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)
 
     real, saves = engine.save_position, []
 
-    def stop_after_third(run, epoch, tally):  # the third mid-epoch checkpoint: step 9, batch 1 of epoch 2
+    def stop_after_third(run, epoch, tally):
         real(run, epoch, tally)
         saves.append(run.step)
         if len(saves) == 3:
@@ -124,8 +116,23 @@ def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_p
 
     monkeypatch.setattr(engine, "save_position", stop_after_third)
     with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(**base, out=str(tmp_path / "cut")), quiet)
+        train(cfg, quiet)
     monkeypatch.setattr(engine, "save_position", real)
+    return saves
+
+
+@pytest.mark.parametrize("kind", ["folder", pytest.param("wds", marks=pytest.mark.slow)])
+def test_resume_mid_epoch_with_two_workers_is_bit_identical(kind, request, tmp_path, monkeypatch):
+    """A run stopped right after a mid-epoch checkpoint and resumed ends with the same weights, EMA, log rows
+    and per-step losses, bit for bit, as the run never stopped (2 DataLoader workers, augmentation on): on a
+    folder (sampler position) and on shards (each worker's place in its shard stream)."""
+
+    data = f"{kind}:{request.getfixturevalue('folder' if kind == 'folder' else 'shards')}"
+    base = dict(TINY, data=data, epochs=2, batch_size=8, workers=2, ema=0.9, mixup=0.8, cutmix=1.0,
+                auto_augment="rand-m9-mstd0.5-inc1", reprob=0.25, threads=1, progress=False, save_every=3)  # fmt: skip
+    train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)
+
+    saves = train_stopped_after_third_save(TrainConfig(**base, out=str(tmp_path / "cut")), monkeypatch)
     # an odd batch of the second epoch: the worker that makes the next batch is not worker 0's usual one
     assert saves == [3, 6, 9] and load_checkpoint(tmp_path / "cut")["loader"] | {"num_batches": 8} == {
         "epoch": 1, "batch": 1, "seed": 0, "num_batches": 8} | ({"workers": 2} if kind == "wds" else {})  # fmt: skip
@@ -158,18 +165,7 @@ def test_a_resumed_epoch_reports_the_figures_of_the_uninterrupted_one(folder, tm
     monkeypatch.setattr(engine, "forward_backward", one_second_per_batch)
     base = dict(TINY, data=f"folder:{folder}", epochs=2, batch_size=8, threads=1, progress=False, save_every=3)
     whole = train(TrainConfig(**base, out=str(tmp_path / "whole")), quiet)["log"]
-    real_save, saves = engine.save_position, []
-
-    def stop_after_third(run, epoch, tally):  # step 9: batch 1 of epoch 2
-        real_save(run, epoch, tally)
-        saves.append(run.step)
-        if len(saves) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine, "save_position", stop_after_third)
-    with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(**base, out=str(tmp_path / "cut")), quiet)
-    monkeypatch.setattr(engine, "save_position", real_save)
+    assert train_stopped_after_third_save(TrainConfig(**base, out=str(tmp_path / "cut")), monkeypatch) == [3, 6, 9]
     cut = train(TrainConfig(**base, out=str(tmp_path / "cut"), resume="auto"), quiet)["log"]
     timing = ("elapsed_s", "eval_img_s")  # wall-clock figures outside the training steps
     assert [{k: v for k, v in r.items() if k not in timing} for r in cut] == [
