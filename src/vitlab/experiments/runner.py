@@ -625,7 +625,8 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
     """The measured figures of one finished run."""
     s = res["info"]["summary"]
     final = s["log"][-1] if s.get("log") else s["final"]
-    mem = (res["mem"] or {}).get("timed", res["mem"]) or {}  # None: not measured (a finished run completed)
+    mem = res["mem"] or {}  # None: not measured (a finished run completed from its checkpoint)
+    mem = mem.get("timed", mem)
     figures = {
         "top1": final.get("val_top1"),
         "miou": final.get("val_miou"),

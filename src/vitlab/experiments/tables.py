@@ -33,8 +33,8 @@ def compare_note(meta: dict[str, Any], columns: list[Column] = COLUMNS) -> str:
     column means; it names only the columns the table has."""
     keys = {k for k, *_ in columns}
     seeds = f", mean ± std over {meta['seeds']} seeds" if meta["seeds"] > 1 else ""
-    lrs = meta["lr"] if isinstance(meta["lr"], list) else [meta["lr"]]
-    lr = f"peak lr {lrs[0]:.3g}" if len(lrs) == 1 else "peak lr " + " to ".join(f"{x:.3g}" for x in (lrs[0], lrs[-1]))
+    lrs = meta["lr"]  # the peak lrs the runs trained at, sorted
+    lr = f"peak lr {lrs[0]:.3g}" if len(lrs) == 1 else f"peak lr {lrs[0]:.3g} to {lrs[-1]:.3g}"
     parts = [
         f"Held-out scores after {meta['epochs']} epochs on {meta['data']} at {meta['img_size']} px "
         f"({meta['train_images']} train / {meta['heldout_images']} held-out images{seeds}), batch "
