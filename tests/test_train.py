@@ -464,3 +464,32 @@ def test_eval_at_another_size_resamples_aft_position_biases(tmp_path):
     with torch.no_grad():  # at the training size the checkpoint's own model is what was evaluated
         x = torch.randn(2, 1, 28, 28)
         torch.testing.assert_close(model_from_checkpoint(load_checkpoint(tmp_path / "aft.pt"))(x), model.eval()(x))
+
+
+def test_a_models_lr_scale_puts_its_parameters_in_scaled_groups_and_the_schedule_scales_them():
+    from torch import nn
+
+    from vitlab.engine.optim import WarmupCosine, create_optimizer, param_groups
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def lr_scale_of(self, name: str) -> float:
+            return 0.1 if name.startswith("backbone.") else 1.0
+
+    model = Detector()
+    groups = param_groups(model, 0.05)
+    plain = [g for g in groups if "lr_scale" not in g]
+    assert len(plain) == 2 and [g["weight_decay"] for g in plain] == [0.05, 0.0]  # the two groups checkpoints hold
+    assert {id(p) for g in groups if g.get("lr_scale") == 0.1 for p in g["params"]} == {
+        id(p) for p in model.backbone.parameters()
+    }
+    opt = create_optimizer(model, 1e-3)
+    sched = WarmupCosine(opt, 1e-3, total_steps=10, warmup_steps=0, drop_step=4)
+    for step in range(10):
+        rates = {g.get("lr_scale", 1.0): g["lr"] for g in opt.param_groups}
+        want = 1e-3 * (0.1 if step >= 4 else 1.0)  # DETR's StepLR: constant, a tenth after the drop
+        assert rates[1.0] == pytest.approx(want) and rates[0.1] == pytest.approx(0.1 * want)
+        sched.step()

@@ -25,6 +25,8 @@ HELP = {
     "batch size x accum steps)",
     "min_lr": "learning rate at the end of the cosine",
     "warmup_epochs": "linear warmup length in epochs (fractions allowed)",
+    "lr_drop": "step schedule (DETR's): the learning rate stays at its peak after the warmup and drops to a tenth "
+    "at this epoch (default: cosine to --min-lr)",
     "weight_decay": "AdamW weight decay (not applied to norms, biases, tokens, position tables)",
     "clip_grad": "clip the gradient norm to this (0: off)",
     "drop_path": "stochastic depth rate of the last block (linear rule)",

@@ -45,7 +45,17 @@ from .tasks import score_key
 RESUME_FIXED = ("model", "model_args", "data", "img_size", "holdout", "train_limit", "batch_size", "dist_token", "seed")
 RESUME_FIXED += ("fsdp", "accum_steps", "aug_repeats", "token_label", "dense_root", "task")
 # options a resumed run may change (said in a note: it is then not the run that was started)
-RESUME_NOTED = ("epochs", "lr", "min_lr", "warmup_epochs", "weight_decay", "clip_grad", "drop_path", "smoothing")
+RESUME_NOTED = (
+    "epochs",
+    "lr",
+    "min_lr",
+    "warmup_epochs",
+    "lr_drop",
+    "weight_decay",
+    "clip_grad",
+    "drop_path",
+    "smoothing",
+)
 RESUME_NOTED += ("mixup", "cutmix", "ema", "amp", "threads", "teacher", "compile", "grad_checkpointing", "tf32")
 RESUME_NOTED += ("base_lr", "reprob", "color_jitter", "crop_pct", "distillation", "distill_alpha", "distill_tau")
 RESUME_NOTED += ("token_label_weight", "auto_augment", "workers", "shuffle_buffer", "distill_reduction")

@@ -36,7 +36,7 @@ class TrainingError(ValueError):
 @dataclass
 class TrainConfig:
     model: str = "deit_mini"
-    task: str = "classification"  # "segmentation" (vitlab seg train), "points" (vitlab points train): train.tasks
+    task: str = "classification"  # "segmentation", "points", "detection" (vitlab seg|points|det train): engine.tasks
     model_args: dict[str, Any] = field(default_factory=dict)  # constructor overrides, e.g. {"patch_size": 7}
     data: str = "mnist"
     out: str = "runs/train"
@@ -47,6 +47,7 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step (global batch = batch_size x accum_steps)
     min_lr: float = 1e-5
     warmup_epochs: float = 1.0
+    lr_drop: float | None = None  # DETR's step schedule: constant lr, a tenth from this epoch on (None: cosine)
     weight_decay: float = 0.05
     clip_grad: float = 1.0  # max gradient norm; 0 = off
     drop_path: float = 0.1  # stochastic depth rate of the last block (linear rule)
@@ -197,7 +198,7 @@ def _rand_augment_spec(spec: str) -> str:
 # the command line is parsed, before any work) and TrainConfig's own check of values given in code
 OPTION_CHECKS: dict[str, opt.Check] = {
     "model": opt.Validated(_registered_model, "a registered model name"),
-    "task": opt.Choice("classification", "segmentation", "points"),
+    "task": opt.Choice("classification", "segmentation", "points", "detection"),
     "data": data_spec,
     "epochs": opt.positive_int,
     "batch_size": opt.positive_int,
@@ -206,6 +207,7 @@ OPTION_CHECKS: dict[str, opt.Check] = {
     "accum_steps": opt.Int(1, 4096),
     "min_lr": opt.non_negative_float,
     "warmup_epochs": opt.non_negative_float,
+    "lr_drop": opt.non_negative_float,
     "weight_decay": opt.non_negative_float,
     "clip_grad": opt.non_negative_float,
     "drop_path": opt.rate,

@@ -17,19 +17,28 @@ from ..models.base import layer_ids
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed weights, and the rest without decay.
+    """AdamW groups: decayed weights, and the rest without decay, split again by learning-rate factor.
 
     As timm's ``param_groups_weight_decay``: 1-D parameters (biases, norm scales) and the names in
     ``model.no_weight_decay()`` (class/distillation tokens, position tables, AFT position biases) are not
-    decayed, since decay pulls them toward zero with no regularising benefit.
+    decayed, since decay pulls them toward zero with no regularising benefit. A model with ``lr_scale_of(name)``
+    trains some parameters at a fraction of the learning rate (DETR's backbone at 1/10 of the transformer's):
+    the schedule multiplies each group's rate by its ``lr_scale``.
     """
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    decay, no_decay = [], []
+    scale_of = getattr(model, "lr_scale_of", lambda name: 1.0)
+    # the two plain groups always exist (a checkpoint's optimizer state has both, even when one is empty)
+    groups = {(1.0, d): {"params": [], "weight_decay": weight_decay if d else 0.0} for d in (True, False)}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay, scale = not (p.ndim <= 1 or name in skip), float(scale_of(name))
+        group = groups.setdefault((scale, decay), {"params": [], "weight_decay": weight_decay if decay else 0.0})
+        if scale != 1.0:
+            group["lr_scale"] = scale
+        group["params"].append(p)
+    ordered = sorted(groups, key=lambda k: (k[0] != 1.0, -k[0], not k[1]))  # the plain two first, as before
+    return [groups[k] for k in ordered]
 
 
 def param_groups_layer_decay(
@@ -87,7 +96,8 @@ def create_optimizer(
 
 class WarmupCosine:
     """Per-step learning rate: linear warmup from ``warmup_lr`` to ``lr`` over ``warmup_steps``, then
-    cosine decay to ``min_lr`` at ``total_steps`` (DeiT's schedule, stepped per batch instead of per epoch).
+    cosine decay to ``min_lr`` at ``total_steps`` (DeiT's schedule, stepped per batch instead of per epoch); with
+    ``drop_step``, constant after the warmup and a tenth of ``lr`` from that step on (DETR's StepLR).
 
     Its state is the step count, so a resumed run continues the same curve.
     """
@@ -100,19 +110,22 @@ class WarmupCosine:
         warmup_steps: int = 0,
         min_lr: float = 0.0,
         warmup_lr: float = 0.0,
+        drop_step: int | None = None,
     ) -> None:
         if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
             raise ValueError(
                 f"need 0 <= warmup_steps <= total_steps and total_steps >= 1, got {warmup_steps}, {total_steps}"
             )
         self.optimizer, self.lr, self.min_lr, self.warmup_lr = optimizer, lr, min_lr, warmup_lr
-        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.total_steps, self.warmup_steps, self.drop_step = total_steps, warmup_steps, drop_step
         self.step_count = 0
         self._apply()
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.warmup_lr + (self.lr - self.warmup_lr) * step / self.warmup_steps
+        if self.drop_step is not None:  # DETR's step schedule: constant, then a tenth from the drop on
+            return self.lr * (0.1 if step >= self.drop_step else 1.0)
         span = max(1, self.total_steps - self.warmup_steps)
         t = min(1.0, (step - self.warmup_steps) / span)
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
@@ -157,9 +170,10 @@ def build_optimization(
     min_lr: float,
     device: torch.device,
     dtype: torch.dtype | None,
+    drop_step: int | None = None,
 ) -> Optimization:
     """AdamW at the peak ``lr`` (no decay on norms, biases, tokens), its warmup + cosine schedule over
-    ``total_steps``, and the gradient scaler autocast to ``dtype`` on ``device`` needs (a no-op one otherwise)."""
+    ``total_steps`` (or the step schedule dropping at ``drop_step``), and the gradient scaler autocast to ``dtype`` on ``device`` needs (a no-op one otherwise)."""
     optimizer = create_optimizer(model, lr, weight_decay)
-    sched = WarmupCosine(optimizer, lr, total_steps, warmup_steps, min_lr)
+    sched = WarmupCosine(optimizer, lr, total_steps, warmup_steps, min_lr, drop_step=drop_step)
     return Optimization(optimizer, sched, grad_scaler(device, dtype))

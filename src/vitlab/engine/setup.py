@@ -212,7 +212,9 @@ def setup_optimizer(ctx: Context, model: nn.Module, steps: int) -> tuple[Optimiz
     cfg = ctx.cfg
     total = cfg.epochs * steps
     warmup = min(round(cfg.warmup_epochs * steps), total)  # a paper recipe's warmup in a shorter run: all warmup
-    opt = build_optimization(model, cfg.peak_lr, cfg.weight_decay, total, warmup, cfg.min_lr, ctx.device, ctx.dtype)
+    drop = None if cfg.lr_drop is None else round(cfg.lr_drop * steps)
+    opt = build_optimization(model, cfg.peak_lr, cfg.weight_decay, total, warmup, cfg.min_lr, ctx.device, ctx.dtype,
+                             drop)  # fmt: skip
     ema = ModelEma(model, cfg.ema) if cfg.ema > 0 else None
     torch.manual_seed(derive_seed(cfg.seed, ctx.world.rank))  # dropout / drop-path streams, one per rank
     return opt, ema
