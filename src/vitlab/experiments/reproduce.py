@@ -141,6 +141,8 @@ class StudyReport:
             *(
                 [("miou", "mIoU", "{:.2f}")]
                 if study.score == "miou"
+                else [("box_ap", "box AP", "{:.1f}"), ("mask_ap", "mask AP", "{:.1f}")]
+                if study.score == "box_ap"
                 else [("top1", "top-1 %", "{:.2f}"), ("top1_ci", "95% CI", "{}")]
             ),
             *extra,

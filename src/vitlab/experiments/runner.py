@@ -51,6 +51,7 @@ from ..data.spec import data_spec
 from ..engine.checkpointing import run_is_complete
 from ..engine.data import data_shape, load_data
 from ..engine.loop import RUN_FILES, TrainConfig, train
+from ..engine.tasks import task_hooks
 from ..interop.pretrained import load_model
 from ..measure.flops import count_macs
 from ..measure.process import CaseRunner, CaseSpec, Prepared
@@ -235,15 +236,17 @@ def resolve_models(spec: str) -> list[str]:
 
 
 def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int], task: str = "classification"
-            ) -> tuple[int, int]:  # fmt: skip
-    """(parameters, MACs) of the variant (a segmentation model over the backbone ``name`` for that task),
-    counted on the meta device."""
+            ) -> tuple[int, int | None]:  # fmt: skip
+    """(parameters, MACs) of the variant (a segmentation model or detector over the backbone ``name`` for those
+    tasks), counted on the meta device; a detector's MACs are None."""
     from ..models import build_model
-    from ..tasks.segmentation import build_segmenter
 
+    hooks = task_hooks(TrainConfig(task=task)) if task != "classification" else None
     with torch.device("meta"):
-        model = (build_segmenter if task == "segmentation" else build_model)(name, **kwargs)
+        model = hooks.build_model(name, kwargs) if hooks is not None else build_model(name, **kwargs)
     params = sum(p.numel() for p in model.parameters())
+    if task == "detection":  # a detector's work depends on its images' sizes and its proposals: parameters only
+        return params, None
     return params, count_macs(model, input_size).total
 
 
@@ -474,10 +477,9 @@ def plan_variants(
         recipe["workers"] = per_job
     probe = TrainConfig(data=args.data, **recipe)
     dense = probe.task != "classification"
-    if dense:  # the rows of a segmentation study (vitlab.tasks.segmentation.task): mask folders, mIoU
-        from ..tasks.segmentation.task import open_split
-
-        train_ds, val_ds = open_split(probe, "train"), open_split(probe, "val")
+    if dense:  # the rows of a segmentation or detection study: the task's own data and score
+        task = task_hooks(probe)
+        train_ds, val_ds = task.open_split(probe, "train"), task.open_split(probe, "val")
     else:
         train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")
     n_train = min(args.train_limit, len(train_ds)) if args.train_limit else len(train_ds)
@@ -630,6 +632,8 @@ def run_figures(res: dict[str, Any]) -> dict[str, Any]:
     figures = {
         "top1": final.get("val_top1"),
         "miou": final.get("val_miou"),
+        "box_ap": final.get("val_box_ap"),
+        "mask_ap": final.get("val_mask_ap"),
         "top5": final.get("val_top5"),
         "ema_top1": final.get("ema_top1"),
         "epoch_img_s": s["train_img_s"],  # the epochs' own speed, with whatever trained beside them
@@ -653,7 +657,7 @@ def table_row(plan: Plan, v: Variant, results: list[dict[str, Any]], speeds: dic
         "model": v.label,
         "method": method_of(v.model),
         "params_m": params / 1e6,
-        "mmacs": macs / 1e6,
+        "mmacs": None if macs is None else macs / 1e6,
     }
     if v.label != v.model:
         row["registered_model"] = v.model

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PaperValue = float | str | None
+#: the held-out measure a study of each task compares its rows by (classification: top-1), and its axis title
+TASK_SCORES = {"segmentation": "miou", "detection": "box_ap"}
+SCORE_TITLES = {"top1": "held-out top-1 (%)", "miou": "held-out mIoU", "box_ap": "held-out box AP"}
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class Study:
 
     @property
     def score(self) -> str:
-        """The measure the rows are compared by: ``top1``, or ``miou`` for a segmentation study."""
-        return "miou" if self.recipe.get("task") == "segmentation" else "top1"
+        """The measure the rows are compared by: ``top1``, ``miou`` for segmentation, ``box_ap`` for detection."""
+        return TASK_SCORES.get(self.recipe.get("task", "classification"), "top1")
 
 
 def rows(*specs: tuple) -> tuple[Row, ...]:

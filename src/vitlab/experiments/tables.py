@@ -11,7 +11,7 @@ from typing import Any
 
 from ..common.io import write_csv_atomic, write_json_atomic, write_text_atomic
 from ..common.report import Column, pyplot, render_markdown, save_figure
-from .study import Study
+from .study import SCORE_TITLES, Study
 
 SIMILAR = 0.9  # DeepViT: a block is "similar" above 90 % cross-layer similarity with the previous one
 
@@ -23,9 +23,10 @@ COLUMNS: list[Column] = [
     ("infer_img_s", "infer img/s", "{:.0f}"), ("peak_mib", "peak MiB", "{:.0f}"), ("train_s", "train s", "{:.0f}"),
 ]  # fmt: skip
 TEXT_COLUMNS = 2  # the leading columns that hold text (left-aligned)
-# measured per run and averaged over the seeds; the first two also get their standard deviation
-SEED_MEAN = ("top1", "top5", "miou", "ema_top1", "epoch_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
-SEED_SPREAD = ("top1", "top5", "miou")
+# measured per run and averaged over the seeds; the scores also get their standard deviation
+SCORES = ("top1", "top5", "miou", "box_ap", "mask_ap")
+SEED_MEAN = (*SCORES, "ema_top1", "epoch_img_s", "peak_mib", "train_mem_mib", "train_s", "wall_s")
+SEED_SPREAD = SCORES
 
 
 def compare_note(meta: dict[str, Any], columns: list[Column] = COLUMNS) -> str:
@@ -90,7 +91,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows_seen = [r for runs in logs.values() for run in runs for r in run]
-    score = "val_miou" if any("val_miou" in r for r in rows_seen) else "val_top1"  # a segmentation study: mIoU
+    score = next((f"val_{k}" for k in ("miou", "box_ap") if any(f"val_{k}" in r for r in rows_seen)), "val_top1")
     for name, runs in logs.items():
         for ax, key in ((ax1, score), (ax2, "train_loss")):
             ep, mean, std = mean_curve(runs, key)
@@ -105,7 +106,7 @@ def plot(out: Path, rows: list[dict[str, Any]], logs: dict[str, list[list[dict[s
                     color=line.get_color(),
                     alpha=0.2,
                 )
-    what = "held-out mIoU" if score == "val_miou" else "held-out top-1 (%)"
+    what = SCORE_TITLES[score.removeprefix("val_")]
     ax1.set(xlabel="epoch", ylabel=what, title=what.replace(" (%)", ""))
     ax2.set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
     for ax in (ax1, ax2):
@@ -159,7 +160,7 @@ def plot_study(path: Path, study: Study, rows: list[dict[str, Any]]) -> Path:
     key = study.score
     ours = [r.get(key) or 0.0 for r in rows]
     axes[0][0].barh(y, ours, xerr=[r.get(f"{key}_std") or 0.0 for r in rows], color="tab:blue", capsize=3)
-    what = "held-out mIoU" if key == "miou" else "held-out top-1 (%)"
+    what = SCORE_TITLES[key]
     axes[0][0].set(yticks=y, yticklabels=labels, xlabel=what, title="vitlab (this run)")
     spread = [(r.get(key) or 0.0, r.get(f"{key}_std") or 0.0) for r in rows]
     axes[0][0].set_xlim(max(0.0, min(m - s for m, s in spread) - 2), min(100.0, max(m + s for m, s in spread) + 2))

@@ -54,6 +54,10 @@ class SegmentationTask:
 
     score = "val_miou"
 
+    def open_split(self, cfg: TrainConfig, split: str):
+        """One split of the run's mask data (a study opens them before its rows train)."""
+        return open_split(cfg, split)
+
     def open_data(self, draft: Any) -> None:
         cfg = draft.cfg
         bad = [k for k, v in UNSUPPORTED.items() if getattr(cfg, k) != v]
