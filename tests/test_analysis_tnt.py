@@ -135,10 +135,61 @@ def test_tnt_tsne_embeds_one_point_per_channel(tnt_run):
     assert math.isfinite(result["kl_divergence"]) and (out / "tnt_tsne.png").stat().st_size > 1000
 
 
-def test_cli_tnt_group_and_skips_on_other_models(tmp_path, capsys):
-    out = tmp_path / "an"
-    assert main(["analyze", "deit_mini", "--num-images", "2", "--what", "tnt", "--out", str(out)]) == 0
+@pytest.fixture(scope="module")
+def deit_run(tmp_path_factory):
+    torch.manual_seed(0)
+    model = build_model("deit_mini", num_classes=3).eval()
+    x = torch.rand(3, 3, 32, 32)
+    out = tmp_path_factory.mktemp("deit")
+    analyze(model, x, x, parse_what("tnt"), out, batch_size=2, log=lambda line: None)
+    with torch.no_grad():
+        trace = model.forward_trace(x, return_aux=True)
     summary = json.loads((out / "summary.json").read_text())
-    assert all("not a TNT model" in summary["analyses"][n]["skipped"] for n in parse_what("tnt"))
+    return (
+        model,
+        trace,
+        {n: json.loads((out / f"{n}.json").read_text()) for n in ("tnt_features", "tnt_tsne")},
+        out,
+        summary,
+    )
+
+
+def test_deit_feature_maps_are_its_patch_tokens_on_the_grid(deit_run):
+    """DeiT's half of TNT's feature-map figure: the patch tokens reshaped over the grid, no pixel embeddings."""
+    model, trace, results, out, summary = deit_run
+    feats = results["tnt_features"]
+    (gh, gw), prefix = trace["layout"].grid, trace["layout"].num_prefix
+    outer = np.array(feats["outer"])  # [image][block][channel][row][column]
+    assert outer.shape == (3, len(model.blocks), len(feats["channels"]), gh, gw)
+    assert feats["inner"] is None and feats["word_grid"] is None and "no inner words" in feats["pixel_embeddings"]
+    for blk in range(len(model.blocks)):
+        tokens = trace["tokens"][blk]
+        for img in range(3):
+            for k, ch in enumerate(feats["channels"]):
+                for r in range(gh):
+                    for c in range(gw):
+                        want = tokens[img, prefix + r * gw + c, ch].item()
+                        assert outer[img, blk, k, r, c] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert (out / "tnt_features.png").stat().st_size > 1000
+    assert "no pixel embeddings" in summary["analyses"]["tnt_features"]["summary"]
+    assert "not a TNT model" in summary["analyses"]["tnt_inner_attention"]["skipped"]
+
+
+def test_deit_tsne_embeds_one_point_per_channel_of_its_last_block(deit_run):
+    model, _, results, out, _ = deit_run
+    result = results["tnt_tsne"]
+    assert np.array(result["points"]).shape == (model.embed_dim, 2) and result["block"] == len(model.blocks) - 1
+    assert math.isfinite(result["kl_divergence"]) and (out / "tnt_tsne.png").stat().st_size > 1000
+
+
+def test_cli_tnt_group_on_deit_and_tnt(tmp_path, capsys):
+    out = tmp_path / "an"
+    assert main(["analyze", "deit_mini", "--num-images", "2", "--what", "tnt_features", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "skipped" not in summary["analyses"]["tnt_features"]
+    assert np.array(json.loads((out / "tnt_features.json").read_text())["outer"]).shape[:2] == (2, 4)
     assert main(["analyze", "tnt_mini", "--num-images", "2", "--what", "tnt_inner_attention", "--out", str(out)]) == 0
     assert "tnt_inner_attention" in capsys.readouterr().out
+    assert main(["analyze", "resnet_mini", "--num-images", "2", "--what", "tnt_features", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "not one patch grid of one width" in summary["analyses"]["tnt_features"]["skipped"]

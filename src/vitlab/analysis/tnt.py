@@ -8,6 +8,11 @@
   values over the patches of all images the coordinates: Fig. 3b);
 - ``tnt_inner_attention``: pixel-level attention: in every patch, where its centre word looks among the patch's
   words, per block and inner head, the patches tiled into one image.
+
+The paper draws the feature maps and the t-SNE of DeiT-S beside TNT-S: ``tnt_features`` and ``tnt_tsne`` also
+take a plain ViT (DeiT, or any model whose blocks all give one patch grid of one width), its patch tokens being
+the maps. Such a model has no inner words, so there are no pixel embeddings: ``inner`` is None, and the
+figure and ``pixel_embeddings`` say so. ``tnt_inner_attention`` needs TNT.
 """
 
 from __future__ import annotations
@@ -38,22 +43,31 @@ def word_image(words: Tensor, grid: tuple[int, int], word_grid: tuple[int, int])
     return x.reshape(b, *rest, gh * mh, gw * mw)
 
 
-def _tnt_parts(ctx_model: Any, out: dict) -> tuple[str | None, tuple[int, int]]:
-    """Why the TNT analyses do not apply (None if they do), and the words' grid in a patch."""
-    if "inner_tokens" not in out or not hasattr(ctx_model, "pixel_embed"):
-        return "not a TNT model (no inner tokens)", (0, 0)
-    if out["layout"].grid is None:
-        return "the tokens have no patch grid", (0, 0)
-    return None, tuple(ctx_model.pixel_embed.word_grid)
+NO_WORDS = "none: the model has no inner words (a plain ViT / DeiT), only its patch tokens are drawn"
+
+
+def _tnt_parts(ctx_model: Any, out: dict, words: bool = True) -> tuple[str | None, tuple[int, int] | None]:
+    """Why the analyses do not apply (None if they do), and the words' grid in a patch: None for a plain ViT,
+    which ``words`` (the analysis needs TNT's inner words) refuses."""
+    layout = out["layout"]
+    if layout.grid is None:
+        return "the tokens have no patch grid", None
+    n = layout.num_prefix + layout.grid[0] * layout.grid[1]
+    if {(t.shape[1], t.shape[2]) for t in out["tokens"]} != {(n, out["tokens"][0].shape[2])}:
+        return "the blocks' tokens are not one patch grid of one width (a pyramid or a CNN)", None
+    if "inner_tokens" in out and hasattr(ctx_model, "pixel_embed"):
+        return None, tuple(ctx_model.pixel_embed.word_grid)
+    return ("not a TNT model (no inner tokens)" if words else None), None
 
 
 class TNTFeatures(Analysis):
-    """Outer feature maps (sampled channels) and the channel mean of the pixel embeddings, per block."""
+    """Outer feature maps (sampled channels) and the channel mean of the pixel embeddings, per block; a plain
+    ViT's patch tokens (no pixel embeddings)."""
 
     name = "tnt_features"
 
     def start(self, out):
-        why, self.word_grid = _tnt_parts(self.ctx.model, out)
+        why, self.word_grid = _tnt_parts(self.ctx.model, out, words=False)
         if why is not None:
             return why
         dim = out["tokens"][0].shape[-1]
@@ -68,7 +82,8 @@ class TNTFeatures(Analysis):
         self.outer.append(
             [metrics.token_maps(t, layout.grid, layout.num_prefix)[:, self.channels] for t in out["tokens"]]
         )
-        self.inner.append([word_image(w.mean(-1), layout.grid, self.word_grid) for w in out["inner_tokens"]])
+        if self.word_grid is not None:
+            self.inner.append([word_image(w.mean(-1), layout.grid, self.word_grid) for w in out["inner_tokens"]])
 
     def result(self):
         outer = [torch.cat(blocks) for blocks in zip(*self.outer)]  # per block (images, channels, gh, gw)
@@ -76,43 +91,54 @@ class TNTFeatures(Analysis):
         return {
             "definition": "outer: the block's patch embeddings as maps over the patch grid, channels 'channels'; "
             "inner: the block's pixel embeddings (words) averaged over their channels, each word at its place in "
-            "its patch (TNT Figs. 3a, 4)",
+            "its patch (TNT Figs. 3a, 4); a plain ViT / DeiT has outer maps only",
+            "pixel_embeddings": "TNT's inner words" if inner else NO_WORDS,
             "channels": self.channels,
-            "word_grid": list(self.word_grid),
+            "word_grid": None if self.word_grid is None else list(self.word_grid),
             "blocks": list(range(len(outer))),
             "outer": [[to_json(b[i]) for b in outer] for i in range(outer[0].shape[0])],  # [image][block][ch][h][w]
-            "inner": [[to_json(b[i]) for b in inner] for i in range(inner[0].shape[0])],  # [image][block][H][W]
+            "inner": [[to_json(b[i]) for b in inner] for i in range(inner[0].shape[0])] if inner else None,
         }
 
     def plot(self, result, path):
-        mh, mw = self.word_grid
-        outer = np.asarray(result["outer"][0], dtype=np.float32).repeat(mh, -2).repeat(mw, -1)  # to pixel size
-        inner = np.asarray(result["inner"][0], dtype=np.float32)[:, None]
+        outer = np.asarray(result["outer"][0], dtype=np.float32)
+        cols = [f"ch {c}" for c in self.channels]
+        if self.word_grid is None:
+            maps = outer
+            title = "patch-token feature maps, sampled channels (image 0); no pixel embeddings: no inner words"
+        else:
+            mh, mw = self.word_grid
+            inner = np.asarray(result["inner"][0], dtype=np.float32)[:, None]
+            maps = np.concatenate([outer.repeat(mh, -2).repeat(mw, -1), inner], axis=1)  # outer to pixel size
+            cols.append("pixel mean")
+            title = "TNT feature maps: patch embeddings (sampled channels) and pixel embeddings (image 0)"
         plots.map_grid(
-            np.concatenate([outer, inner], axis=1),
+            maps,
             path,
             row_labels=[f"block {b}" for b in result["blocks"]],
-            col_labels=[f"ch {c}" for c in self.channels] + ["pixel mean"],
+            col_labels=cols,
             image=self.ctx.images[0].numpy(),
-            title="TNT feature maps: patch embeddings (sampled channels) and pixel embeddings (image 0)",
+            title=title,
         )
 
     def summary(self, result):
-        return f"{len(result['blocks'])} blocks, {len(self.channels)} channels and the pixel embeddings"
+        words = "the pixel embeddings" if result["inner"] is not None else "no pixel embeddings (no inner words)"
+        return f"{len(result['blocks'])} blocks, {len(self.channels)} channels and {words}"
 
 
 class TNTTSNE(Analysis):
-    """t-SNE of the last block's feature maps: one point per channel of the outer tokens."""
+    """t-SNE of the last block's feature maps: one point per channel of the outer tokens (a plain ViT's tokens)."""
 
     name = "tnt_tsne"
 
     def start(self, out):
-        why, _ = _tnt_parts(self.ctx.model, out)
+        why, _ = _tnt_parts(self.ctx.model, out, words=False)
         if why is not None:
             return why
         if out["tokens"][0].shape[-1] < 4:
             return "fewer than 4 channels: nothing to embed"
         self.maps: list[Tensor] = []
+        self.block = len(out["tokens"]) - 1
         return None
 
     def update(self, out, n):
@@ -128,7 +154,7 @@ class TNTTSNE(Analysis):
             "definition": "t-SNE (exact, perplexity 'perplexity') of the last block's feature maps: point c is "
             "channel c of the patch embeddings, its coordinates the channel's values at every patch of every "
             "image (TNT Fig. 3b)",
-            "block": len(self.ctx.model.blocks) - 1,
+            "block": self.block,
             "perplexity": perplexity,
             "kl_divergence": kl,
             "points": to_json(y),  # [channel][x, y]
