@@ -25,7 +25,7 @@ from .linear_attention import LinearAttention, Performer
 from .lsh_attention import LSHAttention
 from .reattention import ReAttention
 from .refiner import DistributedLocalAttention, RefinerAttention
-from .sparse_attention import SparseAttention
+from .sparse_attention import LocalAttention2d, SparseAttention
 from .spatial_reduction import SpatialReductionAttention
 from .synthesizer import Synthesizer
 
@@ -53,7 +53,8 @@ EXTRA_MIXERS: dict[str, type[TokenMixer]] = {
     "sr_attention": SpatialReductionAttention,
 }
 #: the efficient-attention baselines AFT's tables compare against (docs/models.md, "Baselines of the AFT paper");
-#: ``local_attention`` / ``strided_attention`` are :class:`SparseAttention` with its pattern preset, and
+#: ``local_attention`` / ``strided_attention`` are :class:`SparseAttention` with its pattern preset
+#: (``local2d_attention``: the Image Transformer's 2-D blocks, :class:`LocalAttention2d`), and
 #: ``synthesizer_dense`` / ``synthesizer_random`` :class:`Synthesizer` with its kind preset.
 BASELINE_MIXERS: dict[str, type[TokenMixer]] = {
     "linear_attention": LinearAttention,
@@ -62,6 +63,7 @@ BASELINE_MIXERS: dict[str, type[TokenMixer]] = {
     "synthesizer_random": Synthesizer,
     "local_attention": SparseAttention,
     "strided_attention": SparseAttention,
+    "local2d_attention": LocalAttention2d,
     "lsh_attention": LSHAttention,
     "lambda": LambdaLayer,
 }
@@ -118,6 +120,7 @@ __all__ = [
     "LSHAttention",
     "LambdaLayer",
     "LinearAttention",
+    "LocalAttention2d",
     "MultiHeadExternalAttention",
     "PEGQKAttention",
     "Performer",

@@ -11,6 +11,8 @@ each:
 * :mod:`.aft` -- the AFT cores, exact for any magnitude, built on :mod:`.aft_banded` (AFT-local's band),
   :mod:`.aft_conv` (AFT-conv's window sums) and :mod:`.aft_simple` (closed-form backward passes);
   :mod:`.aft_decode` -- causal AFT's one-token decoding states;
+* :mod:`.block_sparse` -- fixed-pattern sparse attention (local, strided, 2-D local) block by block, in O(N·s)
+  time and memory instead of a mask over the dense N x N product;
 * :mod:`.double_norm` -- external attention's double normalisation;
 * :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner, with
   :mod:`.head_mix_terms` (what its eager and Triton forms share);

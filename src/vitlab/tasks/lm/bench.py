@@ -15,10 +15,10 @@ gradient scaler, GPU only); ``--device cuda`` runs it on a GPU, timed with CUDA 
 allocator's peak - what was allocated before the model was built.
 
 ``--baselines`` adds the efficient-attention baselines of AFT's Tables 2 and 4 (Linear Transformer, Performer,
-Reformer, Synthesizer, strided and local sparse attention: :data:`BASELINES`) and the AFT rows of Table 4
-(AFT-full, AFT-local-32, AFT-simple: :data:`AFT_ENWIK8`), each in its named config's mixer at the same L, d
-and ``--heads`` as the rest, so that one table compares them all; the paper's ratios stand beside each row
-the paper has.
+Reformer, Synthesizer, strided, local and 2-D local sparse attention, these three block by block:
+:data:`BASELINES`) and the AFT rows of Table 4 (AFT-full, AFT-local-32, AFT-simple: :data:`AFT_ENWIK8`), each in
+its named config's mixer at the same L, d and ``--heads`` as the rest, so that one table compares them all; the
+paper's ratios stand beside each row the paper has.
 
 Ratios are taken against the Transformer of the same run and T, measured side by side. Targets
 (:mod:`vitlab.tasks.lm.targets`): AFT-local <= 0.6x the Transformer's memory at T = 3072 and faster per step
@@ -78,6 +78,7 @@ BASELINES: dict[str, tuple[str, dict[str, Any]]] = {
     "synthesizer": ("synthesizer_enwik8", {}),
     "sparse_strided": ("sparse_strided_cifar", {}),
     "local_attention": ("image_transformer_local_cifar", {}),
+    "local2d_attention": ("image_transformer_local2d_cifar", {}),
 }
 MODELS.update(BASELINES)
 #: the AFT rows of the enwik8 table the baselines are read against (``--baselines`` adds them too)

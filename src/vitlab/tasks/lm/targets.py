@@ -16,7 +16,7 @@ from typing import Any
 PAPER = {
     "aft_local": {"mem": 12.8 / 30.4, "speed": 1.67 / 1.36},
     "aft_simple": {"mem": 9.5 / 30.4, "speed": 2.15 / 1.36},
-    "local_attention": {"mem": 22.3 / 30.6, "speed": 1.61 / 1.35},
+    "local2d_attention": {"mem": 22.3 / 30.6, "speed": 1.61 / 1.35},
 }
 # the same at T = 1024 (enwik8, Table 4): each row against the paper's Transformer of its own shape (the
 # baselines are L=12, d=512 rows; AFT-local-32 and AFT-simple the L=24, d=256 rows, against 28.3 GB and
