@@ -245,7 +245,8 @@ def lambda_reference(m, x, grid):
         )  # E_i (m, k)
         lam = content + torch.einsum("mk,bmv->bkv", emb, v)  # λ^c + λ^p_i
         out[:, i] = torch.einsum("bkv,bhk->bhv", lam, q[:, i])
-    return out.reshape(b, n, -1)
+    out = out.reshape(b, n, -1)
+    return m.proj(out) if m.proj is not None else out  # the output projection W_O y_n + b_O
 
 
 def test_lambda_layer_equals_its_equation():
@@ -257,6 +258,9 @@ def test_lambda_layer_equals_its_equation():
     x = torch.randn(2, 1 + 12, D, dtype=torch.float64)
     layout = TokenLayout((3, 4), 1)
     torch.testing.assert_close(m(x, layout), lambda_reference(m, x, (3, 4)))
+    bare = build("lambda", D, num_heads=H, key_dim=4, max_distance=2, out_proj=False).double().eval()
+    bare.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("proj.")})
+    torch.testing.assert_close(bare(x, layout), lambda_reference(bare, x, (3, 4)))
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ def test_lambda_rows():
         tiny = vitlab.create_model("lambda_tiny")
     mixer = tiny.blocks[0].mixer
     assert type(mixer).__name__ == "LambdaLayer" and mixer.key_dim == 16 and mixer.num_heads == 3
-    assert tiny.pretrained_cfg["top1"] == 72.4 and tiny.pos_embed is None
+    assert tiny.pretrained_cfg["top1"] == 72.4 and tiny.pos_embed.shape == (1, 196, 192)  # no class token
     model = vitlab.create_model("lambda_mini", num_classes=3)
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
     with pytest.raises(ValueError, match="prefix_embedding"):
