@@ -59,13 +59,14 @@ def test_parameter_count_matches_spec(name):
 
 # -------------------------------------------------------------------------------------- model API, small
 def small_input(name: str, batch: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The mini configs at their own size; full configs at the smallest sensible input (2x2 patch grid)."""
+    """The mini configs at their own size; full configs at the smallest sensible input (2x2 patch grid; a CNN's
+    last map 2x2, so that BatchNorm sees more than one value per channel in training at batch 1)."""
     cfg = get_config(name)
     if name.endswith("_mini"):
         model = vitlab.create_model(name, num_classes=5)
         size = cfg.input_size[1]
     else:
-        size = 32
+        size = 64 if cfg.arch in ("resnet", "regnet", "efficientnet") else 32
         model = vitlab.create_model(name, num_classes=5, img_size=size)
     return model, torch.randn(batch, 3, size, size)
 

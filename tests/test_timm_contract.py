@@ -24,10 +24,13 @@ from vitlab.models.base import FeatureGetter, feature_take_indices, layer_ids, p
 from vitlab.tasks.lm import CausalLM
 
 MINI = vitlab.list_models("*_mini")
-# models whose blocks all see one token sequence (the pyramid's "blocks" are stages: test_pyramid_features)
-PLAIN = [n for n in MINI if vitlab.get_config(n).arch != "pyramid"]
+# architectures whose "blocks" are stages of their own widths and strides: PCPVT (test_pyramid_features) and the
+# CNNs (tests/test_cnn_baselines.py)
+STAGED = ("pyramid", "resnet", "regnet", "efficientnet")
+# models whose blocks all see one token sequence
+PLAIN = [n for n in MINI if vitlab.get_config(n).arch not in STAGED]
 FULL = vitlab.list_models(exclude_filters="*_mini")
-PYRAMIDS = [n for n in FULL if vitlab.get_config(n).arch == "pyramid"]
+PYRAMIDS = [n for n in FULL if vitlab.get_config(n).arch in STAGED]
 
 
 def mini(name: str, **kw) -> torch.nn.Module:
@@ -202,7 +205,7 @@ def test_full_size_structure_on_meta(name):
         assert len(model.feature_info) == len(model.blocks)
         groups = layer_ids(dict(model.named_parameters()), model.group_matcher())
         assert max(groups.values()) == len(model.blocks) + 1  # stem, blocks (the last with the final norm), head
-    assert all(g * model.reduction == s for g, s in zip(model.grid, model.img_size))
+    assert all(g == -(-s // model.reduction) for g, s in zip(model.grid, model.img_size))  # a CNN: any size
 
 
 @pytest.mark.slow
@@ -214,7 +217,7 @@ def test_full_size_battery_on_meta(name):
         final, inter = model.forward_intermediates(x, indices=2)
         info = model.feature_info[-2]  # a block's (a pyramid's: a stage's) output before the last one
         assert final.shape[-1] == model.num_features and inter[0].shape[1] == info["num_chs"]
-        assert inter[0].shape[2:] == tuple(s // info["reduction"] for s in model.img_size)
+        assert inter[0].shape[2:] == tuple(-(-s // info["reduction"]) for s in model.img_size)  # CNNs: ceil
         model(x).sum().backward()
         assert all(p.grad is not None for p in model.parameters())
         feats = create_model(name, features_only=True)

@@ -277,41 +277,61 @@ class HeadSimilarity(Analysis):
 
 
 class FeatureEvolution(Analysis):
-    """Cosine similarity of token features between consecutive blocks."""
+    """Cosine similarity of token features between consecutive blocks. Where blocks change the tokens' shape (a
+    CNN's or a pyramid's stage that downsamples or widens) the pair has no similarity (null): the blocks of each
+    run of one shape are compared, as a ViT's all are."""
 
     name = "evolution"
 
     def start(self, out):
         if len(out["tokens"]) < 2:
             return "needs at least 2 blocks"
-        self.mean = RunningMean()
+        shapes = [tuple(t.shape[1:]) for t in out["tokens"]]
+        self.runs = [[0]]  # block indices in runs of one token shape
+        for k in range(1, len(shapes)):
+            if shapes[k] == shapes[k - 1]:
+                self.runs[-1].append(k)
+            else:
+                self.runs.append([k])
+        if all(len(r) < 2 for r in self.runs):
+            return "no two consecutive blocks give tokens of one shape (every block changes the resolution or width)"
+        self.num_blocks, self.mean = len(shapes), RunningMean()
         return None
 
     def update(self, out, n):
-        self.mean.add(metrics.feature_evolution(out["tokens"], out["layout"].num_prefix), n)
+        tokens, p = out["tokens"], out["layout"].num_prefix
+        sims = torch.full((self.num_blocks - 1,), float("nan"), dtype=torch.float64)
+        for run in self.runs:
+            if len(run) > 1:
+                sims[run[1] - 1 : run[-1]] = metrics.feature_evolution([tokens[k] for k in run], p).double()
+        self.mean.add(sims, n)
 
     def result(self):
         return {
             "definition": "s[k] = mean over patch tokens n and images of cos(X^{k-1}_n, X^k_n), X^k the output of "
-            "block k (Refiner Fig. 2/4); near 1 = the features barely change",
+            "block k (Refiner Fig. 2/4); near 1 = the features barely change; null where block k changes the "
+            "tokens' shape (a CNN's downsampling or widening block)",
             "blocks": list(range(1, len(self.mean.value) + 1)),
             "similarity": to_json(self.mean.value),
         }
 
     def plot(self, result, path):
+        s = [float("nan") if v is None else v for v in result["similarity"]]
         plots.curve(
             result["blocks"],
-            result["similarity"],
+            s,
             path,
             xlabel="block k",
             ylabel="cos(features k-1, k)",
             title="feature evolution",
-            ylim=(min(0.0, *result["similarity"]), 1.02),
+            ylim=(min(0.0, *(v for v in s if v == v)), 1.02),
         )
 
     def summary(self, result):
-        s = result["similarity"]
-        return f"similarity of consecutive blocks' features {min(s):.3f}..{max(s):.3f}"
+        s = [v for v in result["similarity"] if v is not None]
+        gaps = len(result["similarity"]) - len(s)
+        where = f" ({gaps} blocks change the tokens' shape: no pair)" if gaps else ""
+        return f"similarity of consecutive blocks' features {min(s):.3f}..{max(s):.3f}{where}"
 
 
 class AFTBias(Analysis):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 
@@ -21,10 +22,12 @@ def describe(name: str, macs: bool = True, img_size: int | None = None) -> dict:
 
     from ..measure.flops import count_macs
     from ..models import build_model, get_config
+    from ..models.registry import architecture
 
     cfg = get_config(name)
     overrides = {"img_size": img_size} if img_size else {}
-    if img_size and cfg.kwargs.get("pos_embed", "learned") == "learned":
+    resamples = "dynamic_img_size" in inspect.signature(architecture(cfg.arch)).parameters  # (a CNN: any size)
+    if img_size and resamples and cfg.kwargs.get("pos_embed", "learned") == "learned":
         overrides["dynamic_img_size"] = True
     with torch.device("meta"):
         model = build_model(name, **overrides)

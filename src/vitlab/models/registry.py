@@ -13,7 +13,10 @@ from torch import nn
 from ..common.registry import Registry
 from ..data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from .base import feature_extractor, has_fixed_mixer, supports_dynamic_size
+from .efficientnet import EfficientNet
 from .pyramid import PyramidCPVT
+from .regnet import RegNet
+from .resnet import ResNet
 from .t2t import T2TViT
 from .timm_cfg import TIMM_CFG_KEYS
 from .tnt import TNT
@@ -24,6 +27,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "tnt": TNT,
     "t2t": T2TViT,
     "pyramid": PyramidCPVT,
+    "resnet": ResNet,  # the convolutional baselines (models/convnet.py: their stages are the blocks)
+    "regnet": RegNet,
+    "efficientnet": EfficientNet,
 }
 #: vitlab's own entries beside them (the published result, the paper, the training data of a checkpoint)
 VITLAB_CFG_KEYS = ("top1", "weights_url", "paper", "data", "holdout")

@@ -17,6 +17,8 @@ from: docs/models.md).
   words-per-patch and inner-heads ablations.
 * :mod:`~vitlab.models.zoo.baselines`: the rows of no paper of their own: the Lambda networks of AFT's
   comparison.
+* :mod:`~vitlab.models.zoo.cnn`: the convolutional baselines: ResNet-50 / 101 / 152 (and the dilated
+  ``resnet50_d8`` / ``resnet101_d8``), RegNetY-4GF / 8GF / 16GF (DeiT's teacher), EfficientNet-B0 .. B4.
 
 :mod:`~vitlab.models.zoo._shared` holds what several of them write their rows with (the VisionTransformer row,
 the ``*_mini`` size, DeiT's widths, the ViT-NB backbones of DeepViT and Refiner).
@@ -30,4 +32,4 @@ checkpoint is published; these become the model's ``pretrained_cfg``.
 """
 
 # importing a paper file registers its rows
-from . import aft, baselines, cpvt, deepvit, deit, external, refiner, tnt  # noqa: F401
+from . import aft, baselines, cnn, cpvt, deepvit, deit, external, refiner, tnt  # noqa: F401
