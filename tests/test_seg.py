@@ -252,7 +252,7 @@ def test_seg_train_learns_resumes_bit_identically_and_evaluates(voc, tmp_path, c
 
 def test_seg_cli_refuses_what_it_cannot_do(voc, tmp_path, capsys):
     assert main(["seg", "train", *RUN, "--data", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
-    assert "not in the voc or ade20k layout" in capsys.readouterr().err
+    assert "not in the voc, ade20k or cityscapes layout" in capsys.readouterr().err
     assert main(["seg", "train", *RUN, "--data", str(voc), "--mixup", "0.8", "--out", str(tmp_path / "x")]) == 2
     assert "does not take --mixup" in capsys.readouterr().err
 
@@ -264,12 +264,18 @@ def test_segmentation_studies_pass_their_switch_to_the_small_rows(capsys):
     memory = variants(STUDIES.get("ea-seg-memory"), "small")
     assert [v.model_args["memory_size"] for v in memory] == [8, 32, 64, 256]
     assert STUDIES.get("ea-seg-memory").rows[2].paper == {"miou": 77.4}
+    attention = STUDIES.get("ea-seg-attention")
+    assert [v.model_args["head"] for v in variants(attention, "small")] == ["ea", "ea", "sa", "sa_dn", "plain"]
+    full = variants(attention, "full")  # EANet: a dilated ResNet-50 with the head on its last stage
+    assert {v.model for v in full} == {"resnet50"} and all(v.model_args["decoder"] == "eanet" for v in full)
+    assert {v.model for v in variants(attention, "small")} == {"resnet_mini"}
+    assert [v.model for v in variants(STUDIES.get("ea-seg-eanet"), "full")] == ["resnet50", "resnet101"]
     assert main(["study", "ea-seg-head"]) == 2  # the default data is MNIST: one line asking for a mask folder
     assert "give --data voc:ROOT" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ea-seg-head", "ea-seg-norm", "ea-seg-memory"])
+@pytest.mark.parametrize("name", ["ea-seg-head", "ea-seg-norm", "ea-seg-memory", "ea-seg-attention", "ea-seg-eanet"])
 def test_segmentation_studies_end_to_end(name, voc, tmp_path):
     from vitlab.experiments.papers import STUDIES
 

@@ -1,6 +1,6 @@
-"""Segmentation data: JPEG images with PNG class masks in the PASCAL VOC and ADE20K folder layouts.
+"""Segmentation data: images with PNG class masks in the PASCAL VOC, ADE20K and Cityscapes folder layouts.
 
-Layouts (``--data voc:ROOT``, ``ade20k:ROOT``, or a bare ``ROOT`` recognised by its folders)::
+Layouts (``--data voc:ROOT``, ``ade20k:ROOT``, ``cityscapes:ROOT``, or a bare ``ROOT`` recognised by its folders)::
 
     voc     ROOT/JPEGImages/<id>.jpg  ROOT/SegmentationClass/<id>.png  ROOT/ImageSets/Segmentation/{train,val}.txt
             21 classes (background + 20); mask values are class indices (palette PNG), 255 = ignored (object
@@ -8,11 +8,15 @@ Layouts (``--data voc:ROOT``, ``ade20k:ROOT``, or a bare ``ROOT`` recognised by 
     ade20k  ROOT/images/{training,validation}/<name>.jpg  ROOT/annotations/{training,validation}/<name>.png
             150 classes; mask value 0 ("other") is ignored and 1..150 become 0..149 (the benchmark's rule);
             ROOT/objectInfo150.csv, when there, names the classes (its ``Name`` column)
+    cityscapes  ROOT/leftImg8bit/{train,val}/<city>/*_leftImg8bit.png  ROOT/gtFine/{train,val}/<city>/
+            *_gtFine_labelIds.png; the 34 label ids become the benchmark's 19 train ids, the others 255
+            (:mod:`.cityscapes`)
 
 ``ROOT`` may also be the folder an archive unpacks to: the one holding ``VOCdevkit/VOC2012`` (VOC2007 too), or
-the one holding ``ADEChallengeData2016``. Every file a split list names is resolved inside the dataset folder
-(an id with ``../`` or an absolute one is refused), images and masks are opened only when they are regular
-files (a named pipe would block the reader), and an image or mask that cannot be decoded is one line naming it.
+the one holding ``ADEChallengeData2016``; Cityscapes' archives unpack into ``ROOT`` itself. Every file a split
+list names is resolved inside the dataset folder (an id with ``../`` or an absolute one is refused), images and
+masks are opened only when they are regular files (a named pipe would block the reader), and an image or mask
+that cannot be decoded is one line naming it.
 
 Training samples are augmented jointly (:class:`JointTransform`): the image and its mask resized by one random
 factor (short side = crop x U(0.5, 2.0); bilinear for the image, nearest for the mask), padded to the crop
@@ -38,10 +42,19 @@ from ...data import BatchLoader
 from ...data.datasets import IMAGENET_MEAN, IMAGENET_STD
 from ...data.safe_files import MAX_UNPACKED_BYTES, DataFileError, inside_root, open_regular, read_regular
 from ...engine.dense import IGNORE_INDEX
+from . import cityscapes
 
-LAYOUTS = {"voc": 21, "ade20k": 150}  # layout -> classes
-SPLITS = {"voc": {"train": "train", "val": "val"}, "ade20k": {"train": "training", "val": "validation"}}
-SPEC_HELP = "voc:<root> (PASCAL VOC layout), ade20k:<root> (ADEChallengeData2016 layout), or a bare root"
+LAYOUTS = {"voc": 21, "ade20k": 150, "cityscapes": cityscapes.NUM_CLASSES}  # layout -> classes
+SPLITS = {
+    "voc": {"train": "train", "val": "val"},
+    "ade20k": {"train": "training", "val": "validation"},
+    "cityscapes": {"train": "train", "val": "val"},
+}
+SPEC_HELP = (
+    "voc:<root> (PASCAL VOC layout), ade20k:<root> (ADEChallengeData2016 layout), cityscapes:<root> "
+    "(leftImg8bit/ and gtFine/), or a bare root"
+)
+NAMES = {"voc": "VOC", "ade20k": "ADE20K", "cityscapes": "Cityscapes"}
 
 #: PASCAL VOC's 21 classes, in the order of their mask values
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -52,16 +65,19 @@ VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "
 NESTED = {
     "voc": ("VOC2012", "VOCdevkit/VOC2012", "VOC2007", "VOCdevkit/VOC2007"),
     "ade20k": ("ADEChallengeData2016",),
+    "cityscapes": (),  # both archives unpack into the folder they are opened in
 }
 EXPECTED = {
     "voc": "JPEGImages/, SegmentationClass/ and ImageSets/Segmentation/{train,val}.txt (the VOC2012 folder), or the "
     "folder holding VOCdevkit/VOC2012/ (where VOCtrainval_11-May-2012.tar unpacks)",
     "ade20k": "images/{training,validation}/ and annotations/{training,validation}/ (the ADEChallengeData2016 "
     "folder), or the folder holding ADEChallengeData2016/ (where ADEChallengeData2016.zip unpacks)",
+    "cityscapes": cityscapes.EXPECTED,
 }
 FIX = {
     "voc": "re-extract the file from the VOC archive, or remove its id from the split list",
     "ade20k": "re-extract the file from ADEChallengeData2016.zip, or remove the image and its annotation",
+    "cityscapes": cityscapes.FIX,
 }
 LIST_LIMIT = 64 << 20  # a split list of ids (VOC's longest, with SBD's extra masks, is ~150 KB)
 NAMES_LIMIT = 1 << 20  # objectInfo150.csv is ~5 KB
@@ -72,6 +88,8 @@ def _own_layout(root: Path) -> str | None:
         return "voc"
     if (root / "images").is_dir() and (root / "annotations").is_dir():
         return "ade20k"
+    if cityscapes.is_cityscapes(root):
+        return "cityscapes"
     return None
 
 
@@ -92,15 +110,16 @@ def detect_layout(root: Path) -> str | None:
 
 
 def parse_mask_spec(text: str) -> tuple[str, Path]:
-    """``voc:ROOT`` / ``ade20k:ROOT`` / ``ROOT`` -> (layout, dataset folder); ValueError saying what is wrong."""
+    """``voc:ROOT`` / ``ade20k:ROOT`` / ``cityscapes:ROOT`` / ``ROOT`` -> (layout, dataset folder); ValueError
+    saying what is wrong."""
     kind, sep, rest = text.partition(":")
     layout, root = (kind, Path(rest)) if sep and kind in LAYOUTS else (None, Path(text))
     if not root.is_dir():
         raise ValueError(f"segmentation data {text!r}: {root} is not a folder; give {SPEC_HELP}")
     found = locate(root, layout)
     if found is None:
-        want = layout or "voc or ade20k"
-        expected = EXPECTED[layout] if layout else f"VOC: {EXPECTED['voc']}; ADE20K: {EXPECTED['ade20k']}"
+        want = layout or "voc, ade20k or cityscapes"
+        expected = EXPECTED[layout] if layout else "; ".join(f"{NAMES[k]}: {v}" for k, v in EXPECTED.items())
         raise ValueError(f"segmentation data {text!r}: {root} is not in the {want} layout; expected {expected}")
     return found
 
@@ -129,6 +148,8 @@ def pairs(layout: str, root: Path, split: str) -> list[tuple[Path, Path]]:
     """(image, mask) paths of ``split`` ("train" or "val") in the layout's order, each inside ``root``."""
     if split not in SPLITS[layout]:
         raise ValueError(f"split must be train or val, got {split!r}")
+    if layout == "cityscapes":
+        return cityscapes.pairs(root, split)
     if layout == "voc":
         listing = root / "ImageSets" / "Segmentation" / f"{split}.txt"
         out = []
@@ -196,7 +217,7 @@ class MaskDataset:
 
     def load(self, i: int) -> tuple[Tensor, Tensor]:
         image_path, mask_path = self.items[i]
-        name = "VOC" if self.layout == "voc" else "ADE20K"
+        name = NAMES[self.layout]
         fix = FIX.get(self.layout, "replace or remove the file")
         image = _decode(image_path, f"{name} image", fix, mask=False)
         image = torch.from_numpy(image).permute(2, 0, 1).contiguous()
@@ -209,6 +230,8 @@ class MaskDataset:
             )
         if self.layout == "ade20k":  # 0 = "other", not scored; classes 1..150 -> 0..149
             mask = torch.where(mask == 0, IGNORE_INDEX, mask - 1)
+        elif self.layout == "cityscapes":  # the 34 label ids -> the 19 train ids, the rest ignored
+            mask = cityscapes.to_train_ids(mask, mask_path)
         bad = (mask != IGNORE_INDEX) & (mask >= self.num_classes)
         if bad.any():
             raise ValueError(
@@ -257,7 +280,8 @@ def open_masks(text: str, split: str) -> MaskDataset:
     items = pairs(layout, root, split)
     if not items:
         raise ValueError(f"segmentation data {text!r}: the {split} split has no images")
-    classes = list(VOC_CLASSES) if layout == "voc" else ade20k_classes(root)
+    fixed = {"voc": VOC_CLASSES, "cityscapes": cityscapes.CLASSES}  # ADE20K's are read from a file, when there
+    classes = list(fixed[layout]) if layout in fixed else ade20k_classes(root)
     return MaskDataset(items, layout, LAYOUTS[layout], source=str(root), classes=classes)
 
 

@@ -7,6 +7,18 @@ image's edge; an image smaller than the crop padded with zeros at the bottom and
 the mean over the windows that cover it:
 
     logits(p) = (1 / |W(p)|) sum_{w in W(p)} f(x_w)(p - offset_w)
+
+``msflip``: multi-scale and flip testing (mmsegmentation's ``aug_test``; the scales of EANet's own test script).
+The image resized (bilinear) by each factor s of ``scales``, predicted with sliding windows as above (one padded
+window where it is smaller than the crop), and, with ``flip``, its mirror image too (the logits mirrored back);
+each set of logits resized to the image's own size and turned into probabilities; their mean over the scales and
+flips is the prediction:
+
+    P(p) = (1 / (|scales| (1 + flip))) sum_s sum_{t in {id, mirror}} softmax(Up(t(slide(t(Resize_s(x))))))(p)
+
+:func:`predict` returns ``log P``: its argmax is the prediction, and the cross-entropy of ``log P`` as logits
+is ``-log P`` of the true class (P sums to 1 over the classes). EANet's script adds the raw logits of the scales
+instead; averaging probabilities, as mmsegmentation does, keeps a scale with large logits from outvoting the rest.
 """
 
 from __future__ import annotations
@@ -21,7 +33,9 @@ from ...common.device import autocast
 from .data import IGNORE_INDEX, MaskDataset, normalize
 from .metrics import ConfusionMatrix
 
-INFER_MODES = ("slide", "whole")
+INFER_MODES = ("slide", "whole", "msflip")
+#: msflip's default factors: EANet's test scales (and mmsegmentation's multi-scale test)
+MS_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 1.75)
 
 
 def window_starts(size: int, crop: int, stride: int) -> list[int]:
@@ -30,19 +44,56 @@ def window_starts(size: int, crop: int, stride: int) -> list[int]:
     return sorted({min(i * stride, size - crop) for i in range(n)})
 
 
+def check_scales(scales: tuple[float, ...] | list[float]) -> tuple[float, ...]:
+    """``scales`` as a tuple of positive finite factors; ValueError otherwise."""
+    out = tuple(float(s) for s in scales)
+    if not out or not all(0 < s < float("inf") for s in out):
+        raise ValueError(f"scales must be one or more positive factors, got {list(scales)}")
+    return out
+
+
+def resize(x: Tensor, size: tuple[int, int]) -> Tensor:
+    return x if tuple(x.shape[-2:]) == tuple(size) else F.interpolate(x, size, mode="bilinear", align_corners=False)
+
+
 def predict(model: nn.Module, image: Tensor, crop: int, mode: str = "slide", stride: int | None = None,
-            batch: int = 8) -> Tensor:  # fmt: skip
-    """Float logits ``(B, K, H, W)`` of normalised images ``(B, 3, H, W)`` (module docstring); ``stride``
-    defaults to two thirds of the crop; ``batch`` windows go through the model at once."""
+            batch: int = 8, scales: tuple[float, ...] = MS_SCALES, flip: bool = True) -> Tensor:  # fmt: skip
+    """Float logits ``(B, K, H, W)`` of normalised images ``(B, 3, H, W)`` (``msflip``: log-probabilities; module
+    docstring); ``stride`` defaults to two thirds of the crop; ``batch`` windows go through the model at once;
+    ``scales`` and ``flip`` are used by ``msflip`` only."""
     if mode not in INFER_MODES:
         raise ValueError(f"mode must be one of {', '.join(INFER_MODES)}, got {mode!r}")
-    b, _, h, w = image.shape
+    h, w = image.shape[-2:]
     if mode == "whole":
         x = F.interpolate(image, (crop, crop), mode="bilinear", align_corners=False)
         return F.interpolate(model(x).float(), (h, w), mode="bilinear", align_corners=False)
     stride = stride or max(1, crop * 2 // 3)
     if not 1 <= stride <= crop:
         raise ValueError(f"stride must lie in [1, crop={crop}], got {stride}")
+    if mode == "msflip":
+        return multi_scale_flip(model, image, crop, stride, batch, check_scales(scales), flip)
+    return slide(model, image, crop, stride, batch)
+
+
+def multi_scale_flip(model: nn.Module, image: Tensor, crop: int, stride: int, batch: int,
+                     scales: tuple[float, ...], flip: bool) -> Tensor:  # fmt: skip
+    """``log P`` of the module docstring's ``msflip``."""
+    h, w = image.shape[-2:]
+    total = None
+    for s in scales:
+        x = resize(image, (max(1, round(h * s)), max(1, round(w * s))))
+        for mirrored in (False, True) if flip else (False,):
+            logits = slide(model, x.flip(-1) if mirrored else x, crop, stride, batch)
+            logits = logits.flip(-1) if mirrored else logits
+            probs = resize(logits, (h, w)).softmax(1)  # resized as logits, then normalised (mmsegmentation)
+            total = probs if total is None else total + probs
+    mean = total / (len(scales) * (1 + flip))
+    return mean.clamp_min(torch.finfo(mean.dtype).tiny).log()  # a class no view gives any chance: finite, not -inf
+
+
+def slide(model: nn.Module, image: Tensor, crop: int, stride: int, batch: int) -> Tensor:
+    """The module docstring's ``slide``: logits ``(B, K, H, W)`` averaged over the windows covering each pixel."""
+    b, _, h, w = image.shape
     x = F.pad(image, (0, max(crop - w, 0), 0, max(crop - h, 0)))
     hp, wp = x.shape[-2:]
     boxes = [(t, le) for t in window_starts(hp, crop, stride) for le in window_starts(wp, crop, stride)]
@@ -62,10 +113,11 @@ def predict(model: nn.Module, image: Tensor, crop: int, mode: str = "slide", str
 @torch.no_grad()
 def evaluate_segmentation(model: nn.Module, dataset: MaskDataset, crop: int, device: torch.device,
                           mode: str = "slide", stride: int | None = None, dtype: torch.dtype | None = None,
-                          limit: int | None = None) -> dict[str, object]:  # fmt: skip
+                          limit: int | None = None, scales: tuple[float, ...] = MS_SCALES,
+                          flip: bool = True) -> dict[str, object]:  # fmt: skip
     """mIoU, per-class IoU, aAcc, mAcc (%) of ``model`` over ``dataset`` at each image's own size (one image at
     a time), the mean cross-entropy over the labelled pixels, images/s; ``classes``, the class names, when the
-    data names them."""
+    data names them. ``scales`` / ``flip``: those of ``msflip``."""
     was_training = model.training
     model.eval()
     matrix = ConfusionMatrix(dataset.num_classes, IGNORE_INDEX)
@@ -75,7 +127,7 @@ def evaluate_segmentation(model: nn.Module, dataset: MaskDataset, crop: int, dev
         image, mask = dataset.load(i)
         x = normalize(image[None].to(device), dataset.mean, dataset.std)
         with autocast(device, dtype):
-            logits = predict(model, x, crop, mode, stride)
+            logits = predict(model, x, crop, mode, stride, scales=scales, flip=flip)
         target = mask[None].to(device)
         matrix.add(logits.argmax(1), target)
         labelled = int((target != IGNORE_INDEX).sum())

@@ -1,9 +1,13 @@
-"""A small generated segmentation set in the real VOC or ADE20K folder layout (for tests and quick runs).
+"""A small generated segmentation set in the real VOC, ADE20K or Cityscapes folder layout (for tests and quick
+runs).
 
-Each image is a smooth noisy background (class 0 for VOC; ADE20K's "other", ignored) with one to three
-filled discs and rectangles, each of a class with its own colour; the mask holds each pixel's class, and for
-VOC a one-pixel band around every object is 255 (ignored), as VOC marks object borders. Images are JPEG
-(quality 90), masks PNG (VOC: palette; ADE20K: grey levels 1..K for the classes). Everything follows ``seed``.
+Each image is a smooth noisy background (class 0 for VOC; ADE20K's "other", ignored; Cityscapes' "road") with
+one to three filled discs and rectangles, each of a class with its own colour; the mask holds each pixel's class,
+and for VOC a one-pixel band around every object is 255 (ignored), as VOC marks object borders. Images are JPEG
+(quality 90; Cityscapes: PNG), masks PNG (VOC: palette; ADE20K: grey levels 1..K for the classes; Cityscapes:
+grey *label ids*, train id k written as the id that maps to it, the border band as "unlabeled" (0) and the bottom
+eighth of every image as "ego vehicle" (1), both ignored once read). Cityscapes frames are spread over two city
+folders per split, named as the archive names them. Everything follows ``seed``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from ...common.io import atomic_path
+from . import cityscapes
 from .data import IGNORE_INDEX, LAYOUTS, SPLITS
+
+CITIES = {"train": ("aachen", "bochum"), "val": ("frankfurt", "lindau")}  # real city folders of each split
+# train id -> the Cityscapes label id that maps to it (the inverse of cityscapes.TRAIN_IDS on the scored ids)
+LABEL_ID_OF = {t: i for i, t in cityscapes.TRAIN_IDS.items() if t != IGNORE_INDEX}
+UNLABELED, EGO_VEHICLE = 0, 1
 
 
 def class_colour(c: int) -> tuple[int, int, int]:
@@ -58,6 +68,24 @@ def write_png(path: Path, mask: np.ndarray, palette: bool) -> None:
         im.save(tmp, format="PNG")
 
 
+def cityscapes_label_ids(mask: np.ndarray) -> np.ndarray:
+    """A drawn mask (train ids, 255 borders) as a ``*_gtFine_labelIds.png`` holds it (module docstring)."""
+    ids = np.full(mask.shape, UNLABELED, np.uint8)
+    for t, label_id in LABEL_ID_OF.items():
+        ids[mask == t] = label_id
+    ids[-max(1, mask.shape[0] // 8) :] = EGO_VEHICLE
+    return ids
+
+
+def cityscapes_paths(root: Path, split: str, i: int) -> tuple[Path, Path]:
+    """(image, mask) of frame ``i`` of ``split``: alternate cities, names as ``aachen_000000_000019``."""
+    cities = CITIES[split]
+    city = cities[i % len(cities)]
+    frame = f"{city}_{i // len(cities):06d}_{19 + i:06d}"
+    return (root / "leftImg8bit" / split / city / f"{frame}{cityscapes.IMAGE_SUFFIX}",
+            root / "gtFine" / split / city / f"{frame}{cityscapes.MASK_SUFFIX}")  # fmt: skip
+
+
 def make_mask_folder(root: str | Path, layout: str = "voc", train: int = 24, val: int = 8,
                      size: tuple[int, int] = (48, 64), classes: int = 5, seed: int = 0) -> Path:  # fmt: skip
     """Write ``train`` + ``val`` image-mask pairs of ``size`` (H, W) in ``layout`` under ``root``; its path."""
@@ -76,15 +104,23 @@ def make_mask_folder(root: str | Path, layout: str = "voc", train: int = 24, val
             if layout == "voc"
             else (root / "images" / sub, root / "annotations" / sub)
         )
-        img_dir.mkdir(parents=True, exist_ok=True)
-        mask_dir.mkdir(parents=True, exist_ok=True)
-        for name in ids:
+        for n, name in enumerate(ids):
             image, mask = draw_sample(rng, *size, classes + (layout == "ade20k"))
             if layout == "ade20k":  # labels 1..K; 0 ("other") is the background here, and no border band
                 mask = np.where(mask == IGNORE_INDEX, 0, mask).astype(np.uint8)
-            with atomic_path(img_dir / f"{name}.jpg") as tmp:
-                Image.fromarray(image).save(tmp, format="JPEG", quality=90)
-            write_png(mask_dir / f"{name}.png", mask, palette=layout == "voc")
+            if layout == "cityscapes":
+                image_path, mask_path = cityscapes_paths(root, split, n)
+                mask = cityscapes_label_ids(mask)
+            else:
+                image_path, mask_path = img_dir / f"{name}.jpg", mask_dir / f"{name}.png"
+            image_path.parent.mkdir(parents=True, exist_ok=True)
+            mask_path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(image_path) as tmp:
+                if layout == "cityscapes":
+                    Image.fromarray(image).save(tmp, format="PNG")
+                else:
+                    Image.fromarray(image).save(tmp, format="JPEG", quality=90)
+            write_png(mask_path, mask, palette=layout == "voc")
         if layout == "voc":
             listing = root / "ImageSets" / "Segmentation" / f"{split}.txt"
             listing.parent.mkdir(parents=True, exist_ok=True)

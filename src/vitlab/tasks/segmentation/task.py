@@ -1,12 +1,14 @@
 """Semantic segmentation as a task of the training engine (``vitlab seg train``): the hooks of
 :mod:`vitlab.engine.tasks`, over :mod:`vitlab.tasks.segmentation`'s data, models and metrics.
 
-A run trains a :class:`~vitlab.tasks.segmentation.Segmenter` (``--model`` names its backbone; ``--model-arg head=ea|plain``,
-``memory_size=S``, ``ea_norm=double|softmax``, ``channels=C`` shape the decoder) on ``--img-size`` crops of VOC
-or ADE20K image-mask pairs with the per-pixel cross-entropy (label 255 ignored; ``--smoothing`` as label
-smoothing), and evaluates every epoch on the held-out split with sliding windows at each image's own size:
-``val_miou`` (which chooses ``best.pt``), ``val_aacc``, ``val_macc``, ``val_loss``. The training row's
-``train_acc`` is the pixel accuracy over the labelled pixels.
+A run trains a :class:`~vitlab.tasks.segmentation.Segmenter` (``--model`` names its backbone;
+``--model-arg decoder=pyramid|eanet``, ``head=ea|sa|sa_dn|plain``, ``memory_size=S``, ``ea_norm=double|softmax``,
+``channels=C``, ``aux_weight=W`` shape the decoder) on ``--img-size`` crops of VOC, ADE20K or Cityscapes
+image-mask pairs with the per-pixel cross-entropy (label 255 ignored; ``--smoothing`` as label smoothing; with an
+auxiliary head, ``CE(logits) + W * CE(aux)``, :class:`SegLoss`), and evaluates every epoch on the held-out split
+with sliding windows at each image's own size: ``val_miou`` (which chooses ``best.pt``), ``val_aacc``,
+``val_macc``, ``val_loss``. The training row's ``train_acc`` is the pixel accuracy over the labelled pixels (of
+the main logits).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ...common.device import resolve_device
 from ...engine.config import Run, TrainConfig, TrainingError
@@ -22,7 +24,7 @@ from ...engine.data import data_shape
 from ...engine.dense import PixelLoss, PixelTally
 from ...engine.tasks import load_task_model, register_task
 from .data import SegLoader, open_masks
-from .infer import evaluate_segmentation
+from .infer import MS_SCALES, evaluate_segmentation
 from .models import build_segmenter
 
 # classification options with no meaning for segmentation here: refused rather than silently ignored
@@ -39,6 +41,21 @@ UNSUPPORTED = {
     "holdout": None,
     "fsdp": False,  # FSDP shards a model's blocks; the segmenter's decoder is not a block stack
 }
+
+
+class SegLoss(PixelLoss):
+    """:class:`~vitlab.engine.dense.PixelLoss` of the logits, plus ``aux_weight`` times that of the auxiliary
+    head's logits when the model returns ``(logits, aux)`` (training with ``aux_weight`` > 0)."""
+
+    def __init__(self, smoothing: float = 0.0, aux_weight: float = 0.0) -> None:
+        super().__init__(smoothing)
+        self.aux_weight = aux_weight
+
+    def forward(self, x: Tensor, logits: Tensor | tuple[Tensor, Tensor], target: Tensor, dense=None) -> Tensor:
+        if not isinstance(logits, tuple):
+            return super().forward(x, logits, target)
+        main, aux = logits
+        return super().forward(x, main, target) + self.aux_weight * super().forward(x, aux, target)
 
 
 def open_split(cfg: TrainConfig, split: str):
@@ -85,7 +102,7 @@ class SegmentationTask:
             raise TrainingError(f"--model-arg: {e}") from None
 
     def criterion(self, cfg: TrainConfig, model: nn.Module) -> nn.Module:
-        return PixelLoss(cfg.smoothing)
+        return SegLoss(cfg.smoothing, getattr(model, "aux_weight", 0.0))
 
     def build_loaders(self, draft: Any) -> None:
         cfg, world = draft.cfg, draft.world
@@ -127,10 +144,13 @@ def evaluate_checkpoint(
     device: str = "auto",
     ema: bool = False,
     limit: int | None = None,
+    scales: tuple[float, ...] = MS_SCALES,
+    flip: bool = True,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``vitlab seg eval``: the checkpoint a ``vitlab seg train`` run saved at ``path`` (its EMA weights with
-    ``ema``), and its mIoU, aAcc, mAcc and per-class IoU on ``split`` of ``data`` (``mode``: whole images or
-    sliding windows of the training crop, ``stride`` apart)."""
+    ``ema``), and its mIoU, aAcc, mAcc and per-class IoU on ``split`` of ``data`` (``mode``: whole images,
+    sliding windows of the training crop ``stride`` apart, or those over the image resized by each of ``scales``
+    and, with ``flip``, mirrored: ``msflip``)."""
     model, ckpt = load_task_model(path, "segmentation", "seg", build_segmenter, ema)
     dev = resolve_device(device)
     model.to(dev)
@@ -140,7 +160,7 @@ def evaluate_checkpoint(
     ds = open_masks(data, split)
     if ds.num_classes != model.num_classes:
         raise ValueError(f"{data} has {ds.num_classes} classes, the model {model.num_classes}")
-    return ckpt, evaluate_segmentation(model, ds, crop, dev, mode, stride, limit=limit)
+    return ckpt, evaluate_segmentation(model, ds, crop, dev, mode, stride, limit=limit, scales=scales, flip=flip)
 
 
 register_task("segmentation", lambda cfg: SegmentationTask())
