@@ -55,10 +55,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "vitlab.cli.seg",
         "semantic segmentation (EANet / plain head over any backbone): synth, train, eval (mIoU, sliding windows)",
     ),
+    "det": (
+        "vitlab.cli.det",
+        "detection (DETR with sine / learned / PEG encodings, Faster / Mask R-CNN over any backbone): synth, train, "
+        "eval (COCO box and mask AP)",
+    ),
     "points": (
         "vitlab.cli.points",
         "point clouds: PCT-style classifier with external attention on ModelNet40 (HDF5): synth, train, eval",
     ),
+    "gan": ("vitlab.cli.gan", "image generation: a SAGAN-style GAN with self- / external / no attention; train, fid"),
     "lm": (
         "vitlab.cli.lm",
         "causal AFT / Transformer models on bytes and CIFAR-10 sub-pixels: train, eval, sample, bench",

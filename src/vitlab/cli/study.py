@@ -42,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
         return run_resolution(args)
     study = STUDIES.get(args.name)
     recipe, scale = resolve(args, study)
-    if study.score == "miou" and (args.data == "mnist" or args.speed):
+    if study.score != "top1" and (args.data == "mnist" or args.speed):
+        what = {"miou": ("segmentation models", "voc:ROOT or ade20k:ROOT", "seg synth DIR` writes a small VOC-layout"),
+                "box_ap": ("detectors", "coco:ROOT", "det synth DIR` writes a small COCO-layout")}[study.score]  # fmt: skip
         raise ValueError(
-            f"{study.name} trains segmentation models: give --data voc:ROOT or ade20k:ROOT (`vitlab seg synth DIR` "
-            "writes a small VOC-layout one), without --speed"
+            f"{study.name} trains {what[0]}: give --data {what[1]} (`vitlab {what[2]} one), without --speed"
         )
     if args.out == "runs/study/NAME":
         args.out = f"runs/study/{study.name}" + ("" if scale == "small" else "-full")

@@ -12,16 +12,12 @@ chooses ``best.pt``.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from .config import TrainConfig, TrainingError
 
 _HOOKS: dict[str, Callable[[TrainConfig], Any]] = {}
-#: the package that registers each task when imported (a run of a task loads its package by name)
-PACKAGES = {"segmentation": "vitlab.tasks.segmentation", "points": "vitlab.tasks.points",
-            "detection": "vitlab.tasks.detection"}  # fmt: skip
 
 
 def register_task(name: str, hooks: Callable[[TrainConfig], Any]) -> None:
@@ -34,8 +30,6 @@ def task_hooks(cfg: TrainConfig) -> Any | None:
     """The hooks of ``cfg.task``, or None for image classification (the engine's own steps)."""
     if cfg.task == "classification":
         return None
-    if cfg.task not in _HOOKS and cfg.task in PACKAGES:
-        importlib.import_module(PACKAGES[cfg.task])
     if cfg.task not in _HOOKS:
         raise TrainingError(
             f"task {cfg.task!r} is not loaded; run it through its command (vitlab seg|points|det train)"

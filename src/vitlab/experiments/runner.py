@@ -188,15 +188,20 @@ def adapt_to_size(name: str, img_size: int) -> dict[str, Any]:
     from ..models import get_config
 
     cfg = get_config(name)
-    if img_size != 28 or not name.endswith("_mini"):
-        return {}
+    if img_size != 28 or not name.endswith("_mini") or cfg.arch in ("resnet", "regnet", "efficientnet"):
+        return {}  # (a CNN runs at any size: its minis keep a 4x4 or 2x2 last map at 28 px)
     if cfg.arch == "t2t":
         return {"soft_split": ((7, 4, 2), (3, 2, 1), (3, 1, 1))}
     return {"patch_size": 7}  # TNT keeps its word stride: stride 2 cuts a 7-px patch into 4x4 words, as TNT-S's 16
 
 
 def _any_data(text: str) -> Any:
-    """A classification dataset spec (parsed), else a segmentation folder (its text); the spec's error else."""
+    """A classification dataset spec (parsed), else a segmentation or detection folder (its text); the
+    classification spec's error else (a ``coco:`` folder's own error)."""
+    if text.startswith("coco:"):
+        from ..tasks.detection.task import coco_spec
+
+        return coco_spec.function(text)
     try:
         return data_spec.function(text)
     except (ValueError, OSError) as e:
@@ -206,7 +211,7 @@ def _any_data(text: str) -> Any:
             raise e from None
 
 
-any_data = opt.Validated(_any_data, "a dataset spec or a segmentation folder")
+any_data = opt.Validated(_any_data, "a dataset spec, a segmentation folder or coco:ROOT")
 
 
 def method_of(name: str) -> str:
@@ -235,13 +240,21 @@ def resolve_models(spec: str) -> list[str]:
     return out
 
 
+def study_task(cfg: TrainConfig) -> Any:
+    """The hooks of a dense task's study rows (its package registers them when imported)."""
+    import importlib
+
+    importlib.import_module(f"vitlab.tasks.{cfg.task}")
+    return task_hooks(cfg)
+
+
 def size_of(name: str, kwargs: dict[str, Any], input_size: tuple[int, int, int], task: str = "classification"
             ) -> tuple[int, int | None]:  # fmt: skip
     """(parameters, MACs) of the variant (a segmentation model or detector over the backbone ``name`` for those
     tasks), counted on the meta device; a detector's MACs are None."""
     from ..models import build_model
 
-    hooks = task_hooks(TrainConfig(task=task)) if task != "classification" else None
+    hooks = study_task(TrainConfig(task=task)) if task != "classification" else None
     with torch.device("meta"):
         model = hooks.build_model(name, kwargs) if hooks is not None else build_model(name, **kwargs)
     params = sum(p.numel() for p in model.parameters())
@@ -478,7 +491,7 @@ def plan_variants(
     probe = TrainConfig(data=args.data, **recipe)
     dense = probe.task != "classification"
     if dense:  # the rows of a segmentation or detection study: the task's own data and score
-        task = task_hooks(probe)
+        task = study_task(probe)
         train_ds, val_ds = task.open_split(probe, "train"), task.open_split(probe, "val")
     else:
         train_ds, val_ds = load_data(probe, "train"), load_data(probe, "test")

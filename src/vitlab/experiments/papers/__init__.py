@@ -6,8 +6,8 @@ registered name plus the switch as constructor overrides), and carries the paper
 NAME`` trains the rows (:mod:`vitlab.experiments.reproduce`); docs/studies.md lists them with the reading of each table.
 
 The tables live in their paper's file: :mod:`.refiner`, :mod:`.tnt`, :mod:`.cpvt`, :mod:`.deepvit`,
-:mod:`.external` (External Attention, EAMLP and its segmentation head) and :mod:`.aft`; a table on baselines
-only lives with the paper whose table it is. This module only assembles them.
+:mod:`.external` (External Attention, EAMLP and its segmentation head) and :mod:`.aft`; the three papers'
+detection tables share :mod:`.detection`; a table on baselines only lives with the paper whose table it is. This module only assembles them.
 
 The papers' numbers are ImageNet top-1 (%) unless a study says otherwise; ``None`` marks a row whose number the
 sources vitlab was built from do not give (the table exists in the paper, its values were not available).
@@ -19,7 +19,7 @@ from typing import Any
 
 from ...common.registry import Registry
 from ..study import Row, Study
-from . import aft, cpvt, deepvit, external, refiner, tnt
+from . import aft, cpvt, deepvit, detection, external, refiner, tnt
 
 __all__ = ["RESOLUTION_TABLES", "STUDIES", "STUDY_LIST", "Row", "Study"]
 
@@ -30,6 +30,7 @@ STUDY_LIST: list[Study] = [
     *deepvit.TABLES,
     *external.TABLES,
     *aft.TABLES,
+    *detection.TABLES,
 ]
 # the resolution tables (one checkpoint evaluated at other sizes), in the order `vitlab study --list` prints them;
 # vitlab.experiments.resolution builds its studies from these fields
