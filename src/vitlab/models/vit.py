@@ -32,8 +32,9 @@ class VisionTransformer(Classifier):
         stem_channels: CNN stem before the patch projection (Refined-ViT, DeepViT-S/L).
         class_token, dist_token: prefix tokens (DeiT distillation adds a second head).
         pos_embed: ``"learned"``, ``"sincos"`` or ``"none"``.
-        pos_embed_every_block: CPVT's per-block absolute encoding: every block's input gets a learned table of its
-            own added (block 0's is the ``pos_embed`` table, which it needs: ``pos_embed="learned"``).
+        pos_embed_every_block: CPVT's per-block absolute encoding: every block's input gets the encoding added,
+            block 0's being the ``pos_embed`` one: with ``pos_embed="learned"`` a learned table of its own per
+            block, with ``"sincos"`` the one fixed 2-D sin-cos table before every block.
         peg_at: block indices whose output passes through a PEG (CPVT); -1 = before block 0.
         peg_kernel, peg_options: the PEGs' kernel size and further options of
             :class:`~vitlab.layers.PositionEncodingGenerator` (kind, layers, padding, frozen: CPVT's ablations).
@@ -78,10 +79,10 @@ class VisionTransformer(Classifier):
         super().__init__()
         if pos_embed not in ("learned", "sincos", "none"):
             raise ValueError(f"pos_embed must be 'learned', 'sincos' or 'none', got {pos_embed!r}")
-        if pos_embed_every_block and pos_embed != "learned":
+        if pos_embed_every_block and pos_embed == "none":
             raise ValueError(
-                f"pos_embed_every_block adds a learned table before every block, the first being pos_embed: "
-                f"it needs pos_embed='learned', got {pos_embed!r}"
+                "pos_embed_every_block adds the position encoding before every block, the first being pos_embed: "
+                "it needs pos_embed='learned' or 'sincos', got 'none'"
             )
         check_pool(global_pool, class_token)
         if dist_token and not class_token:
@@ -103,7 +104,9 @@ class VisionTransformer(Classifier):
         self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if dist_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim)) if pos_embed == "learned" else None
         # block j's own table (j >= 1), keyed by j; added to block j's input
-        tables = range(1, depth) if pos_embed_every_block else ()
+        tables = range(1, depth) if pos_embed_every_block and pos_embed == "learned" else ()
+        # blocks j >= 1 whose input gets the fixed sin-cos table again (it has no parameters to key)
+        self.block_sincos = tuple(range(1, depth)) if pos_embed_every_block and pos_embed == "sincos" else ()
         self.block_pos_embed = nn.ParameterDict(
             {str(j): nn.Parameter(torch.zeros_like(self.pos_embed)) for j in tables}
         )
@@ -163,6 +166,7 @@ class VisionTransformer(Classifier):
         # block `last`'s output includes the next block's table (as it includes its PEG): kept
         for key in [k for k in self.block_pos_embed if int(k) > last + 1]:
             del self.block_pos_embed[key]
+        self.block_sincos = tuple(j for j in self.block_sincos if j <= last + 1)
 
     def _set_img_size(self, size: tuple[int, int]) -> None:
         grid = self.patch_embed.grid_size(size)
@@ -194,9 +198,13 @@ class VisionTransformer(Classifier):
                 )
             x = x + resample_pos_embed(self.pos_embed, grid, self.grid, self.num_prefix)
         elif self.pos_embed_kind == "sincos":
-            table = sincos_2d(self.embed_dim, grid).to(x)
-            x = torch.cat([x[:, : self.num_prefix], x[:, self.num_prefix :] + table], dim=1)
+            x = self._add_sincos(x, grid)
         return self.pos_drop(x), layout
+
+    def _add_sincos(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
+        """``x`` with the fixed 2-D sin-cos table added to its patch tokens (prefix tokens get none)."""
+        table = sincos_2d(self.embed_dim, grid).to(x)
+        return torch.cat([x[:, : self.num_prefix], x[:, self.num_prefix :] + table], dim=1)
 
     def _trace(
         self, x: Tensor, return_aux: bool, keep: Collection[int] | None = None, stop: int | None = None
@@ -209,6 +217,8 @@ class VisionTransformer(Classifier):
             t = self.pegs[str(i)](t, layout) if str(i) in self.pegs else t
             if str(i + 1) in self.block_pos_embed:  # block i+1's own table, after any PEG of block i
                 t = t + resample_pos_embed(self.block_pos_embed[str(i + 1)], layout.grid, self.grid, self.num_prefix)
+            if i + 1 in self.block_sincos:  # the fixed table again before block i+1
+                t = self._add_sincos(t, layout.grid)
             return t
 
         x, tokens, auxes = run_blocks(

@@ -2,7 +2,7 @@
 
 The PEG's form (``cpvt-peg-form``), its padding (``cpvt-padding``), position information against extra
 parameters (``cpvt-position-or-capacity``), kinds of position encoding (``cpvt-pe-type``, DeiT-tiny's
-encodings beside the PEG), where the PEG sits and its kernel size (``cpvt-peg-placement``), all CPVT-Ti with the
+encodings beside the PEG, before every block, and with the PEG), where the PEG sits and its kernel size (``cpvt-peg-placement``), all CPVT-Ti with the
 paper's ImageNet top-1; and Table 2 (``cpvt-resolution``: one checkpoint evaluated at larger inputs), whose
 figures :mod:`vitlab.experiments.resolution` evaluates against.
 """
@@ -110,9 +110,35 @@ TABLES: list[Study] = [
                 {},
                 None,
             ),
+            (
+                "sincos_every_block",
+                "the 2-D sin-cos table before every block",
+                "deit_sincos_every_block_mini",
+                "deit_tiny_sincos_every_block",
+                {},
+                None,
+            ),
+            (
+                "peg_le",
+                "PEG at position 0 + learned table (PEG + LE)",
+                "cpvt_peg0_le_mini",
+                "cpvt_ti_peg0_le",
+                {},
+                72.9,
+            ),
+            (
+                "peg_sincos",
+                "PEG at position 0 + 2-D sin-cos (PEG + sin-cos)",
+                "cpvt_peg0_sincos_mini",
+                "cpvt_ti_peg0_sincos",
+                {},
+                None,
+            ),
         ),
         notes="The paper compares encodings added to the first block's input with the same added before every block "
-        "(and finds the PEG better there too); its figure for the learned table before every block is not given.",
+        "(and finds the PEG better there too), and the PEG combined with an absolute encoding (LE: learnable "
+        "encoding); vitlab's sources give PEG + LE as +0.5 over the single PEG (72.4 + 0.5), and no figure for the "
+        "encodings before every block or for PEG + sin-cos.",
     ),
     Study(
         "cpvt-peg-placement",

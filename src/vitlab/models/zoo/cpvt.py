@@ -1,7 +1,8 @@
-"""CPVT and its successor Twins-PCPVT (CPVT-v2): CPVT-Ti / S / B with a class token or GAP, the single-PEG and
-position-table-per-block ablations at paper size, PCPVT-S / B / L, the small ``cpvt_mini`` / ``cpvt_gap_mini`` /
-``pcpvt_mini``, and the small study rows of the PEG's form, padding, placement and kernel and of the position
-encodings CPVT compares it with (the ``deit_*`` rows)."""
+"""CPVT and its successor Twins-PCPVT (CPVT-v2): CPVT-Ti / S / B with a class token or GAP, the single-PEG,
+encoding-before-every-block (learned or sin-cos) and PEG + absolute encoding (LE, sin-cos) ablations at paper
+size, PCPVT-S / B / L, the small ``cpvt_mini`` / ``cpvt_gap_mini`` / ``pcpvt_mini``, and the small study rows of
+the PEG's form, padding, placement and kernel and of the position encodings CPVT compares it with (the
+``deit_*`` rows)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,38 @@ _rows += [
         num_heads=heads,
         pos_embed_every_block=True,
     ),
+    vit(
+        "deit_tiny_sincos_every_block",
+        CPVT,
+        "CPVT's comparison of encodings: DeiT-tiny with the fixed 2-D sin-cos table added before every block",
+        5.68,
+        embed_dim=dim,
+        depth=12,
+        num_heads=heads,
+        pos_embed="sincos",
+        pos_embed_every_block=True,
+    ),
 ]
+# CPVT's comparison of encoding strategies: the PEG after block 0 with an absolute encoding on the first block's
+# input as well ("PEG + LE": DeiT's learned table; "PEG + sin-cos": the fixed 2-D table)
+for tag, what, params, top1, encoding in (
+    ("le", "a learned position table (LE)", 5.72, 72.9, "learned"),
+    ("sincos", "the 2-D sin-cos table", 5.68, None, "sincos"),
+):
+    _rows.append(
+        vit(
+            f"cpvt_ti_peg0_{tag}",
+            CPVT,
+            f"CPVT's comparison of encodings: a single PEG after block 0 plus {what}",
+            params,
+            top1=top1,
+            embed_dim=dim,
+            depth=12,
+            num_heads=heads,
+            pos_embed=encoding,
+            peg_at=(0,),
+        )
+    )
 
 # --- Twins PCPVT = CPVT-v2 (gvt.py CPVTV2, registered there as pcpvt_{small,base,large}_v0) -------------------
 for size, depths, params, macs in (
@@ -165,6 +197,21 @@ _rows += [
         CPVT,
         "CPVT, a learned position table before every block",
         pos_embed_every_block=True,
+    ),
+    mini(
+        "deit_sincos_every_block_mini",
+        CPVT,
+        "CPVT, the fixed 2-D sin-cos table before every block",
+        pos_embed="sincos",
+        pos_embed_every_block=True,
+    ),
+    mini("cpvt_peg0_le_mini", CPVT, "CPVT, one PEG at position 0 plus a learned table (PEG + LE)", peg_at=(0,)),
+    mini(
+        "cpvt_peg0_sincos_mini",
+        CPVT,
+        "CPVT, one PEG at position 0 plus the 2-D sin-cos table (PEG + sin-cos)",
+        peg_at=(0,),
+        pos_embed="sincos",
     ),
 ]
 
