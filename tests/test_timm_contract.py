@@ -370,6 +370,8 @@ def test_list_models_filters():
         "cpvt_s",
         "cpvt_ti",
         "cpvt_ti_peg0",
+        "cpvt_ti_peg0_le",
+        "cpvt_ti_peg0_sincos",
     ]
     assert vitlab.list_models() == vitlab.list_models("") == sorted(vitlab.list_models())
 
