@@ -15,7 +15,7 @@
 # log per step and the benchmarks' JSON to OUT (default runs/gpu_check). VITLAB_SHARED, if set, is the folder
 # with the reference vectors and data sets the tests read (golden/, data/). STEPS picks steps by name (default
 # all: "cuda_tests bench_fp32 bench_bf16 lm_bench", the map/peer/loader steps of the block below, which says how
-# long each takes, the AFT kernels' steps "aft_kernel_tests aft_cifar_bf16 aft_enwik8_bf16 aft_imagenet_bf16
+# long each takes, "det_detr", the AFT kernels' steps "aft_kernel_tests aft_cifar_bf16 aft_enwik8_bf16 aft_imagenet_bf16
 # aft_cifar_fp32_fp16 aft_enwik8_fp32_fp16 aft_peers", and "suite").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +114,17 @@ TAIL=20 step peers_rest_bf16 300 bash -c 'peers peers_rest_bf16 --dtype bf16 --c
 step data_bench 120 "$PY" -m vitlab bench-data --images 2000 --workers 16 --batch-size 256 --batches 8 --rounds 1 \
     --step-models deit_small_patch16_224 --step-batch 256 --device cuda --no-memory --out "$OUT/bench_data"
 # ---- end of the map kernels, model pairs and loader block -------------------------------------------------------
+
+# ---- detection on CUDA (~1 minute): DETR with the PEG over a mini backbone on a generated COCO folder, bf16
+# autocast, 3 epochs with a mid-epoch checkpoint (the DetBatch, the matcher's one host transfer and pycocotools'
+# evaluation on the GPU path); the R-CNNs need torchvision beside this torch (scripts/detection_check.sh).
+det_detr() {
+    "$PY" -m vitlab det synth "$WORK/coco" --train 32 --val 8 &&
+        "$PY" -m vitlab det train --data "coco:$WORK/coco" --model pcpvt_mini --img-size 64 --epochs 3 \
+            --device cuda --amp bf16 --save-every 4 --model-arg pos=peg --out "$WORK/det" --force
+}
+export -f det_detr
+TAIL=8 step det_detr 120 bash -c det_detr
 
 # ---- AFT family on its Triton kernels: the kernels' tests on CUDA, then the training and inference figures
 # (bf16 autocast first; fp32 with TF32 off, torch's default for matrix products, and fp16 after), each model
