@@ -4,6 +4,7 @@ cross-entropy over labelled elements and the epoch's sums with its accuracy. A l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import EpochTally
+from .config import EpochTally, TrainConfig, TrainingError
 
 IGNORE_INDEX = 255
 
@@ -57,3 +58,21 @@ class PixelTally(EpochTally):
 
     def accuracy(self, totals: dict[str, float]) -> float:
         return 100 * totals["correct"] / max(totals["labelled"], 1)
+
+
+def open_image_task_data(draft: Any, command: str, unsupported: dict[str, Any],
+                         open_split: Callable[[TrainConfig, str], Any]) -> None:  # fmt: skip
+    """The ``open_data`` hook of an image task trained on its own folders (``vitlab seg|det train``): classification
+    options it has no use for refused in one line, the batch split evenly over the processes, the two splits
+    opened, and a batch no larger than the training images."""
+    cfg, world = draft.cfg, draft.world
+    bad = [k for k, v in unsupported.items() if getattr(cfg, k) != v]
+    if bad:
+        raise TrainingError(f"{command} does not take --{', --'.join(b.replace('_', '-') for b in bad)}")
+    if cfg.batch_size % world.size:
+        raise TrainingError(f"the batch {cfg.batch_size} must be divisible by the {world.size} processes")
+    draft.train_ds, draft.val_ds = open_split(cfg, "train"), open_split(cfg, "val")
+    if cfg.batch_size // world.size > len(draft.train_ds) // world.size:
+        raise TrainingError(
+            f"batch size {cfg.batch_size} exceeds the {len(draft.train_ds)} training images; use a smaller one"
+        )

@@ -42,3 +42,13 @@ class DetBatch:
     def to(self, device: torch.device | str) -> DetBatch:
         moved = [{k: v.to(device) for k, v in t.items()} for t in self.targets]
         return DetBatch(self.images.to(device), self.padding.to(device), moved)
+
+    def image_size(self, i: int) -> tuple[int, int]:
+        """Image ``i``'s ``(h, w)`` after resizing, before padding: its target's ``size``, else read off the
+        padding."""
+        t = self.targets[i]
+        if "size" in t:
+            h, w = (int(v) for v in t["size"])
+            return h, w
+        valid = ~self.padding[i]
+        return int(valid.any(1).sum()), int(valid.any(0).sum())

@@ -193,16 +193,6 @@ class SetCriterion(nn.Module):
         return total, {k: v.detach() for k, v in last.items()}
 
 
-def image_size(batch: DetBatch, i: int) -> tuple[int, int]:
-    """Image ``i``'s ``(h, w)`` after resizing, before padding: its target's ``size``, else read off the padding."""
-    t = batch.targets[i]
-    if "size" in t:
-        h, w = (int(v) for v in t["size"])
-        return h, w
-    valid = ~batch.padding[i]
-    return int(valid.any(1).sum()), int(valid.any(0).sum())
-
-
 class DETR(nn.Module):
     """DETR of ``num_classes`` classes over the registered model ``backbone`` (module docstring), keeping the
     detector contract of :mod:`.batch`. Sizes default to the paper's (d 256, 8 heads, 6 + 6 layers, FFN 2048,
@@ -286,7 +276,7 @@ class DETR(nn.Module):
         """The targets' boxes as cxcywh over their image's unpadded ``(w, h, w, h)``, the regression target."""
         out = []
         for i, t in enumerate(batch.targets):
-            h, w = image_size(batch, i)
+            h, w = batch.image_size(i)
             scale = torch.tensor([w, h, w, h], dtype=torch.float32, device=t["boxes"].device)
             out.append({"labels": t["labels"], "boxes": xyxy_to_cxcywh(t["boxes"].float()) / scale})
         return out
@@ -323,4 +313,4 @@ class DETR(nn.Module):
         return {f"backbone.model.{n}" for n in inner}
 
 
-__all__ = ["DETR", "Attention", "DecoderLayer", "EncoderLayer", "SetCriterion", "Transformer", "image_size"]
+__all__ = ["DETR", "Attention", "DecoderLayer", "EncoderLayer", "SetCriterion", "Transformer"]

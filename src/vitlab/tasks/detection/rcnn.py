@@ -117,16 +117,6 @@ class PassThrough(nn.Module):
         return result  # the scaling to the file's pixels is predict()'s: it knows orig_size
 
 
-def image_size(batch: DetBatch, i: int) -> tuple[int, int]:
-    """Image ``i``'s size after resizing, before padding: its target's ``size``, else read off the padding."""
-    t = batch.targets[i]
-    if "size" in t:
-        h, w = (int(v) for v in t["size"])
-        return h, w
-    valid = ~batch.padding[i]
-    return int(valid.any(1).sum()), int(valid.any(0).sum())
-
-
 class RCNN(nn.Module):
     """A torchvision Faster / Mask R-CNN (``net``) on a :class:`~.fpn.DetectionBackbone`, keeping vitlab's
     detector contract (module docstring). Build it with :func:`build_rcnn`."""
@@ -157,7 +147,7 @@ class RCNN(nn.Module):
     def forward(self, batch: DetBatch) -> dict[str, Any]:
         """Training: ``{"losses": {name: scalar}}``; evaluation: ``{"detections": [per image: boxes (resized
         pixels), scores, labels (1..C), masks (n, 1, 28, 28) for mask_rcnn]}``."""
-        sizes = [image_size(batch, i) for i in range(len(batch))]
+        sizes = [batch.image_size(i) for i in range(len(batch))]
         images = [batch.images[i, :, :h, :w] for i, (h, w) in enumerate(sizes)]
         if self.training:
             return {"losses": self.net(images, self._targets(batch))}
@@ -180,7 +170,7 @@ class RCNN(nn.Module):
 
         preds = []
         for i, det in enumerate(outputs["detections"]):
-            h, w = image_size(batch, i)
+            h, w = batch.image_size(i)
             oh, ow = (int(v) for v in batch.targets[i].get("orig_size", (h, w)))
             scale = det["boxes"].new_tensor([ow / w, oh / h, ow / w, oh / h])
             boxes = det["boxes"] * scale

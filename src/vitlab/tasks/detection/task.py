@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ...common import options as opt
 from ...common.device import resolve_device
 from ...engine.config import EpochTally, Run, TrainConfig, TrainingError
+from ...engine.dense import open_image_task_data
 from ...engine.tasks import load_task_model, register_task
 from .data import DetLoader, open_coco
 from .infer import evaluate_detector
@@ -103,17 +104,7 @@ class DetectionTask:
         return open_split(cfg, split)
 
     def open_data(self, draft: Any) -> None:
-        cfg = draft.cfg
-        bad = [k for k, v in UNSUPPORTED.items() if getattr(cfg, k) != v]
-        if bad:
-            raise TrainingError(f"vitlab det train does not take --{', --'.join(b.replace('_', '-') for b in bad)}")
-        if cfg.batch_size % draft.world.size:
-            raise TrainingError(f"the batch {cfg.batch_size} must be divisible by the {draft.world.size} processes")
-        draft.train_ds, draft.val_ds = open_split(cfg, "train"), open_split(cfg, "val")
-        if cfg.batch_size // draft.world.size > len(draft.train_ds) // draft.world.size:
-            raise TrainingError(
-                f"batch size {cfg.batch_size} exceeds the {len(draft.train_ds)} training images; use a smaller one"
-            )
+        open_image_task_data(draft, "vitlab det train", UNSUPPORTED, open_split)
 
     def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
         """The classes, the ``--model-arg`` s (detector kind and its switches), drop path into the backbone."""

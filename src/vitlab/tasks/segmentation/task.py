@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ...common.device import resolve_device
 from ...engine.config import Run, TrainConfig, TrainingError
 from ...engine.data import data_shape
-from ...engine.dense import PixelLoss, PixelTally
+from ...engine.dense import PixelLoss, PixelTally, open_image_task_data
 from ...engine.tasks import load_task_model, register_task
 from .data import SegLoader, open_masks
 from .infer import MS_SCALES, evaluate_segmentation
@@ -76,17 +76,7 @@ class SegmentationTask:
         return open_split(cfg, split)
 
     def open_data(self, draft: Any) -> None:
-        cfg = draft.cfg
-        bad = [k for k, v in UNSUPPORTED.items() if getattr(cfg, k) != v]
-        if bad:
-            raise TrainingError(f"vitlab seg train does not take --{', --'.join(b.replace('_', '-') for b in bad)}")
-        if cfg.batch_size % draft.world.size:
-            raise TrainingError(f"the batch {cfg.batch_size} must be divisible by the {draft.world.size} processes")
-        draft.train_ds, draft.val_ds = open_split(cfg, "train"), open_split(cfg, "val")
-        if cfg.batch_size // draft.world.size > len(draft.train_ds) // draft.world.size:
-            raise TrainingError(
-                f"batch size {cfg.batch_size} exceeds the {len(draft.train_ds)} training images; use a smaller one"
-            )
+        open_image_task_data(draft, "vitlab seg train", UNSUPPORTED, open_split)
 
     def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
         """The crop (``--img-size``, else the backbone's input size), the classes, ``--model-arg``s, drop path."""
