@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     """One process of a row's ``torchrun``: train the config in the JSON file; rank 0 writes the result."""
     from ..common.distributed import close_distributed, current_world
     from ..engine.loop import train
-    from ..tasks import points, segmentation  # noqa: F401  (a row of either task: its hooks registered)
+    from ..tasks import detection, points, segmentation  # noqa: F401  (a row of any task: its hooks registered)
 
     path = Path((argv or sys.argv[1:])[0])
     config = json.loads(path.read_text())

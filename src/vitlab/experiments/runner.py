@@ -270,6 +270,8 @@ def train_case(config: dict[str, Any]) -> Prepared:
     """Measured case: the timed call trains the variant; its summary (with the per-epoch log) goes into
     ``info``. Progress lines go to the variant's ``train.log`` and, prefixed with its run id, to the output."""
     cfg = TrainConfig.from_dict(config)
+    if cfg.task != "classification":  # this fresh process has not imported the task that trains the row
+        study_task(cfg)
     info: dict[str, Any] = {}
     tag = config.get("run_id", cfg.model)
 
