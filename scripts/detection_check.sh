@@ -26,13 +26,16 @@ TORCH_PIP_ARGS=${TORCH_PIP_ARGS-"--isolated --disable-pip-version-check"}
 DET_TESTS=${DET_TESTS-"tests/test_det_data.py tests/test_det_metrics.py tests/test_detr.py tests/test_det_train.py"}
 VENV=${DET_VENV:-$ROOT/.venv-det}
 
+# the studies' tables and plots need matplotlib; the marker holds this list, so a longer one installs again
+PACKAGES="pycocotools scipy pytest pytest-timeout numpy pillow pyyaml safetensors matplotlib"
 if [[ -z "${DET_PYTHON:-}" ]]; then
-  if [[ ! -f $VENV/.installed ]]; then  # written last: an install stopped half-way is taken up again
+  # written last: an install stopped half-way is taken up again
+  if [[ "$(cat "$VENV/.installed" 2>/dev/null)" != "$TORCH_PAIR $PACKAGES" ]]; then
     [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
     "$VENV/bin/pip" $TORCH_PIP_ARGS install -q $TORCH_PAIR
-    "$VENV/bin/pip" install -q pycocotools scipy pytest pytest-timeout numpy pillow pyyaml safetensors
+    "$VENV/bin/pip" install -q $PACKAGES
     "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
-    touch "$VENV/.installed"
+    echo "$TORCH_PAIR $PACKAGES" > "$VENV/.installed"
   fi
   PY=$VENV/bin/python
 else
