@@ -162,3 +162,26 @@ def test_cpvt_detr_study_small_scale_end_to_end(coco, tmp_path):
     assert [r["row"] for r in rows] == [r.label for r in STUDIES.get("cpvt-detr").rows]
     assert [r["paper_box_ap"] for r in rows] == [33.7, 32.8, 33.9]
     assert all(0 <= r["box_ap"] <= 100 for r in rows) and "box AP" in (out / "table.md").read_text()
+
+
+def test_init_from_a_classifier_checkpoint_starts_the_detectors_backbone(coco, tmp_path, capsys):
+    """`--init-from` on a detector initialises its backbone (the paper-scale command starts DETR from ResNet-50's
+    ImageNet weights): every backbone tensor of a torchvision-named ResNet checkpoint is taken, its head is not."""
+    from safetensors.torch import save_file
+
+    import vitlab
+    from vitlab.interop.convert import detect_source
+
+    resnet = vitlab.create_model("resnet_mini")
+    save_file({k: v.contiguous() for k, v in resnet.state_dict().items()}, str(tmp_path / "resnet.safetensors"))
+    assert detect_source(resnet.state_dict()) == "vitlab"  # torchvision's own names
+    out = tmp_path / "init"
+    assert main(["det", "train", "--model", "resnet_mini", "--img-size", "64", "--batch-size", "4", "--threads", "1",
+                 "--data", f"coco:{coco}", "--epochs", "1", "--lr", "1e-9", "--init-from",
+                 str(tmp_path / "resnet.safetensors"), "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    taken = len([k for k in resnet.state_dict() if not k.startswith("fc.")])
+    assert f"initialised {taken} tensors" in printed
+    trained = load_checkpoint(out / "last.pt")["model"]
+    weight = resnet.state_dict()["conv1.weight"]
+    assert torch.allclose(trained["backbone.model.conv1.weight"], weight, atol=1e-4)  # lr 1e-9: barely moved

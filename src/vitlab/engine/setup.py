@@ -147,7 +147,8 @@ def model_kwargs(cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
 
 def init_weights_from(model: nn.Module, path: str) -> str:
     """``--init-from``: copy what fits from a checkpoint (vitlab's own, or official/timm ones that
-    ``vitlab.interop`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer. One line back."""
+    ``vitlab.interop`` reads); a DeiT checkpoint into an AFT model is the AFT paper's transfer; a model with
+    ``init_target()`` (a detector) initialises that part (its backbone). One line back."""
     from ..interop import init_from
 
     try:
@@ -156,9 +157,10 @@ def init_weights_from(model: nn.Module, path: str) -> str:
         ckpt = None  # another format: vitlab.interop reads it (weights_only / safetensors)
     if ckpt is not None:
         check_image_classifier(ckpt)  # a sequence model's tensors are no start for an image model
-    report = init_from(model, path if ckpt is None else ckpt["model"])
+    target = model.init_target() if hasattr(model, "init_target") else model  # a detector: its backbone
+    report = init_from(target, path if ckpt is None else ckpt["model"])
     if not report.matched:
-        raise TrainingError(f"--init-from {path}: no tensor fits {type(model).__name__} ({report.problems()})")
+        raise TrainingError(f"--init-from {path}: no tensor fits {type(target).__name__} ({report.problems()})")
     return f"initialised {len(report.matched)} tensors from {path} (not taken: {report.problems()})"
 
 

@@ -113,6 +113,10 @@ def detect_source(state: Mapping[str, Any]) -> str:
         return "twins_peg"
     if has(r"\.mixer\.") or has(r"^pegs\."):
         return "vitlab"
+    # the CNN baselines keep their reference implementations' names (torchvision's ResNet, timm's RegNetY and
+    # EfficientNet): their checkpoints load as vitlab's own
+    if has(r"^layer\d\.\d+\.conv1\.weight$") or has(r"^s\d\.b\d+\.conv1\.") or "conv_stem.weight" in keys:
+        return "vitlab"
     if has(r"^blocks\.\d+\.attn\.qkv\."):
         return "deit" if "dist_token" in keys else "timm_vit"
     sample = ", ".join(sorted(keys)[:8])

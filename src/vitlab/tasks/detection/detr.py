@@ -308,6 +308,10 @@ class DETR(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.backbone.set_grad_checkpointing(enable)
 
+    def init_target(self) -> nn.Module:
+        """What ``--init-from`` initialises: the backbone's classifier (a pretrained ResNet-50 for DETR)."""
+        return self.backbone.model
+
     def no_weight_decay(self) -> set[str]:
         inner = getattr(self.backbone.model, "no_weight_decay", lambda: set())()
         return {f"backbone.model.{n}" for n in inner}

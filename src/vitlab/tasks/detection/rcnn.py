@@ -183,6 +183,10 @@ class RCNN(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.net.backbone.set_grad_checkpointing(enable)
 
+    def init_target(self) -> nn.Module:
+        """What ``--init-from`` initialises: the backbone's classifier (ImageNet weights, as detectors start)."""
+        return self.net.backbone.body.features.model
+
     def no_weight_decay(self) -> set[str]:
         getter = self.net.backbone.body.features
         inner = getattr(getter.model, "no_weight_decay", lambda: set())()
