@@ -20,11 +20,10 @@ compared with, all on a feature map ``(B, C_in, H, W)``::
 
 from __future__ import annotations
 
-import math
-
 from torch import Tensor, nn
 
 from ...layers import ExternalAttentionConv
+from ...layers.external import PositionMixerConv
 from ...mixers import Attention
 from ...mixers.attention_variants import DoubleNormAttention
 
@@ -36,7 +35,7 @@ def conv_bn_relu(c_in: int, c_out: int, k: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, k, padding=k // 2, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(True))
 
 
-class SelfAttentionConv(nn.Module):
+class SelfAttentionConv(PositionMixerConv):
     """Self-attention over a feature map's positions, in the frame of EANet's external-attention block::
 
         y   = Conv_1x1(x)                                 (with bias, as EA's first conv)
@@ -48,35 +47,16 @@ class SelfAttentionConv(nn.Module):
 
     So an ``sa`` head differs from an ``ea`` head only in what replaces ``M_v(Norm(M_k y))``: the attention is
     :class:`~vitlab.mixers.Attention` / :class:`~vitlab.mixers.attention_variants.DoubleNormAttention` with one
-    head (same parameters and names for both norms). Its map is (H*W)^2 per image, where EA's is H*W x S.
-    Convolutions are initialised as EA's block: normal(0, sqrt(2 / (k*k*C_out))), BatchNorm (1, 0).
+    head (same parameters and names for both norms), in EA's frame (:class:`~vitlab.layers.external.PositionMixerConv`,
+    initialised as EA's block). Its map is (H*W)^2 per image, where EA's is H*W x S.
     """
 
     def __init__(self, channels: int, norm: str = "softmax") -> None:
-        super().__init__()
         if norm not in EA_NORMS:
             raise ValueError(f"SelfAttentionConv: norm must be one of {', '.join(EA_NORMS)}, got {norm!r}")
-        self.norm = norm
-        self.conv1 = nn.Conv2d(channels, channels, 1)
         kind = Attention if norm == "softmax" else DoubleNormAttention
-        self.attn = kind(channels, num_heads=1, qkv_bias=False)
-        self.conv2 = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels))
-        self.act = nn.ReLU(inplace=True)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.normal_(m.weight, 0.0, math.sqrt(2.0 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels)))
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 4 or x.shape[1] != self.attn.dim:
-            raise ValueError(
-                f"SelfAttentionConv: expected a feature map (B, {self.attn.dim}, H, W), got {tuple(x.shape)}"
-            )
-        b, c, h, w = x.shape
-        y = self.conv1(x).flatten(2).transpose(1, 2)  # (B, H*W, C): the positions are the tokens
-        y = self.attn(y).transpose(1, 2).reshape(b, c, h, w)
-        return self.act(x + self.conv2(y))
+        super().__init__(channels, lambda: kind(channels, num_heads=1, qkv_bias=False), "attn")
+        self.norm = norm
 
 
 def attention_block(kind: str, channels: int, memory_size: int = 64, ea_norm: str = "double") -> nn.Module:
