@@ -99,6 +99,10 @@ def test_det_refusals_are_one_line(coco, tmp_path, capsys):
     assert main(["det", "train", *RUN, "--data", f"coco:{coco}", "--model-arg", "pos=rope",
                  "--out", str(tmp_path / "z")]) == 2  # fmt: skip
     assert "pos must be one of" in capsys.readouterr().err
+    # the classes come from the data: a --model-arg would have replaced them without a word
+    assert main(["det", "train", *RUN, "--data", f"coco:{coco}", "--model-arg", "num_classes=5",
+                 "--out", str(tmp_path / "n")]) == 2  # fmt: skip
+    assert "vitlab det train sets num_classes from the data" in capsys.readouterr().err
     assert main(["det", "eval", "--data", f"coco:{coco}"]) == 2
     assert "one of the two" in capsys.readouterr().err
     assert main(["study", "cpvt-detr"]) == 2  # the default data is MNIST: one line asking for a COCO folder

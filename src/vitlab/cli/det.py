@@ -80,15 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if args.config:
-        from ..engine.recipes import apply_recipe
-
-        apply_recipe(args)
-    cfg = train_cli.config_from_args(args)
-    if args.out is None:
-        cfg.out = f"runs/det/{args.model}"
-    train_cli.run_training(cfg)
-    return 0
+    return train_cli.train_task_from_args(args, "det")
 
 
 def print_figures(title: str, figures: dict[str, dict[str, float]]) -> None:

@@ -87,18 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    if args.config:
-        from ..engine.recipes import apply_recipe
-
-        apply_recipe(args)
-    cfg = train_cli.config_from_args(args)
-    if args.out is None:
-        cfg.out = f"runs/seg/{args.model}"
-    for key, source in train_cli.SET_BY_TRAIN.items():
-        if key in cfg.model_args:
-            raise ValueError(f"--model-arg {key}: vitlab seg train sets {key} from {source}; drop the --model-arg")
-    train_cli.run_training(cfg)
-    return 0
+    return train_cli.train_task_from_args(args, "seg")
 
 
 def run_eval(args: argparse.Namespace) -> int:

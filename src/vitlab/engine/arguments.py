@@ -169,6 +169,14 @@ SET_BY_TRAIN = {
 }
 
 
+def refuse_set_by_train(overrides: dict[str, Any], command: str = "vitlab train") -> None:
+    """One line for a ``--model-arg`` that the command sets itself (from the data or another flag): it would
+    otherwise replace what the data says (a detector's ``num_classes``) without a word."""
+    for key, source in SET_BY_TRAIN.items():
+        if key in overrides:
+            raise ValueError(f"--model-arg {key}: {command} sets {key} from {source}; drop the --model-arg")
+
+
 def check_model_args(args: argparse.Namespace) -> None:
     """``--model-arg`` values that cannot make a model, as one line before any work: options the model
     does not take or that ``vitlab train`` sets itself, values of the wrong type or sign (judged from the
@@ -183,9 +191,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     overrides = parse_model_args(args.model_args)
     if not overrides:
         return
-    for key, source in SET_BY_TRAIN.items():
-        if key in overrides:
-            raise ValueError(f"--model-arg {key}: vitlab train sets {key} from {source}; drop the --model-arg")
+    refuse_set_by_train(overrides)
     try:
         factory, _ = MODELS.arguments(args.model, overrides)
     except ValueError as e:  # options the model does not take
@@ -234,6 +240,21 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         raise ValueError(line) from None
     finally:
         close_distributed()
+
+
+def train_task_from_args(args: argparse.Namespace, task: str) -> int:
+    """``vitlab <task> train`` (seg, det): a recipe's values under the flags, the run folder
+    ``runs/<task>/<model>`` by default, ``--model-arg`` s that the command sets refused, then the run."""
+    if args.config:
+        from .recipes import apply_recipe
+
+        apply_recipe(args)
+    cfg = config_from_args(args)
+    if args.out is None:
+        cfg.out = f"runs/{task}/{args.model}"
+    refuse_set_by_train(cfg.model_args, f"vitlab {task} train")
+    run_training(cfg)
+    return 0
 
 
 def warn_ineffective(cfg: TrainConfig) -> None:

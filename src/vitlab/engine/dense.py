@@ -60,8 +60,15 @@ class PixelTally(EpochTally):
         return 100 * totals["correct"] / max(totals["labelled"], 1)
 
 
-def open_image_task_data(draft: Any, command: str, unsupported: dict[str, Any],
-                         open_split: Callable[[TrainConfig, str], Any]) -> None:  # fmt: skip
+#: classification options an image task trained on its own folders has no use for, at their "off" values: refused
+#: rather than silently ignored (FSDP shards a model's block stack; a decoder or a detector is not one)
+CLASSIFICATION_ONLY: dict[str, Any] = {"mixup": 0.0, "cutmix": 0.0, "teacher": None, "token_label": False,
+                                       "dist_token": False, "auto_augment": None, "reprob": 0.0, "aug_repeats": 1,
+                                       "train_limit": None, "holdout": None, "fsdp": False}  # fmt: skip
+
+
+def open_image_task_data(draft: Any, command: str, open_split: Callable[[TrainConfig, str], Any],
+                         unsupported: dict[str, Any] = CLASSIFICATION_ONLY) -> None:  # fmt: skip
     """The ``open_data`` hook of an image task trained on its own folders (``vitlab seg|det train``): classification
     options it has no use for refused in one line, the batch split evenly over the processes, the two splits
     opened, and a batch no larger than the training images."""

@@ -26,28 +26,11 @@ from .data import DetLoader, open_coco
 from .infer import evaluate_detector
 from .models import build_detector
 
-# classification options with no meaning for detection here: refused rather than silently ignored
-UNSUPPORTED = {
-    "mixup": 0.0,
-    "cutmix": 0.0,
-    "teacher": None,
-    "token_label": False,
-    "dist_token": False,
-    "auto_augment": None,
-    "reprob": 0.0,
-    "aug_repeats": 1,
-    "train_limit": None,
-    "holdout": None,
-    "fsdp": False,  # FSDP shards a model's blocks; a detector's transformer and heads are not a block stack
-}
 DEFAULT_SIZE = 800  # DETR's evaluation size (shorter side); training draws from its scales below it
 
 
 def _checked_spec(text: str) -> str:
-    kind, sep, root = text.partition(":")
-    if not sep or kind != "coco" or not root:
-        raise ValueError(f"detection data {text!r}: give coco:ROOT (ROOT/annotations/instances_train2017.json ...)")
-    open_coco(text, "val")  # the layout and the annotation file, read once here: a problem is one line now
+    open_coco(text, "val", masks=False)  # the spec, the layout and the annotation file, read once: one line now
     return text
 
 
@@ -104,7 +87,7 @@ class DetectionTask:
         return open_split(cfg, split)
 
     def open_data(self, draft: Any) -> None:
-        open_image_task_data(draft, "vitlab det train", UNSUPPORTED, open_split)
+        open_image_task_data(draft, "vitlab det train", open_split)
 
     def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
         """The classes, the ``--model-arg`` s (detector kind and its switches), drop path into the backbone."""

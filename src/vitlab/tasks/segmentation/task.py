@@ -27,21 +27,6 @@ from .data import SegLoader, open_masks
 from .infer import MS_SCALES, evaluate_segmentation
 from .models import build_segmenter
 
-# classification options with no meaning for segmentation here: refused rather than silently ignored
-UNSUPPORTED = {
-    "mixup": 0.0,
-    "cutmix": 0.0,
-    "teacher": None,
-    "token_label": False,
-    "dist_token": False,
-    "auto_augment": None,
-    "reprob": 0.0,
-    "aug_repeats": 1,
-    "train_limit": None,
-    "holdout": None,
-    "fsdp": False,  # FSDP shards a model's blocks; the segmenter's decoder is not a block stack
-}
-
 
 class SegLoss(PixelLoss):
     """:class:`~vitlab.engine.dense.PixelLoss` of the logits, plus ``aux_weight`` times that of the auxiliary
@@ -76,7 +61,7 @@ class SegmentationTask:
         return open_split(cfg, split)
 
     def open_data(self, draft: Any) -> None:
-        open_image_task_data(draft, "vitlab seg train", UNSUPPORTED, open_split)
+        open_image_task_data(draft, "vitlab seg train", open_split)
 
     def model_kwargs(self, cfg: TrainConfig, train_ds: Any) -> dict[str, Any]:
         """The crop (``--img-size``, else the backbone's input size), the classes, ``--model-arg``s, drop path."""
