@@ -189,3 +189,23 @@ def test_init_from_a_classifier_checkpoint_starts_the_detectors_backbone(coco, t
     trained = load_checkpoint(out / "last.pt")["model"]
     weight = resnet.state_dict()["conv1.weight"]
     assert torch.allclose(trained["backbone.model.conv1.weight"], weight, atol=1e-4)  # lr 1e-9: barely moved
+
+
+@pytest.mark.slow
+def test_det_train_under_torchrun_ddp(coco, tmp_path):
+    """Two gloo processes: the global batch of 4 split over them, DETR's box count all-reduced in the loss, the
+    loss sums reduced into the epoch's row, rank 0 evaluates and writes."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "vitlab.cli",
+           "det", "train", *RUN, "--data", f"coco:{coco}", "--epochs", "1", "--model-arg", "pos=peg",
+           "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on 2 processes (DDP)" in proc.stdout
+    row = json.loads((out / "log.json").read_text())[0]
+    assert row["step"] == 4 and 0 <= row["val_box_ap"] <= 100 and row["train_loss"] > 0  # 16 images / 4
