@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitlab
 from vitlab import ops
+from vitlab.ops import linear as linear_ops
 from vitlab.ops import onednn, probe
 from vitlab.ops.linear import fused_linear, fuses_linear, trains_linear_in_onednn
 
@@ -267,21 +269,43 @@ def test_a_cached_answer_that_no_longer_holds_is_probed_again(unsupported_cpu, m
     assert probe.onednn_linear(torch.float32, False).works is False  # the primitive fails here now
 
 
-def test_a_cached_answer_is_checked_in_the_calling_thread_unless_something_surrounds_the_call(monkeypatch, tmp_path):
+def test_a_cached_answer_is_checked_in_the_calling_thread_with_the_callers_modes_set_aside(monkeypatch, tmp_path):
     """A thread that runs oneDNN leaves an OpenMP team of its own behind (the process's products then ran slower):
-    the check of a cached answer runs in the caller's thread, and in a thread of its own only under a dispatch
-    mode, a function mode (``torch.device``), autocast or compile tracing, which it must not see."""
+    the check of a cached answer runs in the caller's thread, under a FLOP counter or autocast too (set aside for
+    the check: its operations are neither counted nor autocast), and in a thread of its own only under a function
+    mode (``torch.device``) or compile tracing, which would change the tensors it makes."""
     monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
     taken = probe.Decision(True, True, 1.0, 2.0, "oneDNN faster than aten")
     probe.cache_path().write_text(json.dumps({"float32,infer": dataclasses.asdict(taken)}))
-    threads = []
-    monkeypatch.setattr(probe, "_still_works", lambda *a: threads.append(threading.current_thread()) or True)
+    calls = []
+
+    def still_works(*args):
+        mode = _get_current_dispatch_mode()
+        calls.append((threading.current_thread(), mode, torch.is_autocast_enabled("cpu")))
+        return True
+
+    monkeypatch.setattr(probe, "_still_works", still_works)
     monkeypatch.setattr(probe, "_probe", lambda *a: pytest.fail("probed although the cache holds the answer"))
-    surroundings = [contextlib.nullcontext(), FlopCounterMode(display=False), torch.device("meta")]
-    surroundings.append(torch.autocast("cpu", dtype=torch.bfloat16))
+    counter = FlopCounterMode(display=False)
+    surroundings = [contextlib.nullcontext(), counter, torch.autocast("cpu", dtype=torch.bfloat16)]
+    surroundings.append(torch.device("meta"))
     for surrounding in surroundings:
         monkeypatch.setattr(probe, "_DECISIONS", {})
         with surrounding:
             assert probe.onednn_linear(torch.float32, False).taken
-    assert threads[0] is threading.current_thread()
-    assert all(t is not threading.current_thread() for t in threads[1:]) and len(threads) == 4
+    here = threading.current_thread()
+    assert [c[0] is here for c in calls] == [True, True, True, False]
+    assert all(mode is None and not autocast for _, mode, autocast in calls)
+    assert counter.get_total_flops() == 0  # the check's products were not counted as the caller's
+
+
+def test_a_known_decision_not_to_take_onednn_skips_the_context_checks(monkeypatch):
+    """``onednn_mode`` reads the process's answer first: a known "not taken" returns before the call's context
+    is inspected; an unknown or taken answer goes through the context checks."""
+    inspected = []
+    monkeypatch.setattr(linear_ops, "_context_allows", lambda *a, **k: inspected.append(1) or False)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    monkeypatch.setattr(probe, "_DECISIONS", {(torch.float32, False): probe.Decision(True, False)})
+    assert linear_ops.onednn_mode(x, w) is None and not inspected
+    monkeypatch.setattr(probe, "_DECISIONS", {(torch.float32, False): probe.Decision(True, True)})
+    assert linear_ops.onednn_mode(x, w) is None and inspected == [1]

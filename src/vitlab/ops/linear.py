@@ -56,6 +56,9 @@ def onednn_mode(x: Tensor, weight: Tensor) -> str | None:
     training = _records(x, weight)
     if training and x.dtype != torch.float32:
         return None
+    known = probe.decided(x.dtype, training)
+    if known is not None and not known.taken:  # no context to inspect (a few microseconds a layer, every layer)
+        return None
     if not _context_allows(x, weight, compiled=training):
         return None
     taken = probe.onednn_linear_taken(x.dtype, training=training)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..common.io import WriteError, write_json_atomic
 from . import onednn
@@ -132,6 +132,13 @@ def _timed_pair(dtype: torch.dtype, training: bool):
 _DECISIONS: dict[tuple[torch.dtype, bool], Decision] = {}
 
 
+def decided(dtype: torch.dtype, training: bool) -> Decision | None:
+    """The answer this process already has for ``dtype`` and ``training``, or None before the first call (a
+    lookup that never probes: :func:`vitlab.ops.linear.onednn_mode` reads a known "not taken" before it
+    inspects the call's context)."""
+    return _DECISIONS.get((dtype, training))
+
+
 def onednn_linear_taken(dtype: torch.dtype, training: bool) -> bool:
     """Whether linear layers of ``dtype`` on the CPU run in oneDNN (inference with epilogues, or a training step's
     three products): :func:`onednn_linear`'s answer, a constant inside a compiled graph."""
@@ -159,17 +166,17 @@ def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
 
 
 def _checked(dtype: torch.dtype, training: bool) -> bool:
-    """:func:`_still_works`, in the calling thread where nothing surrounds the call (the usual first forward
-    pass), else in a thread of its own (:func:`_isolated`). A thread that runs oneDNN starts an OpenMP team of
-    its own, and the process's later products ran 8-12 % slower after one (DeiT-Ti's training step, measured
-    side by side in one process), so the thread is kept for the calls that need it."""
-    plain = (
-        _get_current_dispatch_mode() is None
-        and torch._C._len_torch_function_stack() == 0
-        and not torch.compiler.is_compiling()
-        and not torch.is_autocast_enabled("cpu")
-    )
-    return _still_works(dtype, training) if plain else _isolated(_still_works, dtype, training)
+    """:func:`_still_works` in the calling thread, with the caller's dispatch modes (a FLOP counter, activation
+    checkpointing's hooks' modes) and autocast set aside for the check's few operations; in a thread of its own
+    (:func:`_isolated`) only while torch.compile traces or a function mode (``torch.device``) is active, which
+    would change the tensors the check makes. A thread that runs oneDNN starts an OpenMP team of its own, and the
+    process's later products ran 8-12 % slower after one (DeiT-Ti's training step, measured side by side in one
+    process): the side-by-side benchmarks count FLOPs in the first step, so a thread there put every vitlab case
+    in that slower state."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_function_stack() > 0:
+        return _isolated(_still_works, dtype, training)
+    with _disable_current_modes(), torch.autocast("cpu", enabled=False):
+        return _still_works(dtype, training)
 
 
 def _still_works(dtype: torch.dtype, training: bool) -> bool:
