@@ -1,0 +1,43 @@
+"""benchmarks/pairs_table.py: the docs' side-by-side tables come from the kept JSON, figure for figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "benchmarks/pairs_table.py", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+
+
+def test_a_pair_row_gives_the_median_and_range_of_its_rounds(tmp_path):
+    rounds = [{"infer_speed_ratio": r, "train_speed_ratio": r / 2} for r in (0.9, 1.1, 1.0)]
+    pair = {"peer": "timm:deit_tiny", "vitlab": "vitlab:deit_tiny@B=8", "rounds": rounds}
+    pair.update(infer_speed_ratio_median=1.0, infer_speed_ratio_min=0.9, infer_speed_ratio_max=1.1)
+    pair.update(train_speed_ratio_median=0.5, train_speed_ratio_min=0.45, train_speed_ratio_max=0.55)
+    pair.update(infer_peak_incr_ratio_median=0.914, train_peak_incr_ratio_median=None)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"pairs": [pair]}))
+    out = _run(str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == (
+        "| timm:deit_tiny | vitlab:deit_tiny | 3 | 1.00 (0.90-1.10) | 0.50 (0.45-0.55) | 0.91 / - |"
+    )
+
+
+def test_every_kept_result_renders():
+    for path in sorted((ROOT / "benchmarks" / "results").glob("peer_*.json")):
+        out = _run(str(path))
+        assert out.returncode == 0 and out.stdout.count("\n| ") >= 2, (path, out.stderr)
+
+
+def test_an_unreadable_file_is_one_line(tmp_path):
+    (tmp_path / "bad.json").write_text("{")
+    out = _run(str(tmp_path / "bad.json"))
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
