@@ -302,6 +302,7 @@ def test_a_cached_answer_is_checked_in_the_calling_thread_with_the_callers_modes
 def test_a_known_decision_not_to_take_onednn_skips_the_context_checks(monkeypatch):
     """``onednn_mode`` reads the process's answer first: a known "not taken" returns before the call's context
     is inspected; an unknown or taken answer goes through the context checks."""
+    monkeypatch.setattr(ops.switch, "_enabled", True)  # a test of the fast path's choice, VITLAB_FAST_PATHS=0 too
     inspected = []
     monkeypatch.setattr(linear_ops, "_context_allows", lambda *a, **k: inspected.append(1) or False)
     x, w = torch.randn(3, 8), torch.randn(4, 8)
