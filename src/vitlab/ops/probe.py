@@ -13,7 +13,7 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
    :data:`REPEATS`; the path is taken only when it is faster by :data:`MARGIN`.
 
 The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
-check of a cached answer runs in the caller's thread unless something surrounds the call (:func:`_checked`). The answer is
+check of a cached answer runs in the caller's thread with the caller's modes set aside (:func:`_checked`). The answer is
 kept for the process and in a per-machine cache file (:func:`cache_path`; :func:`reset` forgets both) and
 reported by :func:`decisions`. Under
 ``torch.compile`` the answer is a constant of the graph (the probe runs while tracing).
@@ -169,10 +169,10 @@ def _checked(dtype: torch.dtype, training: bool) -> bool:
     """:func:`_still_works` in the calling thread, with the caller's dispatch modes (a FLOP counter, activation
     checkpointing's hooks' modes) and autocast set aside for the check's few operations; in a thread of its own
     (:func:`_isolated`) only while torch.compile traces or a function mode (``torch.device``) is active, which
-    would change the tensors the check makes. A thread that runs oneDNN starts an OpenMP team of its own, and the
-    process's later products ran 8-12 % slower after one (DeiT-Ti's training step, measured side by side in one
-    process): the side-by-side benchmarks count FLOPs in the first step, so a thread there put every vitlab case
-    in that slower state."""
+    would change the tensors the check makes. Why not always a thread: one that runs oneDNN starts an OpenMP team
+    of its own, and the side-by-side benchmarks count FLOPs in every case's first step. (Fresh DeiT-Ti processes
+    with the check in a thread and in the caller's thread ran at the same speed within the noise; the caller's
+    thread is the simpler path and keeps the check's products out of the caller's FLOP count.)"""
     if torch.compiler.is_compiling() or torch._C._len_torch_function_stack() > 0:
         return _isolated(_still_works, dtype, training)
     with _disable_current_modes(), torch.autocast("cpu", enabled=False):
