@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.fold import can_fold, fold_bn
+from ..ops.patchify import patch_tokens
 
 
 def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
@@ -102,12 +103,12 @@ class PatchEmbed(nn.Module):
         grid = self.grid_size(image_size(x, self.in_chans, traced_size))
         if len(self.stem):
             x = self._stem(x)
-        x = self.proj(x)
-        return x.flatten(2).transpose(1, 2), grid
+        # the projection (kernel = stride) as one product over the patches on the CPU (:mod:`vitlab.ops.patchify`)
+        return patch_tokens(self.proj, x), grid
 
     def _stem(self, x: Tensor) -> Tensor:
         # Speed: channels-last is oneDNN's native conv layout (no reorders of these large activations between
-        # layers, and the projection's output flattens to (B, N, C) without a copy); in inference each BatchNorm
+        # layers, and the projection's patches are rows of the channels-last memory); in inference each BatchNorm
         # is folded into the conv before it and ReLU runs in place (two passes fewer per layer).
         x = x.contiguous(memory_format=torch.channels_last)
         if not can_fold(self.stem, x):

@@ -17,6 +17,7 @@ each:
 * :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner, with
   :mod:`.head_mix_terms` (what its eager and Triton forms share);
 * :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;
+* :mod:`.patchify` -- a patch projection (convolution with kernel = stride) as one product over the patches;
 * :mod:`.triton_aft`, :mod:`.triton_aft_simple`, :mod:`.triton_aft_conv`, :mod:`.triton_aft_decode` -- the AFT
   family as Triton kernels (AFT-full/local, AFT-simple, AFT-conv's windows, the decoding step);
 * :mod:`.triton_double_norm`, :mod:`.triton_head_mix` -- the map chains of external attention, re-attention and
