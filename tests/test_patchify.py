@@ -62,12 +62,15 @@ def test_the_convolution_runs_where_the_product_form_does_not_apply():
 @pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("stem", [(), (8, 16)], ids=["plain", "cnn_stem"])
 def test_the_patch_embedding_is_the_same_with_the_fast_paths_off(stem):
-    """The embedding (plain, and after a CNN stem in training mode, whose channels-last output the product reads)
-    gives the same tokens and gradients with the product as with the convolution."""
+    """The embedding (plain: the convolution; after a CNN stem in training mode: the product, which reads the stem's
+    channels-last output) gives the same tokens and gradients as with the fast paths off."""
     torch.manual_seed(1)
     embed = PatchEmbed(16, 3, 32, stem)
     x = torch.randn(2, 3, 64, 64)
+    calls = []
+    embed.proj.register_forward_hook(lambda *a: calls.append(1))
     fast, grid = embed(x)
+    assert len(calls) == (0 if stem else 1)  # after a stem the product, not the module
     fast_grads = torch.autograd.grad(fast.square().sum(), embed.proj.weight)
     with fast_paths(False):
         plain, plain_grid = embed(x)

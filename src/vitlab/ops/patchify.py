@@ -9,8 +9,8 @@ flattened patches, and its output is already the token matrix (B, N, C_out) the 
 product (the BLAS's GEMM) is faster than oneDNN's convolution for these shapes, most of all in training, whose
 weight and input gradients of a strided convolution are slow on the CPU. Measured with 2 threads, forward and
 backward, the 8 x 8 projection of Refined-ViT's stem (128 -> 384 channels, 112 x 112, batch 4): 121 ms as a
-convolution, 57 ms as the product on an AVX-512 Xeon; 232 ms and 56 ms with oneDNN limited to AVX2. DeiT-S's
-16 x 16 embedding of the image: 4.2 -> 3.6 ms (AVX-512), 5.6 -> 3.3 ms (AVX2).
+convolution, 57 ms as the product on an AVX-512 Xeon; 232 ms and 56 ms with oneDNN limited to AVX2. (DeiT-S's
+16 x 16 embedding of the image, whose convolution needs no input gradient: 4.2 -> 3.6 ms and 5.6 -> 3.3 ms.)
 
 The patches are gathered in the order of the input's memory: channels-last activations (a CNN stem's) give rows of
 (u, v, c), for which the weight's taps are permuted to match (a copy of the weight, small beside the patches);
