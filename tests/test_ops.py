@@ -80,6 +80,31 @@ def test_decisions_are_made_once_and_reported():
     assert calls == []  # decided already: no second probe
 
 
+def test_the_probe_decides_on_the_median_ratio_of_paired_calls(monkeypatch):
+    """One lucky call must not decide: the answer is the median of the pairs' time ratios against the margin,
+    each pair's two calls back to back and their order alternating (a slow stretch of the machine moves both)."""
+    monkeypatch.setattr(probe, "REPEATS", 7)
+    order: list[str] = []
+    fast_times = iter([1.0, 5.0, 9.0, 9.5, 10.0, 9.0, 9.8, 9.9])  # a warm-up call, then one lucky call of 5 ms
+    plain_times = iter([1.0] + [10.0] * 7)
+    monkeypatch.setattr(probe, "_ms", lambda fn: fn())
+
+    def fast():
+        order.append("f")
+        return next(fast_times)
+
+    def plain():
+        order.append("p")
+        return next(plain_times)
+
+    fast_ms, plain_ms, ratio = probe._time(fast, plain)
+    assert order == ["f", "p"] + ["f", "p", "p", "f"] * 3 + ["f", "p"]
+    assert (fast_ms, plain_ms, ratio) == (9.5, 10.0, 0.95)  # the best-of-calls rule would read 5 against 10
+    assert not probe.decide(fast_ms, plain_ms, ratio).taken
+    assert probe.decide(8.0, 10.0, probe.MARGIN).taken and not probe.decide(8.0, 10.0, probe.MARGIN + 0.01).taken
+    assert "0.95x its time" in probe.decide(fast_ms, plain_ms, ratio).reason
+
+
 @pytest.fixture
 def unsupported_cpu(monkeypatch):
     """A CPU whose instruction set oneDNN's linear primitive does not support (the error PyTorch raises there)."""

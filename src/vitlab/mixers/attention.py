@@ -160,7 +160,6 @@ class Attention(TokenMixer):
             and torch.is_grad_enabled()
             and q.requires_grad
             and (self.attn_drop.p == 0 or not self.training)
-            and eager_fast_path()
         )
 
     def extra_flops(
