@@ -41,3 +41,20 @@ def test_an_unreadable_file_is_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     out = _run(str(tmp_path / "bad.json"))
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_resident_table_gives_each_sides_median_sizes(tmp_path):
+    def case(cid: str, after: float, infer: float, train: float | None) -> dict:
+        phases = {"infer": {"status": "ok", "peak_rss_mb": infer}}
+        phases["train"] = {"status": "ok", "peak_rss_mb": train} if train else {"status": "error: out of memory"}
+        return {"id": cid, "mem_after_import": {"rss_mb": after}, "phases": phases}
+
+    mine, theirs = "vitlab:deit_tiny@B=8", "timm:deit_tiny"
+    cases = [case(mine, 316, 380, 530), case(theirs, 354, 430, 570), case(mine, 318, 390, 540)]
+    cases += [case(theirs, 352, 420, None), case(mine, 317, 400, 520)]
+    doc = {"pairs": [{"peer": theirs, "vitlab": mine, "rounds": []}], "cases": cases}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    out = _run("--resident", str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "| timm:deit_tiny | vitlab:deit_tiny | 317 / 353 | 390 / 425 | 530 / 570 |"
