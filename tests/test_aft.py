@@ -9,6 +9,7 @@ import math
 from contextlib import nullcontext
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -833,6 +834,10 @@ def test_bad_input_raises():
         make("local", max_len=16, window=2)(torch.randn(2, 12, 24))
     with pytest.raises(ValueError, match=r"N = 20.*N <= max_len = 16"):
         make("full", max_len=16, causal=True)(torch.randn(2, 20, 24))
+    for bad in (0, -3, "none", 2.5, True):  # a string from a config file, not None: one line, not a TypeError
+        with pytest.raises(ValueError, match=f"bias_dim must be a positive integer or None .*got {bad!r}"):
+            make("full", max_len=16, bias_dim=bad)
+    assert make("full", max_len=16, bias_dim=np.int64(4)).u.shape == (16, 4)
     conv = make("conv", num_heads=4)
     with pytest.raises(ValueError, match="needs the patch grid"):
         conv(torch.randn(2, 16, 24))

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -167,8 +168,8 @@ class AFTFull(TokenMixer):
         name = type(self).__name__
         if max_len <= 0:
             raise ValueError(f"{name}: max_len must be positive, got {max_len}")
-        if bias_dim is not None and bias_dim <= 0:
-            raise ValueError(f"{name}: bias_dim must be positive or None (full w), got {bias_dim}")
+        if bias_dim is not None and (isinstance(bias_dim, bool) or not isinstance(bias_dim, Integral) or bias_dim <= 0):
+            raise ValueError(f"{name}: bias_dim must be a positive integer or None (full w), got {bias_dim!r}")
         self.max_len = max_len
         self.hidden_dim = hidden = hidden_dim or dim
         self.causal = causal
