@@ -14,8 +14,8 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
    Where the two are close the answer must not depend on the draw. On a Sapphire Rapids Xeon (MKL's AVX-512 GEMM)
    the fp32 inference MLP read 0.94-1.04 in four fresh processes, so a 3 % margin on the best of three calls took
    oneDNN in some processes and not in others; each taken path then also loads oneDNN's code (megabytes of
-   resident memory) for no speed. Where oneDNN pays it pays by far more than the margin: about 2x on an AMD EPYC
-   (MKL's AVX-512 kernels run on Intel CPUs only), 0.76 in bf16 inference on the Xeon.
+   resident memory) for no speed. Where oneDNN pays it pays by more than the margin: about 2x on an AMD EPYC
+   (MKL's AVX-512 kernels run on Intel CPUs only); in bf16 inference on the Xeon it read 0.73-0.85.
 
 The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
 check of a cached answer runs in the caller's thread with the caller's modes set aside (:func:`_checked`). The answer is
