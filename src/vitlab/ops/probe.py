@@ -104,11 +104,13 @@ def _time(fast, plain) -> tuple[float, float, float]:
     fast(), plain()
     pairs = []
     for i in range(REPEATS):
-        if i % 2 == 0:
-            pairs.append((_ms(fast), _ms(plain)))
+        if i % 2:  # aten first
+            plain_time = _ms(plain)
+            fast_time = _ms(fast)
         else:
-            plain_first = _ms(plain)
-            pairs.append((_ms(fast), plain_first))
+            fast_time = _ms(fast)
+            plain_time = _ms(plain)
+        pairs.append((fast_time, plain_time))
     return (
         statistics.median(f for f, _ in pairs),
         statistics.median(p for _, p in pairs),
