@@ -32,6 +32,7 @@ from torch.nn.utils import parametrize
 from ..ops.fold import can_fold, fold_bn
 from ..ops.head_mix_norm import can_fuse, head_mix_batchnorm
 from ..ops.linear import fused_linear
+from ..ops.row_norm import batch_norm_rows, can_normalise_rows
 from .attention import Attention, HeadMix, attention_map, attention_softmax_flops
 from .base import RELU6, TokenLayout, batchnorm_flops, check_divisible, merge_heads, split_heads
 
@@ -248,11 +249,17 @@ class DistributedLocalAttention(nn.Module):
     @staticmethod
     def _run_stage(stage: nn.Sequential, x: Tensor, heads_last: bool) -> Tensor:
         """One stage; in training a head mix + BatchNorm runs fused (:func:`head_mix_batchnorm`: the same maps,
-        a backward pass that keeps less)."""
+        a backward pass that keeps less), and the BatchNorm after the depth-wise conv normalises its
+        channels-last maps as rows (:func:`batch_norm_rows`: the CPU's channels-last BatchNorm runs partly
+        scalar for a channel count such as 18)."""
         if isinstance(stage[0], HeadMix) and len(stage) > 1 and can_fuse(x, stage[1]):
             x = head_mix_batchnorm(x, stage[0], stage[1], heads_last=heads_last)
             return x if len(stage) == 2 else stage[2](x)
-        return stage(x)
+        if len(stage) == 1:
+            return stage(x)
+        x, bn = stage[0](x), stage[1]
+        x = batch_norm_rows(x, bn) if can_normalise_rows(x, bn) else bn(x)
+        return x if len(stage) == 2 else stage[2](x)
 
     # ------------------------------------------------------------------ inference fast path
     # Speed (eval, no autograd): each BatchNorm is folded into the conv before it, bias + ReLU6 run in place,

@@ -16,6 +16,8 @@ each:
 * :mod:`.double_norm` -- external attention's double normalisation;
 * :mod:`.head_mix_norm` -- the head mix + training BatchNorm of re-attention and the refiner, with
   :mod:`.head_mix_terms` (what its eager and Triton forms share);
+* :mod:`.row_norm` -- training BatchNorm on channels-last maps as (rows, channels) matrices (the refiner's
+  expanded maps), with per-channel sums that run at memory speed for any channel count;
 * :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;
 * :mod:`.patchify` -- a patch projection (convolution with kernel = stride) as one product over the patches;
 * :mod:`.triton_aft`, :mod:`.triton_aft_simple`, :mod:`.triton_aft_conv`, :mod:`.triton_aft_decode` -- the AFT

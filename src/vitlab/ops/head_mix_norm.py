@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .head_mix_terms import BatchNormTerms, function_args, token_rows
+from .row_norm import batch_stats, column_sums, new_maps, scale_rows, update_running
 from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
@@ -90,10 +91,18 @@ class _HeadMixBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, weight, bias, gamma, beta, running_mean, running_var, momentum, eps, scale, heads_last):
         rows = token_rows(a)
-        y = as_maps(mix_heads(weight, rows, heads_last), a.shape[-1], heads_last)  # W A; b enters the running mean
+        y = mix_heads(weight, rows, heads_last)  # W A; b enters the running mean
         w_eff = gamma * scale if gamma is not None else weight.new_full((weight.shape[0],), scale)
         b_eff = beta * scale if beta is not None else None
-        out, mean, rstd = torch.native_batch_norm(y, w_eff, b_eff, running_mean, running_var, True, momentum, eps)
+        if heads_last and a.device.type == "cpu":  # channels-last maps: normalised as rows (.row_norm)
+            out, out_rows = new_maps(a, y.shape[-1])
+            mean, var, _ = batch_stats(y.view(-1, y.shape[-1]), out_rows)
+            rstd = (var + eps).rsqrt()
+            scale_rows(out_rows, w_eff * rstd, b_eff)
+            update_running(running_mean, running_var, mean, var, y.shape[0] * y.shape[1], momentum)
+        else:
+            y = as_maps(y, a.shape[-1], heads_last)
+            out, mean, rstd = torch.native_batch_norm(y, w_eff, b_eff, running_mean, running_var, True, momentum, eps)
         if running_mean is not None and bias is not None:  # mean(W A + b) = mean(W A) + b
             running_mean.add_(bias, alpha=momentum)
         ctx.save_for_backward(rows, weight, w_eff, mean, rstd)
@@ -107,7 +116,7 @@ class _HeadMixBatchNorm(torch.autograd.Function):
         shape, rows_in = ctx.layout
         count = rows.shape[0] * rows.shape[1]
         g = token_rows(grad)  # (B, L, G)
-        s = g.sum((0, 1))  # (G,)
+        s = column_sums(g)  # (G,)
         p = torch.bmm(g.transpose(1, 2), rows).sum(0)  # (G, H)
         terms = BatchNormTerms.of(weight, w_eff, mean, rstd, s, p, count)
         grad_a = grad_w = None
@@ -118,7 +127,7 @@ class _HeadMixBatchNorm(torch.autograd.Function):
             grad_a = as_maps(grad_a.add_(const.view((1, 1, -1) if rows_in else (1, -1, 1))), shape[-1], rows_in)
         if ctx.needs_input_grad[1]:
             q = torch.bmm(rows.transpose(1, 2), rows).sum(0)  # (H, H)
-            grad_w = terms.weight_grad(weight, p, q, rows.sum((0, 1)))
+            grad_w = terms.weight_grad(weight, p, q, column_sums(rows))
         affine = terms.affine_grads(ctx.has, ctx.needs_input_grad, ctx.scale, count)
         return grad_a, grad_w, *affine, None, None, None, None, None, None
 

@@ -1,0 +1,143 @@
+"""Training BatchNorm on channels-last maps as rows (``vitlab.ops.row_norm``) against ``nn.BatchNorm2d`` and the
+paper's equations; the refiner's training step with it against the plain modules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from vitlab import ops
+from vitlab.mixers import RefinerAttention
+from vitlab.mixers import refiner as refiner_module
+from vitlab.ops.row_norm import batch_norm_rows, can_normalise_rows, column_sums
+
+
+@pytest.fixture(autouse=True)
+def fast_paths_on():
+    """The switch on, whatever VITLAB_FAST_PATHS says: these tests compare the fast path with the plain one."""
+    with ops.fast_paths(True):
+        yield
+
+
+def channels_last(*shape: int, scale: float = 2.0, shift: float = 3.0) -> torch.Tensor:
+    x = torch.randn(*shape, dtype=torch.float64) * scale + shift
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 1001])
+@pytest.mark.parametrize("channels", [1, 3, 16, 18, 36])
+def test_column_sums_are_the_sums_over_rows(rows, channels):
+    x = torch.randn(rows, channels, dtype=torch.float64)
+    torch.testing.assert_close(column_sums(x), x.sum(0), rtol=1e-12, atol=1e-12)
+    batched = torch.randn(2, rows, channels, dtype=torch.float64)
+    torch.testing.assert_close(column_sums(batched), batched.sum((0, 1)), rtol=1e-12, atol=1e-12)
+    strided = batched.transpose(0, 1)  # not contiguous: the plain sum
+    torch.testing.assert_close(column_sums(strided), batched.sum((0, 1)), rtol=1e-12, atol=1e-12)
+
+
+def naive_batch_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> torch.Tensor:
+    """Ioffe & Szegedy Alg. 1 per channel, from the definition: mean and biased variance over (B, H, W)."""
+    mean = x.mean((0, 2, 3), keepdim=True)
+    var = ((x - mean) ** 2).mean((0, 2, 3), keepdim=True)
+    return gamma.view(1, -1, 1, 1) * (x - mean) / torch.sqrt(var + eps) + beta.view(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize("channels", [3, 16, 18, 36])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_rows_give_the_module_values_gradients_and_running_statistics(channels, momentum):
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(channels, momentum=momentum).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 2.0)
+        ref.bias.uniform_(-1.0, 1.0)
+    fast = copy.deepcopy(ref)
+    for step in range(3):  # the running statistics and the batch count over several calls
+        x = channels_last(4, channels, 9, 11)
+        g = torch.randn_like(x)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        assert can_normalise_rows(xa, fast)
+        ya, yb = batch_norm_rows(xa, fast), ref(xb)
+        assert ya.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ya, naive_batch_norm(x, ref.weight, ref.bias, ref.eps), rtol=1e-12, atol=1e-12)
+        ya.backward(g)
+        yb.backward(g)
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-12)
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(fast, name).grad, getattr(ref, name).grad, rtol=1e-10, atol=1e-10)
+        for name, buf in ref.named_buffers():
+            torch.testing.assert_close(getattr(fast, name), buf, rtol=1e-12, atol=1e-14, msg=f"{name} at {step}")
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_without_affine_or_running_statistics(track):
+    ref = nn.BatchNorm2d(5, affine=False, track_running_stats=track).double()
+    fast = copy.deepcopy(ref)
+    x = channels_last(3, 5, 7, 7)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = batch_norm_rows(xa, fast), ref(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-12)
+    for a, b in zip(fast.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_result_may_be_modified_in_place():
+    """A ReLU6(inplace=True) follows it in the refiner: the result is a tensor of its own, not a view."""
+    x = channels_last(2, 18, 5, 5).requires_grad_()
+    y = nn.functional.relu6(batch_norm_rows(x, nn.BatchNorm2d(18).double()), inplace=True)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_it_applies_to_channels_last_training_maps_only():
+    bn = nn.BatchNorm2d(18)
+    x = torch.randn(2, 18, 5, 5)
+    assert not can_normalise_rows(x, bn)  # the standard layout: PyTorch's kernel is fast there
+    cl = x.contiguous(memory_format=torch.channels_last)
+    assert can_normalise_rows(cl, bn)
+    assert not can_normalise_rows(cl, bn.eval())  # running statistics: folded or the module
+    assert not can_normalise_rows(cl.half(), bn.train())
+    with ops.fast_paths(False):
+        assert not can_normalise_rows(cl, bn)
+
+
+@pytest.mark.parametrize("expansion", [3, 1])
+def test_refiner_training_step_equals_the_plain_modules_with_the_switch_off(monkeypatch, expansion):
+    """The official refiner (BN + ReLU6 after the expansion and after the depth-wise conv): with every fast path on
+    (fused head mixes, the rows' BatchNorm on the conv's channels-last maps) the same maps, gradients and running
+    statistics as with the switch off."""
+    torch.manual_seed(4)
+    fast = RefinerAttention(24, num_heads=6, share=True, official_extras=True, expansion=expansion).double().train()
+    for bn in (m for m in fast.modules() if isinstance(m, nn.BatchNorm2d)):
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+    plain = copy.deepcopy(fast)
+    x = torch.randn(3, 9, 24, dtype=torch.float64)
+    prev = torch.randn(3, 6, 9, 9, dtype=torch.float64).softmax(-1).requires_grad_()
+
+    def step(m):
+        prev.grad = None
+        out = m(x, attn_prev=prev)
+        out.square().sum().backward()
+        return out, prev.grad, {k: p.grad for k, p in m.named_parameters()}
+
+    calls = []
+    monkeypatch.setattr(refiner_module, "batch_norm_rows", lambda x, bn: calls.append(1) or batch_norm_rows(x, bn))
+    out, gprev, grads = step(fast)
+    assert len(calls) == (1 if expansion > 1 else 0)  # the conv's maps are channels-last after a fused expansion
+    with ops.fast_paths(False):
+        out_ref, gprev_ref, grads_ref = step(plain)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gprev, gprev_ref, rtol=1e-8, atol=1e-10)
+    scale = max(g.abs().max() for g in grads_ref.values())  # a BN before a training BN: its bias gets ~0
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-8, atol=1e-10 * scale, msg=name)
+    for (name, buf), ref in zip(fast.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(buf, ref, rtol=1e-10, atol=1e-14, msg=name)
