@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .head_mix_terms import BatchNormTerms, function_args, token_rows
-from .row_norm import batch_stats, column_sums, new_maps, scale_rows, update_running
+from .row_norm import batch_stats, column_sums, new_maps, rows_pay, scale_rows, update_running
 from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
@@ -94,7 +94,7 @@ class _HeadMixBatchNorm(torch.autograd.Function):
         y = mix_heads(weight, rows, heads_last)  # W A; b enters the running mean
         w_eff = gamma * scale if gamma is not None else weight.new_full((weight.shape[0],), scale)
         b_eff = beta * scale if beta is not None else None
-        if heads_last and a.device.type == "cpu":  # channels-last maps: normalised as rows (.row_norm)
+        if heads_last and a.device.type == "cpu" and rows_pay(weight.shape[0]):  # channels-last: as rows (.row_norm)
             out, out_rows = new_maps(a, y.shape[-1])
             mean, var, _ = batch_stats(y.view(-1, y.shape[-1]), out_rows)
             rstd = (var + eps).rsqrt()
