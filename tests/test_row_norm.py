@@ -87,6 +87,15 @@ def test_without_affine_or_running_statistics(track):
         torch.testing.assert_close(a, b)
 
 
+def test_one_value_per_channel_is_the_modules_error():
+    x = torch.randn(1, 18, 1, 1).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as ours:
+        batch_norm_rows(x, nn.BatchNorm2d(18))
+    with pytest.raises(ValueError) as module:
+        nn.BatchNorm2d(18)(x)
+    assert str(ours.value) == str(module.value)
+
+
 def test_the_result_may_be_modified_in_place():
     """A ReLU6(inplace=True) follows it in the refiner: the result is a tensor of its own, not a view."""
     x = channels_last(2, 18, 5, 5).requires_grad_()

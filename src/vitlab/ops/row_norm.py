@@ -144,6 +144,8 @@ def batch_norm_rows(x: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> Tensor:
     """``bn(x)`` for channels-last maps with the batch's statistics (:func:`can_normalise_rows`): the same values,
     running statistics and batch count as the module, computed on the maps' rows (this module's docstring). The
     result is channels-last, as the module's."""
+    if x.numel() == x.shape[1]:  # the module's own check: one value per channel has no batch statistics
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
     momentum = running_momentum(bn)
     out, mean, var = _BatchNormRows.apply(x, bn.weight, bn.bias, bn.eps)
     if bn.track_running_stats:
