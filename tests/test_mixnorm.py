@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from vitlab import ops
 from vitlab.mixers import ReAttention, RefinerAttention
 from vitlab.mixers import reattention as reattention_module
 from vitlab.mixers import refiner as refiner_module
@@ -210,18 +211,20 @@ def test_inference_mode_then_training_step():
 
 
 @pytest.mark.parametrize("expansion", [1, 3])
-def test_refiner_training_step_equals_the_plain_modules(monkeypatch, expansion):
+@pytest.mark.parametrize("plain", ["unfused", "switch_off"])
+def test_refiner_training_step_equals_the_plain_modules(monkeypatch, expansion, plain):
     """The official refiner (expansion + BN + ReLU6, depth-wise conv + BN + ReLU6, reduction + BN, shortcut,
-    adapt_bn): fused expansion and reduction give the modules' maps, gradients and running statistics."""
+    adapt_bn), 6 heads (18 expanded maps, which the rows' BatchNorm takes): with the fast paths on, the maps,
+    gradients and running statistics of the modules with the head mixes unfused, and of every fast path off."""
     torch.manual_seed(4)
-    fused = RefinerAttention(24, num_heads=4, share=True, official_extras=True, expansion=expansion).double().train()
+    fused = RefinerAttention(24, num_heads=6, share=True, official_extras=True, expansion=expansion).double().train()
     for bn in (m for m in fused.modules() if isinstance(m, torch.nn.BatchNorm2d)):
         with torch.no_grad():
             bn.weight.uniform_(0.5, 1.5)
             bn.bias.normal_()
-    plain = copy.deepcopy(fused)
+    plain_model = copy.deepcopy(fused)
     x = torch.randn(3, 9, 24, dtype=torch.float64)
-    prev = torch.randn(3, 4, 9, 9, dtype=torch.float64).softmax(-1).requires_grad_()
+    prev = torch.randn(3, 6, 9, 9, dtype=torch.float64).softmax(-1).requires_grad_()
 
     def step(m):
         prev.grad = None
@@ -229,12 +232,19 @@ def test_refiner_training_step_equals_the_plain_modules(monkeypatch, expansion):
         out.square().sum().backward()
         return out, prev.grad, {k: p.grad for k, p in m.named_parameters()}
 
-    out, gprev, grads = step(fused)
-    monkeypatch.setattr(refiner_module, "can_fuse", lambda *args: False)
-    out_ref, gprev_ref, grads_ref = step(plain)
+    calls = []
+    rows_norm = refiner_module.batch_norm_rows
+    monkeypatch.setattr(refiner_module, "batch_norm_rows", lambda t, bn: calls.append(1) or rows_norm(t, bn))
+    with ops.fast_paths(True):
+        out, gprev, grads = step(fused)
+    assert len(calls) == (1 if expansion > 1 else 0)  # the conv's maps are channels-last after an expansion
+    if plain == "unfused":
+        monkeypatch.setattr(refiner_module, "can_fuse", lambda *args: False)
+    with ops.fast_paths(plain == "unfused"):
+        out_ref, gprev_ref, grads_ref = step(plain_model)
     assert rel_err(out, out_ref) < 1e-12 and rel_err(gprev, gprev_ref) < 1e-10
     scale = max(g.abs().max() for g in grads_ref.values())  # a BN before a training BN: its bias gets ~0
     for name, g in grads_ref.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12 * scale, msg=name)
-    for (name, buf), ref in zip(fused.named_buffers(), plain.buffers()):
+    for (name, buf), ref in zip(fused.named_buffers(), plain_model.buffers()):
         torch.testing.assert_close(buf, ref, rtol=1e-12, atol=1e-15, msg=name)

@@ -1,5 +1,5 @@
 """Training BatchNorm on channels-last maps as rows (``vitlab.ops.row_norm``) against ``nn.BatchNorm2d`` and the
-paper's equations; the refiner's training step with it against the plain modules."""
+paper's equations (the refiner's training step with it: tests/test_mixnorm.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from torch import nn
 
 from vitlab import ops
-from vitlab.mixers import RefinerAttention
-from vitlab.mixers import refiner as refiner_module
 from vitlab.ops.row_norm import batch_norm_rows, can_normalise_rows, column_sums
 
 
@@ -117,39 +115,3 @@ def test_it_applies_to_channels_last_training_maps_only():
         assert not can_normalise_rows(wide, nn.BatchNorm2d(channels))
     with ops.fast_paths(False):
         assert not can_normalise_rows(cl, bn)
-
-
-@pytest.mark.parametrize("expansion", [3, 1])
-def test_refiner_training_step_equals_the_plain_modules_with_the_switch_off(monkeypatch, expansion):
-    """The official refiner (BN + ReLU6 after the expansion and after the depth-wise conv): with every fast path on
-    (fused head mixes, the rows' BatchNorm on the conv's channels-last maps) the same maps, gradients and running
-    statistics as with the switch off."""
-    torch.manual_seed(4)
-    fast = RefinerAttention(24, num_heads=6, share=True, official_extras=True, expansion=expansion).double().train()
-    for bn in (m for m in fast.modules() if isinstance(m, nn.BatchNorm2d)):
-        with torch.no_grad():
-            bn.weight.uniform_(0.5, 1.5)
-            bn.bias.normal_()
-    plain = copy.deepcopy(fast)
-    x = torch.randn(3, 9, 24, dtype=torch.float64)
-    prev = torch.randn(3, 6, 9, 9, dtype=torch.float64).softmax(-1).requires_grad_()
-
-    def step(m):
-        prev.grad = None
-        out = m(x, attn_prev=prev)
-        out.square().sum().backward()
-        return out, prev.grad, {k: p.grad for k, p in m.named_parameters()}
-
-    calls = []
-    monkeypatch.setattr(refiner_module, "batch_norm_rows", lambda x, bn: calls.append(1) or batch_norm_rows(x, bn))
-    out, gprev, grads = step(fast)
-    assert len(calls) == (1 if expansion > 1 else 0)  # the conv's maps are channels-last after a fused expansion
-    with ops.fast_paths(False):
-        out_ref, gprev_ref, grads_ref = step(plain)
-    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(gprev, gprev_ref, rtol=1e-8, atol=1e-10)
-    scale = max(g.abs().max() for g in grads_ref.values())  # a BN before a training BN: its bias gets ~0
-    for name, g in grads_ref.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-8, atol=1e-10 * scale, msg=name)
-    for (name, buf), ref in zip(fast.named_buffers(), plain.buffers()):
-        torch.testing.assert_close(buf, ref, rtol=1e-10, atol=1e-14, msg=name)

@@ -30,18 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .head_mix_terms import BatchNormTerms, function_args, token_rows
+from .head_mix_terms import BatchNormTerms, function_args, token_rows, uses_batch_stats
 from .row_norm import batch_stats, column_sums, new_maps, rows_pay, scale_rows, update_running
 from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
 #: the most heads (in or out) the Triton kernels' tiles hold (:mod:`.triton_head_mix`)
 TRITON_MAX_HEADS = 64
-
-
-def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
-    """Whether ``bn`` normalises with the batch's statistics (training, or no running statistics)."""
-    return bn.training or bn.running_mean is None
 
 
 def triton_takes(attn: Tensor, heads_out: int) -> bool:

@@ -17,6 +17,11 @@ def token_rows(maps: Tensor) -> Tensor:
     return maps.permute(0, 2, 3, 1).reshape(b, n * m, c)
 
 
+def uses_batch_stats(bn: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether ``bn`` normalises with the batch's statistics (training, or no running statistics)."""
+    return bn.training or bn.running_mean is None
+
+
 def running_momentum(bn: nn.modules.batchnorm._BatchNorm) -> float:
     """The running-statistics factor of this call, as ``nn.BatchNorm`` computes it (counting the batch)."""
     if not (bn.training and bn.track_running_stats and bn.num_batches_tracked is not None):

@@ -7,12 +7,12 @@ statistics is, per channel c (paper: Ioffe & Szegedy 2015, Alg. 1 and its gradie
     dx = γ r (g − Σ g / M − x̂ Σ (g x̂) / M),   dγ = Σ g x̂,   dβ = Σ g,   x̂ = r (x − μ)
 
 All of it is elementwise work plus column sums of (M, C) matrices. PyTorch's CPU BatchNorm for channels-last
-inputs vectorises over the channels, so a channel count that is not a multiple of the vector width runs
-partly scalar: for the refiner's 18 expanded maps (Refined-ViT-S, batch 4, 197 tokens) forward and backward
-took 22 ms against 4 ms on the same maps in the standard layout. :func:`column_sums` instead sums a wide view
-of the rows (several rows side by side, a multiple of 16 floats wide) and folds the copies of each channel at
-the end, 0.3 ms where ``rows.sum(0)`` takes 1.4 ms. The variance is the two-pass one (sums of squared
-deviations), as accurate as the mean.
+inputs vectorises over the channels and runs partly scalar unless C is a multiple of 16: on the refiner's
+expanded maps (batch 4, 197 tokens) forward and backward take 23.2 ms at 18 channels and 26.0 ms at 36
+(Refined-ViT-S), 2.6 ms at 16 (``benchmarks/row_norm.py``; :func:`rows_pay`). :func:`column_sums` instead sums a
+wide view of the rows (several rows side by side, a multiple of 16 floats wide) and folds the copies of each
+channel at the end (0.3 ms where ``rows.sum(0)`` takes 1.4 ms at 18 channels). The variance is the two-pass one
+(sums of squared deviations), as accurate as the mean.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .head_mix_terms import running_momentum
+from .head_mix_terms import running_momentum, uses_batch_stats
 from .switch import fast_paths_enabled
 
 # rows side by side in the wide view: a multiple of 16 values (an AVX-512 vector of fp32) times this factor
@@ -99,7 +99,7 @@ def can_normalise_rows(x: Tensor, bn: nn.modules.batchnorm._BatchNorm) -> bool:
     (:func:`rows_pay`), fp32/fp64 outside autocast."""
     return (
         fast_paths_enabled()
-        and (bn.training or bn.running_mean is None)
+        and uses_batch_stats(bn)
         and x.dim() == 4
         and rows_pay(x.shape[1])
         and x.device.type == "cpu"
