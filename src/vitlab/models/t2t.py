@@ -30,6 +30,7 @@ from ..mixers.attention import attention_map, attention_softmax_flops
 from ..mixers.base import ElementwiseFlops, TokenLayout
 from ..mixers.external import double_norm_flops
 from ..ops.double_norm import double_normalize
+from ..ops.soft_split import soft_split
 from .base import Classifier, MixerSpec, build_blocks, check_pool, run_blocks
 
 # (kernel, stride, padding) of each soft split; T2T-ViT's strides 4·2·2 give a 14x14 grid at 224 px
@@ -255,11 +256,11 @@ class TokensToToken(nn.Module):
 
     def forward(self, x: Tensor, traced_size: Sequence[int] | None = None) -> tuple[Tensor, tuple[int, int]]:
         grids = self.grids(image_size(x, self.in_chans, traced_size))
-        x = self.splits[0](x).transpose(1, 2)  # (B, windows, C·k²), channel-major as nn.Unfold
+        x = soft_split(self.splits[0], x)  # (B, windows, C·k²), channel-major as nn.Unfold
         for layer, split, grid in zip(self.layers, self.splits[1:], grids):
             x = layer(x)
-            x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)  # re-structurize to an image
-            x = split(x).transpose(1, 2)
+            # re-structurize: the tokens as an image (B, C, H, W), a view the split reads in place
+            x = soft_split(split, x.reshape(x.shape[0], *grid, x.shape[2]).permute(0, 3, 1, 2))
         return self.project(x), grids[-1]
 
 

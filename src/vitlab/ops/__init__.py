@@ -20,6 +20,7 @@ each:
   expanded maps), with per-channel sums that run at memory speed for any channel count;
 * :mod:`.fold` -- BatchNorm folded into a convolution in eval mode;
 * :mod:`.patchify` -- a patch projection (convolution with kernel = stride) as one product over the patches;
+* :mod:`.soft_split` -- T2T's soft split (overlapping windows as tokens) as one gather, its adjoint as backward;
 * :mod:`.triton_aft`, :mod:`.triton_aft_simple`, :mod:`.triton_aft_conv`, :mod:`.triton_aft_decode` -- the AFT
   family as Triton kernels (AFT-full/local, AFT-simple, AFT-conv's windows, the decoding step);
 * :mod:`.triton_double_norm`, :mod:`.triton_head_mix` -- the map chains of external attention, re-attention and
