@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vitlab import ops
-from vitlab.ops.row_norm import batch_norm_rows, can_normalise_rows, column_sums
+from vitlab.ops.row_norm import batch_norm_rows, can_normalise_rows, column_sums, gradient_sums, normalise_rows
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +34,42 @@ def test_column_sums_are_the_sums_over_rows(rows, channels):
     torch.testing.assert_close(column_sums(batched), batched.sum((0, 1)), rtol=1e-12, atol=1e-12)
     strided = batched.transpose(0, 1)  # not contiguous: the plain sum
     torch.testing.assert_close(column_sums(strided), batched.sum((0, 1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [5, 64, 128, 1000, 1001])  # the wide view: absent (< 2 of its rows), exact, a rest
+@pytest.mark.parametrize("channels", [3, 18, 36])
+@pytest.mark.parametrize("affine", [True, False])
+def test_normalise_rows_and_gradient_sums_against_the_definition(rows, channels, affine):
+    """Both against Ioffe & Szegedy's formulas computed directly on the (M, C) rows, in float64."""
+    torch.manual_seed(rows + channels)
+    x = torch.randn(rows, channels, dtype=torch.float64) * torch.rand(channels, dtype=torch.float64) * 3 + 2
+    gamma = torch.rand(channels, dtype=torch.float64) + 0.5 if affine else None
+    beta = torch.randn(channels, dtype=torch.float64) if affine else None
+    eps = 1e-5
+    mean, var = x.mean(0), x.var(0, correction=0)
+    xhat = (x - mean) / torch.sqrt(var + eps)
+    expected = xhat * gamma + beta if affine else xhat
+    out = torch.empty_like(x)
+    got_mean, got_var, got_rstd = normalise_rows(x, out, gamma, beta, eps)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_var, var, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_rstd, 1 / torch.sqrt(var + eps), rtol=1e-10, atol=0)
+    g = torch.randn_like(x)
+    sum_g, sum_g_xhat = gradient_sums(x, g, mean, 1 / torch.sqrt(var + eps))
+    torch.testing.assert_close(sum_g, g.sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sum_g_xhat, (g * xhat).sum(0), rtol=1e-12, atol=1e-12)
+
+
+def test_normalise_rows_keeps_constant_columns_finite_with_zero_eps():
+    """Every 2nd row of channel 0 constant: a column of the wide view has no spread; with ε = 0 the channel's result
+    is still the definition's (the kernel's per-column step runs with a tiny ε)."""
+    x = torch.randn(256, 3, dtype=torch.float64)
+    x[::2, 0] = 1.5
+    out = torch.empty_like(x)
+    normalise_rows(x, out, None, None, 0.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, (x - x.mean(0)) / x.std(0, correction=0), rtol=1e-12, atol=1e-12)
 
 
 def naive_batch_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .head_mix_terms import BatchNormTerms, function_args, token_rows, uses_batch_stats
-from .row_norm import batch_stats, column_sums, new_maps, rows_pay, scale_rows, update_running
+from .row_norm import column_sums, new_maps, normalise_rows, rows_pay, update_running
 from .switch import fast_paths_enabled
 from .triton_support import triton_runs_on
 
@@ -91,9 +91,7 @@ class _HeadMixBatchNorm(torch.autograd.Function):
         b_eff = beta * scale if beta is not None else None
         if heads_last and a.device.type == "cpu" and rows_pay(weight.shape[0]):  # channels-last: as rows (.row_norm)
             out, out_rows = new_maps(a, y.shape[-1])
-            mean, var, _ = batch_stats(y.view(-1, y.shape[-1]), out_rows)
-            rstd = (var + eps).rsqrt()
-            scale_rows(out_rows, w_eff * rstd, b_eff)
+            mean, var, rstd = normalise_rows(y.view(-1, y.shape[-1]), out_rows, w_eff, b_eff, eps)
             update_running(running_mean, running_var, mean, var, y.shape[0] * y.shape[1], momentum)
         else:
             y = as_maps(y, a.shape[-1], heads_last)

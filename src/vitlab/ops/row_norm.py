@@ -11,8 +11,12 @@ inputs vectorises over the channels and runs partly scalar unless C is a multipl
 expanded maps (batch 4, 197 tokens) forward and backward take 23.2 ms at 18 channels and 26.0 ms at 36
 (Refined-ViT-S), 2.6 ms at 16 (``benchmarks/row_norm.py``; :func:`rows_pay`). :func:`column_sums` instead sums a
 wide view of the rows (several rows side by side, a multiple of 16 floats wide) and folds the copies of each
-channel at the end (0.3 ms where ``rows.sum(0)`` takes 1.4 ms at 18 channels). The variance is the two-pass one
-(sums of squared deviations), as accurate as the mean.
+channel at the end (0.3 ms where ``rows.sum(0)`` takes 1.4 ms at 18 channels). The same wide view (f·C columns,
+each one channel of every f-th row) is a matrix PyTorch's BatchNorm kernel handles at full vector width: its
+per-column statistics and normalisation in one call (:func:`normalise_rows`, the f columns of a channel then
+combined exactly and the result rescaled in place) and its per-column gradient sums Σ g and Σ g x̂ in one pass
+(:func:`gradient_sums`), where the plain forms take a pass per product and per sum. The variance is the two-pass
+one (sums of squared deviations), as accurate as the mean.
 """
 
 from __future__ import annotations
@@ -69,6 +73,75 @@ def batch_stats(rows: Tensor, centred: Tensor | None = None) -> tuple[Tensor, Te
     return mean, column_sums(centred * centred) / rows.shape[0], centred
 
 
+def _wide(rows: Tensor) -> tuple[int, int] | None:
+    """``(f, R)``: the wide view of :func:`column_sums` holds the first R·f rows as an (R, f·C) matrix; None when it
+    cannot serve PyTorch's BatchNorm kernel (rows not contiguous, or fewer than 2 rows of it)."""
+    c = rows.shape[-1]
+    f = 16 // math.gcd(16, c) * _WIDE_VECTORS
+    r = rows.shape[0] // f
+    return (f, r) if rows.is_contiguous() and r >= 2 else None
+
+
+def normalise_rows(
+    rows: Tensor, out: Tensor, gamma: Tensor | None, beta: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``out = γ r (x − μ) + β`` for the rows (M, C), written into ``out`` (M, C, contiguous); returns the batch's
+    mean μ, biased variance σ² and r = (σ² + ε)^-½ per channel.
+
+    PyTorch's BatchNorm kernel normalises the wide view (R, f·C) by its own per-column statistics (m_j, v_j); the f
+    columns of channel c hold R rows each, so μ_c = mean_j m_j + (the rest) and M σ²_c = Σ_j R (v_j + (m_j − μ_c)²)
+    + (the rest) exactly (Chan et al.'s pairwise combination); the view is then rescaled in place to the channel's
+    statistics: ``γ r (x − μ) + β = ŷ_j · γ r / r_j + (m_j − μ) γ r + β``. The kernel runs with the module's ε (a
+    tiny one for ε = 0, so that a constant column stays finite); v_j = r_j^-2 − ε is then exact to a rounding of
+    σ² + ε, which is what r depends on."""
+    wide = _wide(rows)
+    if wide is None:
+        mean, var, _ = batch_stats(rows, out)
+        rstd = (var + eps).rsqrt()
+        scale_rows(out, rstd if gamma is None else gamma * rstd, beta)
+        return mean, var, rstd
+    (f, r), (m, c) = wide, rows.shape
+    main = f * r
+    col_eps = eps if eps > 0 else torch.finfo(rows.dtype).tiny
+    col_mean, col_rstd = rows.new_empty(f * c), rows.new_empty(f * c)
+    out_wide = out[:main].view(r, f * c)
+    torch.ops.aten.native_batch_norm.out(
+        rows[:main].view(r, f * c), None, None, None, None, True, 0.0, col_eps,
+        out=out_wide, save_mean=col_mean, save_invstd=col_rstd,
+    )  # fmt: skip
+    rest = rows[main:]
+    col_mean, col_rstd = col_mean.view(f, c), col_rstd.view(f, c)
+    mean = (col_mean.sum(0) * r + rest.sum(0)) / m
+    spread = (col_rstd.pow(-2).sub_(col_eps) + (col_mean - mean).square()).sum(0) * r
+    var = (spread + (rest - mean).square().sum(0)) / m
+    rstd = (var + eps).rsqrt()
+    kappa = rstd if gamma is None else gamma * rstd
+    shift = (col_mean - mean) * kappa if beta is None else torch.addcmul(beta, col_mean - mean, kappa)
+    torch.addcmul(shift.view(-1), out_wide, (kappa / col_rstd).view(-1), out=out_wide)
+    if main < m:
+        scale_rows(torch.sub(rest, mean, out=out[main:]), kappa, beta)
+    return mean, var, rstd
+
+
+def gradient_sums(rows: Tensor, g: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """``Σ g`` and ``Σ g x̂`` per channel (x̂ = r (x − μ)) for the rows ``rows`` and their gradient ``g`` (M, C): on
+    the wide views, PyTorch's BatchNorm backward kernel asked for its parameter gradients only (one pass over both),
+    the f columns of each channel then added up; else :func:`column_sums` of g and of g (x − μ)."""
+    wide = _wide(rows) if g.is_contiguous() else None
+    if wide is None:
+        return column_sums(g), column_sums(torch.sub(rows, mean).mul_(g)) * rstd
+    (f, r), (_, c) = wide, rows.shape
+    main = f * r
+    _, col_g_xhat, col_g = torch.ops.aten.native_batch_norm_backward(
+        g[:main].view(r, f * c), rows[:main].view(r, f * c), None, None, None,
+        mean.repeat(f), rstd.repeat(f), True, 0.0, [False, True, True],
+    )  # fmt: skip
+    rest, g_rest = rows[main:], g[main:]
+    sum_g = col_g.view(f, c).sum(0) + g_rest.sum(0)
+    sum_g_xhat = col_g_xhat.view(f, c).sum(0) + (rest - mean).mul_(g_rest).sum(0) * rstd
+    return sum_g, sum_g_xhat
+
+
 def scale_rows(rows: Tensor, scale: Tensor, shift: Tensor | None) -> Tensor:
     """``rows · scale + shift`` in place (one pass: ``addcmul`` writing over its own input)."""
     return rows.mul_(scale) if shift is None else torch.addcmul(shift, rows, scale, out=rows)
@@ -88,8 +161,8 @@ def update_running(
 def rows_pay(channels: int) -> bool:
     """Whether the rows beat PyTorch's channels-last kernel at this channel count: not at multiples of 16, where
     that kernel is fully vectorised (``benchmarks/row_norm.py``, batch 4 of 197 x 197 maps, forward + backward,
-    AVX-512 and AVX2 alike: 16 channels 2.6 ms against the rows' 6.6, 48 channels 13.9 against 23.6; 18 channels
-    23.2 against 8.4, 36 channels 26.0 against 17.7)."""
+    AVX-512 and AVX2 alike: 16 channels 2.4 ms against the rows' 4.1, 48 channels 11.3 against 13.6; 18 channels
+    22.1 against 5.2, 36 channels 23.5 against 10.7)."""
     return channels % 16 != 0
 
 
@@ -114,9 +187,7 @@ class _BatchNormRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, beta, eps):
         out, out_rows = new_maps(x)
-        mean, var, _ = batch_stats(maps_as_rows(x), out_rows)
-        rstd = (var + eps).rsqrt()
-        scale_rows(out_rows, rstd if gamma is None else gamma * rstd, beta)
+        mean, var, rstd = normalise_rows(maps_as_rows(x), out_rows, gamma, beta, eps)
         ctx.save_for_backward(x, gamma, mean, rstd)
         ctx.mark_non_differentiable(mean, var)
         return out, mean, var
@@ -126,8 +197,7 @@ class _BatchNormRows(torch.autograd.Function):
         x, gamma, mean, rstd = ctx.saved_tensors
         rows, g = maps_as_rows(x), maps_as_rows(grad)
         count = rows.shape[0]
-        sum_g = column_sums(g)
-        sum_g_xhat = column_sums(torch.sub(rows, mean).mul_(g)) * rstd  # Σ g x̂, from the centred rows
+        sum_g, sum_g_xhat = gradient_sums(rows, g, mean, rstd)
         kappa = rstd if gamma is None else gamma * rstd
         grad_x = None
         if ctx.needs_input_grad[0]:
