@@ -86,6 +86,17 @@ def test_gradient_is_the_adjoint_by_gradcheck():
     assert torch.autograd.gradcheck(lambda t: soft_split(split, t), (x,))
 
 
+def test_a_strided_output_gradient():
+    """The gradient arriving as a transposed view (a later operation's backward may give one)."""
+    split = nn.Unfold(3, padding=1, stride=2)
+    x = torch.randn(1, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    y = soft_split(split, x)
+    g = torch.randn(y.shape[0], y.shape[2], y.shape[1], dtype=torch.float64).transpose(1, 2)
+    (dx,) = torch.autograd.grad(y, x, g)
+    (dref,) = torch.autograd.grad(split(x).transpose(1, 2), x, g)
+    torch.testing.assert_close(dx, dref, rtol=1e-14, atol=1e-14)
+
+
 def test_output_is_fresh_memory_even_when_a_view_would_do():
     split = nn.Unfold(1)  # kernel 1, stride 1: the tokens are the pixels
     x = torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)

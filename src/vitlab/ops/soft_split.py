@@ -85,7 +85,7 @@ class _SoftSplit(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor) -> tuple[Tensor, None, None, None]:
         (b, c, h, w), (kh, kw), (sh, sw), (ph, pw), (ho, wo) = ctx.geometry
-        taps = g.view(b, ho, wo, c, kh, kw).permute(0, 4, 5, 1, 2, 3).contiguous()  # (B, kh, kw, Ho, Wo, C)
+        taps = g.reshape(b, ho, wo, c, kh, kw).permute(0, 4, 5, 1, 2, 3).contiguous()  # (B, kh, kw, Ho, Wo, C)
         dx = g.new_zeros(b, h, w, c)
         for u in range(kh):
             i0, i1, y0 = _taps(ho, h, u, sh, ph)
