@@ -8,8 +8,8 @@ statistics is, per channel c (paper: Ioffe & Szegedy 2015, Alg. 1 and its gradie
 
 All of it is elementwise work plus column sums of (M, C) matrices. PyTorch's CPU BatchNorm for channels-last
 inputs vectorises over the channels and runs partly scalar unless C is a multiple of 16: on the refiner's
-expanded maps (batch 4, 197 tokens) forward and backward take 23.2 ms at 18 channels and 26.0 ms at 36
-(Refined-ViT-S), 2.6 ms at 16 (``benchmarks/row_norm.py``; :func:`rows_pay`). :func:`column_sums` instead sums a
+expanded maps (batch 4, 197 tokens) forward and backward take 22.1 ms at 18 channels and 23.5 ms at 36
+(Refined-ViT-S), 2.4 ms at 16 (``benchmarks/row_norm.py``; :func:`rows_pay`). :func:`column_sums` instead sums a
 wide view of the rows (several rows side by side, a multiple of 16 floats wide) and folds the copies of each
 channel at the end (0.3 ms where ``rows.sum(0)`` takes 1.4 ms at 18 channels). The same wide view (f·C columns,
 each one channel of every f-th row) is a matrix PyTorch's BatchNorm kernel handles at full vector width: its
@@ -33,6 +33,11 @@ from .switch import fast_paths_enabled
 _WIDE_VECTORS = 4
 
 
+def _side_by_side(channels: int) -> int:
+    """f, the rows side by side in the wide view: f·C a multiple of 16 values, times :data:`_WIDE_VECTORS`."""
+    return 16 // math.gcd(16, channels) * _WIDE_VECTORS
+
+
 def column_sums(rows: Tensor) -> Tensor:
     """The sums over every axis but the last of ``rows`` (..., C): for contiguous rows through a wide
     (M / f, f·C) view whose columns are the channels of f consecutive rows (the last M mod f rows summed apart),
@@ -41,7 +46,7 @@ def column_sums(rows: Tensor) -> Tensor:
     if not rows.is_contiguous() or rows.numel() == 0:
         return rows.sum(tuple(range(rows.dim() - 1)))
     rows = rows.view(-1, c)
-    f = 16 // math.gcd(16, c) * _WIDE_VECTORS
+    f = _side_by_side(c)
     main = rows.shape[0] - rows.shape[0] % f
     if main == 0:
         return rows.sum(0)
@@ -76,8 +81,7 @@ def batch_stats(rows: Tensor, centred: Tensor | None = None) -> tuple[Tensor, Te
 def _wide(rows: Tensor) -> tuple[int, int] | None:
     """``(f, R)``: the wide view of :func:`column_sums` holds the first R·f rows as an (R, f·C) matrix; None when it
     cannot serve PyTorch's BatchNorm kernel (rows not contiguous, or fewer than 2 rows of it)."""
-    c = rows.shape[-1]
-    f = 16 // math.gcd(16, c) * _WIDE_VECTORS
+    f = _side_by_side(rows.shape[-1])
     r = rows.shape[0] // f
     return (f, r) if rows.is_contiguous() and r >= 2 else None
 
