@@ -14,13 +14,14 @@ also pays the page faults of fresh 10-20 MB buffers.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
+from side_by_side import alternate, machine
 from vitlab.ops.row_norm import batch_norm_rows
 
 
@@ -38,9 +39,7 @@ def main() -> None:
     parser.add_argument("--channels", type=int, nargs="+", default=[12, 16, 18, 36, 48])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, ISA {torch.backends.cpu.get_cpu_capability()}"
-    )
+    print(machine())
     print(f"BatchNorm2d forward + backward, batch {args.batch}, {args.tokens}x{args.tokens} maps, channels-last; ms")
     print(f"{'C':>4s} {'nn.BatchNorm2d':>15s} {'row_norm':>9s} {'speed-up':>9s}")
     n = args.tokens
@@ -49,15 +48,12 @@ def main() -> None:
         x = torch.randn(args.batch, c, n, n).contiguous(memory_format=torch.channels_last)
         grad = torch.randn_like(x)
         bn = nn.BatchNorm2d(c)
-        sides = {"module": bn, "rows": lambda t, bn=bn: batch_norm_rows(t, bn)}
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        for r in range(args.repeats + 2):  # two warm-up calls each
-            for key, norm in sides.items():
-                elapsed = forward_backward(norm, x, grad)
-                if r >= 2:
-                    times[key].append(elapsed)
-        module, rows = (statistics.median(times[k]) * 1e3 for k in ("module", "rows"))
-        print(f"{c:4d} {module:15.2f} {rows:9.2f} {module / rows:8.2f}x")
+        forms = {
+            "module": partial(forward_backward, bn, x, grad),
+            "rows": partial(forward_backward, partial(batch_norm_rows, bn=bn), x, grad),
+        }
+        module, rows_ms = alternate(forms, args.repeats).values()
+        print(f"{c:4d} {module:15.2f} {rows_ms:9.2f} {module / rows_ms:8.2f}x")
 
 
 if __name__ == "__main__":

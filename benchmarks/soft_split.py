@@ -15,13 +15,14 @@ side-by-side comparisons). Run it with glibc keeping freed memory, as the harnes
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
+from side_by_side import alternate, machine
 from vitlab import ops
 from vitlab.ops.soft_split import soft_split
 
@@ -53,9 +54,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="channels of the token grids (T2T's token_dim)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, ISA {torch.backends.cpu.get_cpu_capability()}"
-    )
+    print(machine())
     print(f"T2T soft splits, batch {args.batch}; ms per call (forward / forward + backward)")
     print(f"{'split':<30s} {'nn.Unfold':>17s} {'soft_split':>17s} {'speed-up':>13s}")
     b, c = args.batch, args.width
@@ -69,14 +68,9 @@ def main() -> None:
         split = nn.Unfold(k, padding=p, stride=s)
         x = make().requires_grad_(backward)
         grad = torch.randn_like(split_tokens(split, x, grid)) if backward else None
-        sides = {"plain": plain, "gather": split_tokens}
-        times: dict[str, list[float]] = {key: [] for key in sides}
-        for r in range(args.repeats + 2):  # two warm-up calls each
-            for key, form in sides.items():
-                elapsed = timed(form, (split, x, grid), grad)
-                if r >= 2:
-                    times[key].append(elapsed)
-        slow, fast = (statistics.median(times[key]) * 1e3 for key in sides)
+        forms = {"plain": partial(timed, plain, (split, x, grid), grad)}
+        forms["gather"] = partial(timed, split_tokens, (split, x, grid), grad)
+        slow, fast = alternate(forms, args.repeats).values()
         kind = "f+b" if backward else "f"
         print(f"{label:<30s} {slow:13.2f} {kind:>3s} {fast:13.2f} {kind:>3s} {slow / fast:12.2f}x")
 
