@@ -41,15 +41,17 @@ from ..ops import aft_banded
 from ..ops.aft import (
     aft_conv,
     aft_full,
+    aft_full_channels,
     aft_local_banded,
     aft_simple,
     aft_simple_context,
     aft_simple_fused,
     mask_future,
+    one_band,
 )
 from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.aft_decode import PrefixCache, RunningSums
-from ..ops.linear import fused_linear, linear_rows
+from ..ops.linear import fused_linear, fuses_linear, linear_rows, linear_transposed
 from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
 from .base import TokenLayout, TokenMixer, check_divisible, token_count
@@ -246,6 +248,10 @@ class AFTFull(TokenMixer):
         return w
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
+        if not return_aux and self._takes_channel_major(x, layout):
+            out = self._mix_channel_major(x, layout)
+            if out is not None:
+                return out, {}
         qkv = fused_linear(self.qkv, x)
         q, k, v = qkv.chunk(3, -1)
         with _no_autocast(x):
@@ -255,6 +261,39 @@ class AFTFull(TokenMixer):
                 y = self._core(q.float(), k.float(), v.float(), layout)
         out = fused_linear(self.proj, y.to(q.dtype)).to(x.dtype)
         return out, ({"keys": k} if return_aux else {})
+
+    def _dense(self, tokens: int) -> bool:
+        """Whether N = ``tokens`` runs the dense core on the (N, N) bias (AFT-local: not its band path)."""
+        return True
+
+    def _takes_channel_major(self, x: Tensor, layout: TokenLayout) -> bool:
+        """Whether this call runs :meth:`_mix_channel_major`: eager fp32 inference on the CPU (nothing recorded,
+        autocast off), plain linear layers that run aten's product (not oneDNN's, :func:`fuses_linear`), a position
+        bias on the dense core, and a sequence whose bias weights are formed in one piece (:func:`one_band`)."""
+        n = token_count(x, layout)
+        return (
+            x.dim() == 3
+            and x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and self.biased
+            and type(self.qkv) is nn.Linear
+            and type(self.proj) is nn.Linear
+            and one_band(n)
+            and self._dense(n)
+            and eager_fast_path()
+            and not torch.is_autocast_enabled("cpu")
+            and no_autograd(x, *self.parameters())
+            and not fuses_linear(x, self.qkv.weight)
+        )
+
+    def _mix_channel_major(self, x: Tensor, layout: TokenLayout) -> Tensor | None:
+        """Inference with every channel's tokens in one row (:func:`~vitlab.ops.aft.aft_full_channels`): the
+        projection computed transposed, the core on contiguous rows, the output projection reading ``Yᵀ`` in place.
+        None when a denominator underflowed: :meth:`mix` then runs the token-major core, which repairs it."""
+        b, n, _ = x.shape
+        qkv_t = linear_transposed(self.qkv, x.reshape(b * n, -1))
+        y_t = aft_full_channels(qkv_t, b, self.position_bias(n, layout), self.causal)
+        return None if y_t is None else fused_linear(self.proj, y_t.t()).view(b, n, -1)
 
     def _triton_core(self, qkv: Tensor, layout: TokenLayout) -> Tensor:
         """The core on the GPU kernels (:mod:`vitlab.ops.triton_aft`), from the projection in its own dtype: the
@@ -347,6 +386,9 @@ class AFTLocal(AFTFull):
     def _restrict(self, w: Tensor, t: Tensor | int, tk: Tensor) -> Tensor:
         far = (t - tk).abs() >= self.window
         return w.masked_fill(far, 0.0 if self.outside == "zero" else float("-inf"))
+
+    def _dense(self, tokens: int) -> bool:
+        return not self.uses_band(tokens)
 
     def uses_band(self, tokens: int) -> bool:
         """Whether N = ``tokens`` takes the O(N·s·d) band path: N longer than the window, and the band needs
