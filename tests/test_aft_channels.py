@@ -62,7 +62,7 @@ def test_the_core_is_the_paper_equation(causal, bias_scale):
     """Eq. 2 per output, float64 and term by term, against the core on channel rows; bias rows spanning more than
     the safe span (scale 12: ~60) take the check on the sums instead of the bound, and no entry underflows."""
     q, k, v, w = inputs(bias_scale=bias_scale)
-    assert aft_ops._bias_bounds_sums(w, 10**6, False) is (bias_scale == 1.0)
+    assert aft_ops._bias_bounds_sums(w, torch.empty(10**6), False) is (bias_scale == 1.0)
     b, n, c = q.shape
     y_t = aft_ops.aft_full_channels(as_channels(q, k, v), b, w, causal)
     assert y_t is not None and y_t.shape == (c, b * n)
@@ -88,8 +88,10 @@ def test_the_core_hands_back_underflowed_sums():
     ids=["normal", "span-39.9", "span-40.1", "minus-inf", "nan", "causal"],
 )
 def test_the_bias_bounds_the_sums_only_when_every_row_is_narrow(w, causal, bounded):
-    assert aft_ops._bias_bounds_sums(w, 10**6, causal) is bounded
-    assert not aft_ops._bias_bounds_sums(torch.randn(9, 9), 80, False)  # the sums' own check is the cheaper
+    assert aft_ops._bias_bounds_sums(w, torch.empty(10**6), causal) is bounded
+    assert not aft_ops._bias_bounds_sums(
+        torch.randn(9, 9), torch.empty(80), False
+    )  # the sums' own check is the cheaper
 
 
 def test_the_bias_bound_skips_the_check_on_the_sums(monkeypatch):

@@ -270,6 +270,8 @@ class AFTFull(TokenMixer):
         """Whether this call runs :meth:`_mix_channel_major`: eager fp32 inference on the CPU (nothing recorded,
         autocast off), plain linear layers that run aten's product (not oneDNN's, :func:`fuses_linear`), a position
         bias on the dense core, and a sequence whose bias weights are formed in one piece (:func:`one_band`)."""
+        if fx_tracing() or not eager_fast_path():  # first: a torch.fx proxy has no device or shape to ask
+            return False
         n = token_count(x, layout)
         return (
             x.dim() == 3
@@ -280,7 +282,6 @@ class AFTFull(TokenMixer):
             and type(self.proj) is nn.Linear
             and one_band(n)
             and self._dense(n)
-            and eager_fast_path()
             and not torch.is_autocast_enabled("cpu")
             and no_autograd(x, *self.parameters())
             and not fuses_linear(x, self.qkv.weight)

@@ -115,11 +115,11 @@ def _repair_compiled(y: Tensor, den: Tensor, k: Tensor, v: Tensor, bias_rows: Bi
     return rows[:n].view(y.shape)
 
 
-def _bias_bounds_sums(w: Tensor, sums_elems: int, causal: bool) -> bool:
+def _bias_bounds_sums(w: Tensor, sums: Tensor, causal: bool) -> bool:
     """Whether the bias ``w`` (T, T) alone proves that no shifted denominator of AFT-full underflows: every row spans
     less than :data:`_SAFE_SPAN`, whatever the keys. Asked in eager mode, non-causal (masked pairs are -inf), and
-    only where ``w`` has no more elements than the ``sums_elems`` denominators, whose own check it replaces."""
-    if causal or w.numel() > sums_elems or not _data_checks_allowed(w) or torch.compiler.is_compiling():
+    only where ``w`` has no more elements than the denominators ``sums``, whose own check it replaces."""
+    if causal or not _data_checks_allowed(w) or torch.compiler.is_compiling() or w.numel() > sums.numel():
         return False
     w = w.detach()
     return bool((w.amax(-1) - w.amin(-1)).amax() < _SAFE_SPAN)  # -inf, inf or nan anywhere: False
@@ -224,7 +224,7 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
         ctx = _key_context(k, v).transpose(0, 1).reshape(n, b * 2 * c)
         num, den = (_bias_weights(w, 0, n, causal) @ ctx).view(n, b, 2 * c).transpose(0, 1).split(c, -1)
     rows = (lambda t, g: mask_future(w[t], t)) if causal else (lambda t, g: w[t])
-    bounded = _bias_bounds_sums(w, den.numel(), causal)
+    bounded = _bias_bounds_sums(w, den, causal)
     y = _ratio(num.unsqueeze(-1), den, k, v.unsqueeze(-1), rows, may_underflow=not bounded)
     return _gate(q, y.squeeze(-1))
 
@@ -247,7 +247,7 @@ def aft_full_channels(qkv_t: Tensor, batch: int, w: Tensor, causal: bool = False
     ekv.mul_(ek)
     sums = torch.mm(kv.view(2 * c * batch, n), _bias_weights(w, 0, n, causal).t())  # [den; num], column t
     den, num = sums[: c * batch], sums[c * batch :]
-    if not _bias_bounds_sums(w, den.numel(), causal) and den.amin() < _UNDERFLOW:
+    if not _bias_bounds_sums(w, den, causal) and den.amin() < _UNDERFLOW:
         return None
     return num.div_(den).view(c, -1).mul_(q.sigmoid_())
 
