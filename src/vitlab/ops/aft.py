@@ -238,8 +238,8 @@ def aft_full_channels(qkv_t: Tensor, batch: int, w: Tensor, causal: bool = False
     With K and V as rows of T tokens, ``e^{K - rowmax}`` and ``e^{K - rowmax} ⊙ V`` are formed in place as one
     (2·C·B, T) matrix and both sums come from one product with ``(e^{w - rowmax})ᵀ``; every pass reads contiguous
     rows. The token-major core instead reads Q, K and V as strided columns of the fused projection and makes two
-    batched products of B small ones (AFT-full inference at T = 197, batch 8, d = 256 in one process: 4.33 ->
-    3.99 ms per call, the community code 4.13 ms; at T = 1024, batch 2: 10.57 -> 9.48 ms, 10.24 ms)."""
+    batched products of B small ones (AFT-full inference against the community code, d = 256, fresh processes,
+    docs/performance.md: 0.92 -> 0.96 of its speed at T = 197, batch 8; 1.00 -> 1.04 at T = 1024, batch 2)."""
     c, n = qkv_t.shape[0] // 3, w.shape[0]
     q, kv = qkv_t[:c], qkv_t[c:].view(2, c * batch, n)
     ek, ekv = kv[0], kv[1]
