@@ -34,7 +34,8 @@ def test_a_pair_row_gives_the_median_and_range_of_its_rounds(tmp_path):
 def test_every_kept_result_renders():
     for path in sorted((ROOT / "benchmarks" / "results").glob("peer_*.json")):
         out = _run(str(path))
-        assert out.returncode == 0 and out.stdout.count("\n| ") >= 1, (path, out.stderr)  # a row per pair
+        pairs = len(json.loads(path.read_text())["pairs"])
+        assert out.returncode == 0 and out.stdout.count("\n| ") == pairs >= 1, (path, out.stderr)  # a row per pair
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):

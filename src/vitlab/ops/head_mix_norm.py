@@ -20,9 +20,10 @@ the BatchNorm's input gradient ``dY = κ (g − m₁ − x̂ m₂)`` is affine i
 
 with ``μ`` the mean of ``W A + b``. Only ``A`` (which the softmax before keeps) and small (G, H) matrices are
 saved; the backward pass is a few reductions and two head-mixing products over the maps. The products run on the
-maps' (B, N·N, H) view, which needs no copy whether the maps are in the standard layout or channels-last (on the
-CPU a heads-last product of standard-layout maps copies its operand, :func:`mix_heads`, for the BLAS's speed): the input
-stays in its layout (its gradient too) and the output takes the layout its consumer reads best.
+maps' (B, N·N, H) view, which needs no copy whether the maps are in the standard layout or channels-last (one
+exception on the CPU, for the BLAS's speed: a heads-last product of standard-layout maps copies its operand,
+:func:`mix_heads`): the input stays in its layout (its gradient too) and the output takes the layout its consumer
+reads best.
 The forward pass is the same BatchNorm (``torch.native_batch_norm``, which also updates the running statistics).
 """
 
