@@ -67,7 +67,8 @@ def test_a_bad_switch_value_is_one_warning_line_and_the_default():
 
 def test_decisions_are_made_once_and_reported():
     report = ops.decisions()
-    assert set(report) == {f"onednn_linear[{d},{m}]" for d in ("float32", "bfloat16") for m in ("infer", "train")}
+    linear = {f"onednn_linear[{d},{m}]" for d in ("float32", "bfloat16") for m in ("infer", "train")}
+    assert set(report) == linear | {"stem_channels_last[train]"}
     for decision in report.values():
         assert decision["taken"] <= decision["works"] and decision["reason"]
     assert not report["onednn_linear[bfloat16,train]"]["taken"]  # autocast's precisions, not oneDNN's
@@ -103,6 +104,38 @@ def test_the_probe_decides_on_the_median_ratio_of_paired_calls(monkeypatch):
     assert not probe.decide(fast_ms, plain_ms, ratio).taken
     assert probe.decide(8.0, 10.0, probe.MARGIN).taken and not probe.decide(8.0, 10.0, probe.MARGIN + 0.01).taken
     assert "0.95x its time" in probe.decide(fast_ms, plain_ms, ratio).reason
+
+
+def test_the_stem_probe_keeps_channels_last_unless_nchw_is_faster_by_the_margin(monkeypatch, tmp_path):
+    """The stems' layout in training: channels-last stays unless NCHW's time is at most MARGIN of its own (the
+    median ratio of paired calls); the answer is made once, kept in the machine's cache and reported; a
+    convolution that fails leaves the input's own layout."""
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    real_probe = probe._probe_stem
+    for ratio, kept in ((1.0, True), (1 / probe.MARGIN - 0.01, True), (1 / probe.MARGIN + 0.01, False), (2.8, False)):
+        monkeypatch.setattr(probe, "_time", lambda fast, plain, r=ratio: (r * 10.0, 10.0, r))
+        decision = real_probe()
+        assert decision.works and decision.taken is kept and f"{ratio:.2f}x NCHW's time" in decision.reason
+
+    def timed_once(channels_last, nchw):
+        channels_last(), nchw()  # both layouts' steps run
+        return 30.0, 10.0, 3.0
+
+    monkeypatch.setattr(probe, "_time", timed_once)
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    first = probe.stem_channels_last()
+    assert first.works and not first.taken and probe.stem_channels_last_taken() is False
+    assert ops.decisions()["stem_channels_last[train]"] == dataclasses.asdict(first)
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    monkeypatch.setattr(probe, "_probe_stem", lambda: pytest.fail("probed although the cache holds the answer"))
+    assert probe.stem_channels_last() == first
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("could not create a primitive descriptor for a convolution")
+
+    monkeypatch.setattr(probe, "_time", refuse)
+    failed = real_probe()
+    assert not failed.works and not failed.taken and "primitive descriptor" in failed.reason
 
 
 @pytest.fixture

@@ -97,3 +97,36 @@ def test_the_product_form_follows_autocast():
         got, want = patchify.patch_tokens(conv, x), conv(x).flatten(2).transpose(1, 2)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.usefixtures("fast_path")
+@pytest.mark.parametrize("channels_last", [True, False], ids=["probe_keeps_channels_last", "probe_leaves_it"])
+def test_a_stems_training_step_runs_in_the_layout_the_probe_chose(monkeypatch, channels_last):
+    """In training the stem runs in channels-last where the probe keeps it and in NCHW where it does not
+    (:func:`vitlab.ops.probe.stem_channels_last`), the same tokens and gradients either way; inference folds its
+    BatchNorms in channels-last whatever the answer."""
+    from dataclasses import replace
+
+    from vitlab.ops import probe
+
+    decision = replace(probe.stem_channels_last(), taken=channels_last)
+    monkeypatch.setitem(probe._DECISIONS, probe._STEM, decision)
+    torch.manual_seed(2)
+    embed = PatchEmbed(16, 3, 24, (8, 16)).double()
+    layouts = []
+    embed.stem[3].register_forward_pre_hook(lambda m, a: layouts.append(a[0].is_contiguous()))
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    tokens, _ = embed(x)
+    assert layouts == [not channels_last]  # NCHW is the contiguous layout (channels-last of 8 channels is not)
+    params = [p for p in embed.parameters()]
+    grads = torch.autograd.grad(tokens.square().sum(), params)
+    with fast_paths(False):
+        plain, _ = embed(x)
+        plain_grads = torch.autograd.grad(plain.square().sum(), params)
+    torch.testing.assert_close(tokens, plain)
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want)
+    layouts.clear()
+    with torch.inference_mode():
+        embed.eval()(x)
+    assert layouts == []  # the folded path calls no module of the stem

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.fold import can_fold, fold_bn
+from ..ops import probe
+from ..ops.fold import can_fold, exporting, fold_bn
 from ..ops.patchify import patch_tokens
+from ..ops.switch import fast_paths_enabled
 
 
 def _as_pair(v: int | Sequence[int]) -> tuple[int, int]:
@@ -112,11 +114,26 @@ class PatchEmbed(nn.Module):
     def _stem(self, x: Tensor) -> Tensor:
         # Speed: channels-last is oneDNN's native conv layout (no reorders of these large activations between
         # layers, and the projection's patches are rows of the channels-last memory); in inference each BatchNorm
-        # is folded into the conv before it and ReLU runs in place (two passes fewer per layer).
-        x = x.contiguous(memory_format=torch.channels_last)
+        # is folded into the conv before it and ReLU runs in place (two passes fewer per layer). A training step
+        # on the CPU runs in NCHW where the probe finds channels-last's weight gradients slow
+        # (:func:`vitlab.ops.probe.stem_channels_last`: oneDNN without AVX-512).
         if not can_fold(self.stem, x):
-            return self.stem(x)
+            layout = torch.contiguous_format if self._trains_in_nchw(x) else torch.channels_last
+            return self.stem(x.contiguous(memory_format=layout))
+        x = x.contiguous(memory_format=torch.channels_last)
         for conv, bn, _ in zip(*[iter(self.stem)] * 3):
             w, b = fold_bn(conv.weight, conv.bias, bn)
             x = F.conv2d(x, w, b, conv.stride, conv.padding).relu_()
         return x
+
+    def _trains_in_nchw(self, x: Tensor) -> bool:
+        """Whether this call runs the stem in NCHW: a training step (autograd through the stem) on the CPU with
+        the fast paths on, where the probe leaves channels-last."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.stem.parameters()))
+        return (
+            grad
+            and x.device.type == "cpu"
+            and fast_paths_enabled()
+            and not exporting()
+            and not probe.stem_channels_last_taken()
+        )

@@ -1,6 +1,6 @@
 """Which hardware-dependent fast paths this process takes: decided once per (device, dtype, mode) by running them.
 
-oneDNN's linear primitive (:mod:`vitlab.ops.onednn`) is the one such path. Whether it runs depends on the CPU's
+Two paths are decided so. oneDNN's linear primitive (:mod:`vitlab.ops.onednn`): whether it runs depends on the CPU's
 instruction set (its bf16 kernels need AVX-512 BF16 or AVX-NE-CONVERT; without them PyTorch refuses or oneDNN finds
 no implementation), and whether it pays does too: on an AMD CPU with AVX-512 its fp32 GEMM is about twice MKL's
 (whose AVX-512 kernels are dispatched on Intel CPUs only), on an AVX2-only CPU it is slower than MKL. So nothing is
@@ -16,6 +16,13 @@ assumed about the CPU: the first call that could take the path asks :func:`onedn
    oneDNN in some processes and not in others; each taken path then also loads oneDNN's code (megabytes of
    resident memory) for no speed. Where oneDNN pays it pays by more than the margin: about 2x on an AMD EPYC
    (MKL's AVX-512 kernels run on Intel CPUs only); in bf16 inference on the Xeon it read 0.73-0.85.
+
+The memory layout of the CNN stems (Refined-ViT's, DeepViT-S's) in training, :func:`stem_channels_last`: channels-last
+is oneDNN's native convolution layout and its convolutions take it without reorders, but the weight gradient of a
+channels-last 3x3 convolution has a fast kernel only where oneDNN runs AVX-512; on an AVX2-only AMD EPYC it took
+217 ms against 77 ms in the blocked layout an NCHW tensor is reordered to (the stem's 64 -> 128 layer at 112 x 112,
+batch 4). So the first training step through a stem times one 3x3 layer's forward and backward in both layouts and
+keeps channels-last unless NCHW is faster by the margin.
 
 The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
 check of a cached answer runs in the caller's thread with the caller's modes set aside (:func:`_checked`). The answer is
@@ -148,8 +155,8 @@ def _timed_pair(dtype: torch.dtype, training: bool):
     return fast_step, plain_step
 
 
-# the decisions made so far, by (dtype, training)
-_DECISIONS: dict[tuple[torch.dtype, bool], Decision] = {}
+# the decisions made so far: the linear layers' by (dtype, training), the stems' layout by its name
+_DECISIONS: dict[tuple[torch.dtype, bool] | str, Decision] = {}
 
 
 def decided(dtype: torch.dtype, training: bool) -> Decision | None:
@@ -183,6 +190,59 @@ def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
             _DECISIONS[key] = _isolated(_probe, dtype, training)
             _write_cache()
     return _DECISIONS[key]
+
+
+# --------------------------------------------------------------------------- the CNN stems' layout in training
+_STEM = "stem_channels_last,train"
+# the timed layer: Refined-ViT's second stem convolution (3x3, 32 -> 64, with its input gradient) on one image's
+# 112 x 112 maps, ~30 ms a call. The maps' size decides, not the batch: on the AVX2-only EPYC channels-last took
+# 1.31x NCHW's time here and 1.28-1.51x at 112 x 112 for batches 1-4 and 64 channels, but 0.92x at 56 x 56
+_STEM_INPUT, _STEM_OUT = (1, 32, 112, 112), 64
+
+
+def stem_channels_last() -> Decision:
+    """Whether a CNN stem's training step runs in channels-last memory (``taken``) or in the input's NCHW layout:
+    the module docstring's probe, on the first call, then remembered by the process and the machine's cache."""
+    if _STEM not in _DECISIONS:
+        cached = _read_cache().get(_STEM)
+        _DECISIONS[_STEM] = Decision(**cached) if cached else _isolated(_probe_stem)
+        if not cached:
+            _write_cache()
+    return _DECISIONS[_STEM]
+
+
+def stem_channels_last_taken() -> bool:
+    """:func:`stem_channels_last`'s answer, a constant inside a compiled graph."""
+    return stem_channels_last().taken
+
+
+stem_channels_last_taken._dynamo_marked_constant = True  # type: ignore[attr-defined]  # as onednn_linear_taken
+
+
+def _probe_stem() -> Decision:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(_STEM_OUT, _STEM_INPUT[1], 3, 3, generator=gen).div_(24).requires_grad_()
+    image = torch.randn(_STEM_INPUT, generator=gen)
+
+    def step(layout: torch.memory_format) -> Callable[[], None]:
+        x = image.contiguous(memory_format=layout).requires_grad_()
+        return lambda: F.conv2d(x, weight, padding=1).relu().sum().backward()
+
+    try:
+        with torch.enable_grad():
+            channels_last_ms, nchw_ms, ratio = _time(step(torch.channels_last), step(torch.contiguous_format))
+    except Exception as err:  # a convolution that fails in one layout: the input's own layout, no conversion
+        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    # channels-last stays unless NCHW is faster by the margin: NCHW's time over channels-last's at most MARGIN
+    taken = 1 / ratio > MARGIN
+    verdict = "kept" if taken else "left for NCHW"
+    return Decision(
+        True,
+        taken,
+        round(channels_last_ms, 3),
+        round(nchw_ms, 3),
+        f"channels-last {verdict} ({ratio:.2f}x NCHW's time in a 3x3 convolution's training step)",
+    )
 
 
 def _checked(dtype: torch.dtype, training: bool) -> bool:
@@ -222,7 +282,9 @@ _CACHE_VERSION = 2
 _ENVIRONMENT = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
-def _name(key: tuple[torch.dtype, bool]) -> str:
+def _name(key: tuple[torch.dtype, bool] | str) -> str:
+    if isinstance(key, str):
+        return key
     return f"{str(key[0]).removeprefix('torch.')},{'train' if key[1] else 'infer'}"
 
 
@@ -304,13 +366,14 @@ def decide(fast_ms: float, plain_ms: float, ratio: float) -> Decision:
 
 def decisions() -> dict[str, dict]:
     """Every decision of this module, as plain data (probing now what has not been probed yet)."""
-    return {
+    report = {
         f"onednn_linear[{str(dtype).removeprefix('torch.')},{'train' if training else 'infer'}]": asdict(
             onednn_linear(dtype, training)
         )
         for dtype in (torch.float32, torch.bfloat16)
         for training in (False, True)
     }
+    return {**report, "stem_channels_last[train]": asdict(stem_channels_last())}
 
 
 def reset() -> None:
