@@ -118,7 +118,7 @@ def test_a_stems_training_step_runs_in_the_layout_the_probe_chose(monkeypatch, c
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     tokens, _ = embed(x)
     assert layouts == [not channels_last]  # NCHW is the contiguous layout (channels-last of 8 channels is not)
-    params = [p for p in embed.parameters()]
+    params = list(embed.parameters())
     grads = torch.autograd.grad(tokens.square().sum(), params)
     with fast_paths(False):
         plain, _ = embed(x)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import probe
-from ..ops.fold import can_fold, exporting, fold_bn
+from ..ops.fold import can_fold, exporting, fold_bn, records_grad
 from ..ops.patchify import patch_tokens
 from ..ops.switch import fast_paths_enabled
 
@@ -129,9 +129,8 @@ class PatchEmbed(nn.Module):
     def _trains_in_nchw(self, x: Tensor) -> bool:
         """Whether this call runs the stem in NCHW: a training step (autograd through the stem) on the CPU with
         the fast paths on, where the probe leaves channels-last."""
-        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.stem.parameters()))
         return (
-            grad
+            records_grad(self.stem, x)
             and x.device.type == "cpu"
             and fast_paths_enabled()
             and not exporting()

@@ -17,7 +17,7 @@ def can_fold(module: nn.Module, t: Tensor) -> bool:
     no autograd (the fast paths work in place) and no graph being exported (:func:`exporting`)."""
     if not fast_paths_enabled():
         return False
-    if module.training or (torch.is_grad_enabled() and (t.requires_grad or _any_grad(module))):
+    if module.training or records_grad(module, t):
         return False
     return not exporting() and all(
         m.running_var is not None for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
@@ -36,8 +36,10 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() or traced_or_exported()
 
 
-def _any_grad(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
+def records_grad(module: nn.Module, t: Tensor) -> bool:
+    """Whether autograd records ``module``'s call on ``t``: grad mode on and ``t`` or one of its parameters
+    requiring a gradient."""
+    return torch.is_grad_enabled() and (t.requires_grad or any(p.requires_grad for p in module.parameters()))
 
 
 def fold_bn(weight: Tensor, bias: Tensor | None, bn: nn.BatchNorm2d) -> tuple[Tensor, Tensor]:

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -181,13 +182,22 @@ onednn_linear_taken._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
     """The probe of this module's docstring for linear layers of ``dtype`` on the CPU, inference or training
     (probed on the first call, then remembered by the process and the machine's cache)."""
-    key = (dtype, training)
+    return _remembered((dtype, training), partial(_probe, dtype, training), partial(_checked, dtype, training))
+
+
+def _remembered(
+    key: tuple[torch.dtype, bool] | str,
+    run_probe: Callable[[], Decision],
+    still_works: Callable[[], bool] | None = None,
+) -> Decision:
+    """The decision under ``key``: this process's, else the machine cache's (a cached "taken" only if
+    ``still_works()``, where given), else ``run_probe()`` in a thread of its own (:func:`_isolated`), then cached."""
     if key not in _DECISIONS:
         cached = _read_cache().get(_name(key))
-        if cached and (not cached["taken"] or _checked(dtype, training)):
+        if cached and (not cached["taken"] or still_works is None or still_works()):
             _DECISIONS[key] = Decision(**cached)
         else:
-            _DECISIONS[key] = _isolated(_probe, dtype, training)
+            _DECISIONS[key] = _isolated(run_probe)
             _write_cache()
     return _DECISIONS[key]
 
@@ -196,19 +206,14 @@ def onednn_linear(dtype: torch.dtype, training: bool) -> Decision:
 _STEM = "stem_channels_last,train"
 # the timed layer: Refined-ViT's second stem convolution (3x3, 32 -> 64, with its input gradient) on one image's
 # 112 x 112 maps, ~30 ms a call. The maps' size decides, not the batch: on the AVX2-only EPYC channels-last took
-# 1.31x NCHW's time here and 1.28-1.51x at 112 x 112 for batches 1-4 and 64 channels, but 0.92x at 56 x 56
+# 1.20-1.44x NCHW's time here and 1.28-1.51x at 112 x 112 for batches 1-4 and 64 channels, but 0.92x at 56 x 56
 _STEM_INPUT, _STEM_OUT = (1, 32, 112, 112), 64
 
 
 def stem_channels_last() -> Decision:
     """Whether a CNN stem's training step runs in channels-last memory (``taken``) or in the input's NCHW layout:
     the module docstring's probe, on the first call, then remembered by the process and the machine's cache."""
-    if _STEM not in _DECISIONS:
-        cached = _read_cache().get(_STEM)
-        _DECISIONS[_STEM] = Decision(**cached) if cached else _isolated(_probe_stem)
-        if not cached:
-            _write_cache()
-    return _DECISIONS[_STEM]
+    return _remembered(_STEM, _probe_stem)
 
 
 def stem_channels_last_taken() -> bool:
