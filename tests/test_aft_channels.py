@@ -4,12 +4,13 @@ token-major core, taken exactly where it applies, and the exact repair of underf
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from test_aft import FallbackCounter, assert_rel, naive_full
+from vitlab import ops
 from vitlab.mixers import AFTFull, AFTLocal, TokenLayout
 from vitlab.mixers import aft as aft_mod
 from vitlab.ops import aft as aft_ops
@@ -20,13 +21,15 @@ from vitlab.ops.switch import fast_paths
 
 @pytest.fixture
 def aten_products(monkeypatch):
-    """The fast paths on and fp32 inference products on aten's BLAS whatever the probe chose on this CPU (where
-    oneDNN's is taken, the channel-major path stands aside; tested below)."""
+    """The fast paths on, fp32 inference products on aten's BLAS and the channel-major layout taken, whatever the
+    probe chose on this CPU (where oneDNN's products are taken or the token-major core is the faster, the
+    channel-major path stands aside; tested below)."""
     from vitlab.ops import switch
 
     monkeypatch.setattr(switch, "_enabled", True)
     decision = probe.onednn_linear(torch.float32, False)
     monkeypatch.setitem(probe._DECISIONS, (torch.float32, False), replace(decision, taken=False))
+    monkeypatch.setitem(probe._DECISIONS, probe._AFT, probe.Decision(True, True, reason="taken for the test"))
 
 
 class ChannelMajorCounter:
@@ -168,8 +171,8 @@ def test_mixer_underflow_runs_the_token_major_core_and_its_exact_repair(monkeypa
 
 @pytest.mark.usefixtures("aten_products")
 def test_not_taken_where_it_does_not_apply(monkeypatch):
-    """Training, aux outputs, AFT-local's band path, bf16, the switch off and oneDNN's products keep the token-major
-    core."""
+    """Training, aux outputs, AFT-local's band path, bf16, the switch off, a CPU where the probe found the
+    token-major core faster and oneDNN's products keep the token-major core."""
     counter = ChannelMajorCounter(monkeypatch)
     x, layout = torch.randn(2, 21, 24), TokenLayout()
     full = AFTFull(24, max_len=21)
@@ -182,9 +185,50 @@ def test_not_taken_where_it_does_not_apply(monkeypatch):
         with fast_paths(False):
             full(x, layout)
     assert counter.calls == 0
+    monkeypatch.setitem(probe._DECISIONS, probe._AFT, probe.Decision(True, False, reason="token-major faster"))
+    with torch.inference_mode():
+        full(x, layout)  # where the token-major core is the faster on this CPU
+    assert counter.calls == 0
+    monkeypatch.setitem(probe._DECISIONS, probe._AFT, probe.Decision(True, True, reason="channel-major faster"))
     decision = probe.onednn_linear(torch.float32, False)
     monkeypatch.setitem(probe._DECISIONS, (torch.float32, False), replace(decision, taken=True))
     if decision.works:
         with torch.inference_mode():
             full(x, layout)
         assert counter.calls == 0
+
+
+def test_the_probe_takes_channel_major_where_it_is_faster(monkeypatch, tmp_path):
+    """The layout is the faster of the two on this CPU (the median ratio of paired calls of the whole mixer's
+    inference, both computing the same output), decided once, cached for the machine and reported; a path that
+    fails or disagrees leaves the token-major core."""
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    real_probe = probe._probe_aft
+    for ratio, taken in ((0.8, True), (0.99, True), (1.0, False), (1.17, False)):
+        monkeypatch.setattr(probe, "_time", lambda fast, plain, r=ratio: (r * 10.0, 10.0, r))
+        decision = real_probe()
+        assert decision.works and decision.taken is taken and f"{ratio:.2f}x the token-major" in decision.reason
+
+    outputs = []
+
+    def timed_once(channel_major, token_major):
+        outputs.extend([channel_major(), token_major()])
+        return 8.0, 10.0, 0.8
+
+    monkeypatch.setattr(probe, "_time", timed_once)
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    first = probe.aft_channel_major()
+    assert first.taken and torch.allclose(*outputs, rtol=1e-4, atol=1e-5)  # both layouts ran, the same mixer
+    assert ops.decisions()["aft_full_channel_major[infer]"] == asdict(first)
+    monkeypatch.setattr(probe, "_DECISIONS", {})
+    monkeypatch.setattr(probe, "_probe_aft", lambda: pytest.fail("probed although the cache holds the answer"))
+    assert probe.aft_channel_major() == first
+
+    monkeypatch.setattr(probe, "aft_full_channels", lambda *a: None)  # sums that underflowed: no result
+    failed = real_probe()
+    assert not failed.works and not failed.taken and "no result" in failed.reason
+    monkeypatch.setattr(
+        probe, "aft_full_channels", lambda qkv_t, b, w: torch.zeros(qkv_t.shape[0] // 3, qkv_t.shape[1])
+    )
+    failed = real_probe()
+    assert not failed.works and not failed.taken and "differs" in failed.reason

@@ -68,7 +68,7 @@ def test_a_bad_switch_value_is_one_warning_line_and_the_default():
 def test_decisions_are_made_once_and_reported():
     report = ops.decisions()
     linear = {f"onednn_linear[{d},{m}]" for d in ("float32", "bfloat16") for m in ("infer", "train")}
-    assert set(report) == linear | {"stem_channels_last[train]"}
+    assert set(report) == linear | {"stem_channels_last[train]", "aft_full_channel_major[infer]"}
     for decision in report.values():
         assert decision["taken"] <= decision["works"] and decision["reason"]
     assert not report["onednn_linear[bfloat16,train]"]["taken"]  # autocast's precisions, not oneDNN's

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..ops import aft_banded
+from ..ops import aft_banded, probe
 from ..ops.aft import (
     aft_conv,
     aft_full,
@@ -269,7 +269,8 @@ class AFTFull(TokenMixer):
     def _takes_channel_major(self, x: Tensor, layout: TokenLayout) -> bool:
         """Whether this call runs :meth:`_mix_channel_major`: eager fp32 inference on the CPU (nothing recorded,
         autocast off), plain linear layers that run aten's product (not oneDNN's, :func:`fuses_linear`), a position
-        bias on the dense core, and a sequence whose bias weights are formed in one piece (:func:`one_band`)."""
+        bias on the dense core, a sequence whose bias weights are formed in one piece (:func:`one_band`), and a CPU
+        where channel-major is the faster layout (:func:`vitlab.ops.probe.aft_channel_major`)."""
         if fx_tracing() or not eager_fast_path():  # first: a torch.fx proxy has no device or shape to ask
             return False
         n = token_count(x, layout)
@@ -285,6 +286,7 @@ class AFTFull(TokenMixer):
             and not torch.is_autocast_enabled("cpu")
             and no_autograd(x, *self.parameters())
             and not fuses_linear(x, self.qkv.weight)
+            and probe.aft_channel_major().taken  # last: the probe runs only where the path could
         )
 
     def _mix_channel_major(self, x: Tensor, layout: TokenLayout) -> Tensor | None:

@@ -1,6 +1,6 @@
 """Which hardware-dependent fast paths this process takes: decided once per (device, dtype, mode) by running them.
 
-Two paths are decided so. oneDNN's linear primitive (:mod:`vitlab.ops.onednn`): whether it runs depends on the CPU's
+Three paths are decided so. oneDNN's linear primitive (:mod:`vitlab.ops.onednn`): whether it runs depends on the CPU's
 instruction set (its bf16 kernels need AVX-512 BF16 or AVX-NE-CONVERT; without them PyTorch refuses or oneDNN finds
 no implementation), and whether it pays does too: on an AMD CPU with AVX-512 its fp32 GEMM is about twice MKL's
 (whose AVX-512 kernels are dispatched on Intel CPUs only), on an AVX2-only CPU it is slower than MKL. So nothing is
@@ -24,7 +24,15 @@ channels-last 3x3 convolution has a fast kernel only where oneDNN runs AVX-512; 
 batch 4). So the first training step through a stem times one 3x3 layer's forward and backward in both layouts and
 keeps channels-last unless NCHW is faster by the margin.
 
-The probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
+How AFT-full's inference lays out its operands on the CPU, :func:`aft_channel_major`: channel-major rows
+(:func:`vitlab.ops.aft.aft_full_channels`, one product for both sums) or the token-major core (two batched
+products). The same FLOPs run through different BLAS shapes, and which is faster depends on the BLAS's kernels: on
+a Sapphire Rapids Xeon channel-major won (AFT-full against the community code, fresh processes: 0.92 -> 0.96 at
+T = 197), on an AVX2-only AMD EPYC it lost (mixer calls 1.14-1.17x the token-major time at T = 197, batch 8, glibc
+keeping large buffers; 0.93-0.99 with glibc's defaults, which the cache's name therefore holds). So the
+first inference call that could take it times both on a ViT's sequence and takes channel-major when it is faster.
+
+Each probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
 check of a cached answer runs in the caller's thread with the caller's modes set aside (:func:`_checked`). The answer is
 kept for the process and in a per-machine cache file (:func:`cache_path`; :func:`reset` forgets both) and
 reported by :func:`decisions`. Under
@@ -51,6 +59,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..common.io import WriteError, write_json_atomic
 from . import onednn
+from .aft import aft_full, aft_full_channels
 
 #: oneDNN is taken when the median of its time over aten's is at most this: a clear win, so that the choice is stable
 MARGIN = 0.9
@@ -156,7 +165,7 @@ def _timed_pair(dtype: torch.dtype, training: bool):
     return fast_step, plain_step
 
 
-# the decisions made so far: the linear layers' by (dtype, training), the stems' layout by its name
+# the decisions made so far: the linear layers' by (dtype, training), the others by their names
 _DECISIONS: dict[tuple[torch.dtype, bool] | str, Decision] = {}
 
 
@@ -250,6 +259,58 @@ def _probe_stem() -> Decision:
     )
 
 
+# --------------------------------------------------------------------------- AFT-full's inference layout (CPU, fp32)
+_AFT = "aft_full_channel_major,infer"
+# the timed call: AFT-full (projections and core, d = 256, a full 197 x 197 bias) on 8 sequences of a ViT's 197
+# tokens, ~20 ms a call; both layouts hold the same tensors' sizes, so a wrong answer near parity costs nothing
+# measurable and the rule has no margin
+_AFT_BATCH, _AFT_TOKENS, _AFT_WIDTH = 8, 197, 256
+
+
+def aft_channel_major() -> Decision:
+    """Whether AFT-full's CPU inference runs on channel-major rows (``taken``) or on the token-major core: the
+    module docstring's probe, on the first call, then remembered by the process and the machine's cache."""
+    return _remembered(_AFT, _probe_aft)
+
+
+def _probe_aft() -> Decision:
+    from .linear import linear_transposed  # here: ops.linear imports this module
+
+    b, n, c = _AFT_BATCH, _AFT_TOKENS, _AFT_WIDTH
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b * n, c, generator=gen)
+    qkv, proj = torch.nn.Linear(c, 3 * c), torch.nn.Linear(c, c)
+    w = torch.randn(n, n, generator=gen) * 0.01
+
+    def channel_major() -> torch.Tensor | None:
+        y_t = aft_full_channels(linear_transposed(qkv, x), b, w)
+        return None if y_t is None else F.linear(y_t.t(), proj.weight, proj.bias)
+
+    def token_major() -> torch.Tensor:
+        q, k, v = F.linear(x, qkv.weight, qkv.bias).view(b, n, 3 * c).chunk(3, -1)
+        return F.linear(aft_full(q, k, v, w).view(b * n, c), proj.weight, proj.bias)
+
+    try:
+        with torch.no_grad():
+            got = channel_major()
+            if got is None:
+                raise RuntimeError("the channel-major core gave no result (its sums underflowed)")
+            if not _agrees(got, token_major()):
+                raise RuntimeError("the channel-major core's result differs from the token-major core's")
+            channel_ms, token_ms, ratio = _time(channel_major, token_major)
+    except Exception as err:  # the token-major core is the reference path
+        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+    taken = ratio < 1.0
+    verdict = "taken" if taken else "not faster"
+    return Decision(
+        True,
+        taken,
+        round(channel_ms, 3),
+        round(token_ms, 3),
+        f"channel-major {verdict} ({ratio:.2f}x the token-major core's time in AFT-full's inference)",
+    )
+
+
 def _checked(dtype: torch.dtype, training: bool) -> bool:
     """:func:`_still_works` in the calling thread, with the caller's dispatch modes (a FLOP counter, activation
     checkpointing's hooks' modes) and autocast set aside for the check's few operations; in a thread of its own
@@ -284,7 +345,16 @@ def _still_works(dtype: torch.dtype, training: bool) -> bool:
 # 2: the decision reads the median ratio of paired calls against a 0.9 margin (1: best of three, 0.97), so an
 # answer of the old rule is probed again
 _CACHE_VERSION = 2
-_ENVIRONMENT = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+# the variables that limit the kernels' instruction set, and glibc's malloc settings: AFT-full's layouts read
+# 0.93-0.99 (channel-major / token-major) with glibc's defaults and 1.19-1.20 with large buffers kept on the heap
+# (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184), the same CPU
+_ENVIRONMENT = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "GLIBC_TUNABLES",
+)
 
 
 def _name(key: tuple[torch.dtype, bool] | str) -> str:
@@ -378,7 +448,11 @@ def decisions() -> dict[str, dict]:
         for dtype in (torch.float32, torch.bfloat16)
         for training in (False, True)
     }
-    return {**report, "stem_channels_last[train]": asdict(stem_channels_last())}
+    return {
+        **report,
+        "stem_channels_last[train]": asdict(stem_channels_last()),
+        "aft_full_channel_major[infer]": asdict(aft_channel_major()),
+    }
 
 
 def reset() -> None:
