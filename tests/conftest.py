@@ -13,8 +13,10 @@ import torch
 # the fast paths' decisions are cached per machine (vitlab.ops.probe): the suite keeps its own cache, never the user's
 os.environ["VITLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitlab-test-cache-")
 
-# the suite must pass with any thread count (reduction orders differ): VITLAB_TEST_THREADS picks it
-THREADS = int(os.environ.get("VITLAB_TEST_THREADS") or max(1, min(2, os.cpu_count() or 1)))
+# the suite must pass with any thread count (reduction orders differ): VITLAB_TEST_THREADS picks it; by default
+# the CPU's cores shared among pytest-xdist's workers (scripts/test.sh runs one per core), at most 2 each
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+THREADS = int(os.environ.get("VITLAB_TEST_THREADS") or max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 torch.set_num_threads(THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +79,11 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     """Name the test order and thread count, so that any failure can be replayed exactly."""
     seed = getattr(config.option, "randomly_seed", None)
     order = f"random order, --randomly-seed={seed}" if config.pluginmanager.hasplugin("randomly") else "file order"
-    terminalreporter.write_line(f"vitlab tests: {order}; {THREADS} torch thread(s) (VITLAB_TEST_THREADS)")
+    workers = getattr(config.option, "numprocesses", None) or 0
+    where = f"{workers} pytest-xdist workers of " if workers else ""
+    threads = max(1, min(2, (os.cpu_count() or 1) // workers)) if workers else THREADS
+    threads = int(os.environ.get("VITLAB_TEST_THREADS") or threads)
+    terminalreporter.write_line(f"vitlab tests: {order}; {where}{threads} torch thread(s) (VITLAB_TEST_THREADS)")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from vitlab.measure.process import tensor_peak_bytes
 from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
 from vitlab.mixers import aft as aft_mod
 from vitlab.ops import aft as aft_ops
+from vitlab.ops import fast_paths
 from vitlab.ops.aft_banded import MIN_BLOCK, band_positions, local_bias_band
 
 # ---------------------------------------------------------------- naive references (float64, literal sums)
@@ -211,6 +212,32 @@ def test_no_autograd_path_equals_autograd_path(kind, kw, context):
         out = m(x, GRID)
     assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
     assert_rel(out, reference(m, x, GRID), 1e-5)
+
+
+def test_inference_projects_q_k_v_apart_on_the_cpu(monkeypatch):
+    """AFT-full's (and AFT-local's) CPU inference computes Q, K and V as three products, each its own contiguous
+    buffer, where training and the plain path take views of the one fused projection: the same output and keys."""
+    from vitlab.mixers import aft as aft_mixers
+
+    seen = []
+    original = aft_mixers.linear_rows
+    monkeypatch.setattr(aft_mixers, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
+    for kind, kw in CASES[:6]:
+        m = make(kind, **kw).eval()
+        x = torch.randn(2, 21, 24)
+        expected, trained = m(x, GRID, return_aux=True)  # autograd records: the fused projection
+        assert seen == []
+        with torch.inference_mode():
+            out, aux = m(x, GRID, return_aux=True)
+        h = m.hidden_dim
+        assert seen == [(0, h), (h, 2 * h), (2 * h, 3 * h)], kind
+        assert all(t.is_contiguous() for t in (aux["keys"], out))
+        assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
+        assert_rel(aux["keys"], trained["keys"], 1e-6)
+        seen.clear()
+        with torch.inference_mode(), fast_paths(False):
+            m(x, GRID)
+        assert seen == []
 
 
 def test_conv_matches_literal_eq6():

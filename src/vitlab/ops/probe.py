@@ -28,8 +28,8 @@ How AFT-full's inference lays out its operands on the CPU, :func:`aft_channel_ma
 (:func:`vitlab.ops.aft.aft_full_channels`, one product for both sums) or the token-major core (two batched
 products). The same FLOPs run through different BLAS shapes, and which is faster depends on the BLAS's kernels: on
 a Sapphire Rapids Xeon channel-major won (AFT-full against the community code, fresh processes: 0.92 -> 0.96 at
-T = 197), on an AVX2-only AMD EPYC it lost (mixer calls 1.14-1.17x the token-major time at T = 197, batch 8, glibc
-keeping large buffers; 0.93-0.99 with glibc's defaults, which the cache's name therefore holds). So the
+T = 197), on an AVX2-only AMD EPYC it lost (mixer calls 1.14-1.26x the token-major core's time at T = 197, batch 8,
+in four probes). So the
 first inference call that could take it times both on a ViT's sequence and takes channel-major when it is faster.
 
 Each probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
@@ -274,7 +274,7 @@ def aft_channel_major() -> Decision:
 
 
 def _probe_aft() -> Decision:
-    from .linear import linear_transposed  # here: ops.linear imports this module
+    from .linear import linear_rows, linear_transposed  # here: ops.linear imports this module
 
     b, n, c = _AFT_BATCH, _AFT_TOKENS, _AFT_WIDTH
     gen = torch.Generator().manual_seed(0)
@@ -286,8 +286,8 @@ def _probe_aft() -> Decision:
         y_t = aft_full_channels(linear_transposed(qkv, x), b, w)
         return None if y_t is None else F.linear(y_t.t(), proj.weight, proj.bias)
 
-    def token_major() -> torch.Tensor:
-        q, k, v = F.linear(x, qkv.weight, qkv.bias).view(b, n, 3 * c).chunk(3, -1)
+    def token_major() -> torch.Tensor:  # as the mixer: three products, each its own contiguous buffer
+        q, k, v = (linear_rows(qkv, x, i * c, (i + 1) * c).view(b, n, c) for i in range(3))
         return F.linear(aft_full(q, k, v, w).view(b * n, c), proj.weight, proj.bias)
 
     try:
@@ -345,9 +345,9 @@ def _still_works(dtype: torch.dtype, training: bool) -> bool:
 # 2: the decision reads the median ratio of paired calls against a 0.9 margin (1: best of three, 0.97), so an
 # answer of the old rule is probed again
 _CACHE_VERSION = 2
-# the variables that limit the kernels' instruction set, and glibc's malloc settings: AFT-full's layouts read
-# 0.93-0.99 (channel-major / token-major) with glibc's defaults and 1.19-1.20 with large buffers kept on the heap
-# (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184), the same CPU
+# the variables that limit the kernels' instruction set, and glibc's malloc settings, which move what the timed
+# paths cost: channel-major AFT-full read 0.93-0.99 of the token-major core's time (then on the fused projection's
+# views) with glibc's defaults and 1.19-1.20 with large buffers kept on the heap, on the same CPU
 _ENVIRONMENT = (
     "ONEDNN_MAX_CPU_ISA",
     "DNNL_MAX_CPU_ISA",
