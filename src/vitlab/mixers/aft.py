@@ -270,9 +270,10 @@ class AFTFull(TokenMixer):
     def _projects_apart(self, x: Tensor) -> bool:
         """Whether Q, K and V come from three products, each its own contiguous buffer, instead of views of one
         fused projection: eager inference on the CPU. The core then reads contiguous rows (the sigmoid, the keys'
-        maxima and ``e^K`` ran 1.2-2.6x slower on the views' strided rows); AFT-full against the community code (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 ->
-        1.04-1.06 of its speed at T = 197, batch 8; 0.99 -> 1.04 at T = 1024, batch 2. Training keeps the fused
-        product: three would each add a full-size gradient of the shared weight in the backward pass."""
+        maxima and ``e^K`` ran 1.2-2.6x slower on the views' strided rows). AFT-full against the community code
+        (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 -> 1.04-1.06 of its speed at T = 197,
+        batch 8; 0.99 -> 1.04 at T = 1024, batch 2. Training keeps the fused product: three would each add a
+        full-size gradient of the shared weight in the backward pass."""
         return (
             x.device.type == "cpu"
             and type(self.qkv) is nn.Linear
