@@ -15,7 +15,6 @@ from vitlab.mixers import AFTFull, AFTLocal, TokenLayout
 from vitlab.mixers import aft as aft_mod
 from vitlab.ops import aft as aft_ops
 from vitlab.ops import probe
-from vitlab.ops.linear import linear_transposed
 from vitlab.ops.switch import fast_paths
 
 
@@ -115,7 +114,7 @@ def test_linear_transposed_is_the_layer_transposed():
     torch.manual_seed(0)
     x = torch.randn(13, 6)
     for layer in (torch.nn.Linear(6, 5), torch.nn.Linear(6, 5, bias=False)):
-        assert torch.allclose(linear_transposed(layer, x), layer(x).t(), atol=1e-6)
+        assert torch.allclose(aft_ops.linear_transposed(layer, x), layer(x).t(), atol=1e-6)
 
 
 MIXERS = [
@@ -216,7 +215,7 @@ def test_the_probe_takes_channel_major_where_it_is_faster(monkeypatch, tmp_path)
         return 8.0, 10.0, 0.8
 
     monkeypatch.setattr(probe, "_time", timed_once)
-    monkeypatch.setattr(probe, "_DECISIONS", {})
+    monkeypatch.delitem(probe._DECISIONS, probe._AFT, raising=False)
     first = probe.aft_channel_major()
     assert first.taken and len(outputs) == 2 and torch.allclose(*outputs, rtol=1e-4, atol=1e-5)  # the same mixer
     monkeypatch.setattr(probe, "_time", real_time)  # the other decisions, reported below, are probed for real

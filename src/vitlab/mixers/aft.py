@@ -46,12 +46,13 @@ from ..ops.aft import (
     aft_simple,
     aft_simple_context,
     aft_simple_fused,
+    linear_transposed,
     mask_future,
     one_band,
 )
 from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.aft_decode import PrefixCache, RunningSums
-from ..ops.linear import fused_linear, fuses_linear, linear_rows, linear_transposed
+from ..ops.linear import fused_linear, fuses_linear, linear_rows
 from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
 from .base import TokenLayout, TokenMixer, check_divisible, token_count
@@ -274,10 +275,11 @@ class AFTFull(TokenMixer):
         (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 -> 1.04-1.06 of its speed at T = 197,
         batch 8; 0.99 -> 1.04 at T = 1024, batch 2. Training keeps the fused product: three would each add a
         full-size gradient of the shared weight in the backward pass."""
+        if fx_tracing():  # first: a torch.fx proxy has no device to ask
+            return False
         return (
             x.device.type == "cpu"
             and type(self.qkv) is nn.Linear
-            and not fx_tracing()
             and eager_fast_path()
             and no_autograd(x, *self.parameters())
         )

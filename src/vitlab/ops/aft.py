@@ -229,9 +229,18 @@ def aft_full(q: Tensor, k: Tensor, v: Tensor, w: Tensor, causal: bool = False) -
     return _gate(q, y.squeeze(-1))
 
 
+def linear_transposed(linear: torch.nn.Linear, x: Tensor) -> Tensor:
+    """``linear(x)`` transposed, ``W xᵀ + b`` (out_features, M) for rows ``x`` (M, in_features): one product, the
+    transpose read in place by the BLAS, each output feature a contiguous row of M values, as
+    :func:`aft_full_channels` takes its projection. For a plain ``nn.Linear`` on aten's product."""
+    if linear.bias is None:
+        return torch.mm(linear.weight, x.t())
+    return torch.addmm(linear.bias.unsqueeze(1), linear.weight, x.t())
+
+
 def aft_full_channels(qkv_t: Tensor, batch: int, w: Tensor, causal: bool = False) -> Tensor | None:
     """AFT-full's core (paper Eq. 2) without autograd on a channel-major projection: ``qkv_t`` (3C, B·T) holds
-    ``[Qᵀ; Kᵀ; Vᵀ]``, each channel's B·T token values in one row (:func:`vitlab.ops.linear.linear_transposed`), and
+    ``[Qᵀ; Kᵀ; Vᵀ]``, each channel's B·T token values in one row (:func:`linear_transposed`), and
     is consumed in place. Returns ``Yᵀ`` (C, B·T), a view of the rows of Q, or None when a shifted denominator
     underflowed (the caller then runs :func:`aft_full`, which recomputes those entries exactly).
 

@@ -119,15 +119,6 @@ def linear_rows(linear: nn.Linear, x: Tensor, start: int, stop: int) -> Tensor:
     return onednn.linear(x, w, b) if fuses_linear(x, w) else F.linear(x, w, b)
 
 
-def linear_transposed(linear: nn.Linear, x: Tensor) -> Tensor:
-    """``linear(x)`` transposed, ``W xᵀ + b`` (out_features, M) for rows ``x`` (M, in_features): one product, the
-    transpose read in place by the BLAS, each output feature a contiguous row of M values (AFT-full's channel-major
-    core, :func:`vitlab.ops.aft.aft_full_channels`). For a plain ``nn.Linear`` on the plain path (aten's product)."""
-    if linear.bias is None:
-        return torch.mm(linear.weight, x.t())
-    return torch.addmm(linear.bias.unsqueeze(1), linear.weight, x.t())
-
-
 def gelu_(x: Tensor, approximate: str = "none") -> Tensor:
     """GELU in place on a fresh activation nobody else reads (inference: one allocation and page-faulting of the
     widest tensor of a block fewer); out of place with the fast paths off."""

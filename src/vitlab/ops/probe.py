@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..common.io import WriteError, write_json_atomic
 from . import onednn
-from .aft import aft_full, aft_full_channels
+from .aft import aft_full, aft_full_channels, linear_transposed
 
 #: oneDNN is taken when the median of its time over aten's is at most this: a clear win, so that the choice is stable
 MARGIN = 0.9
@@ -274,8 +274,6 @@ def aft_channel_major() -> Decision:
 
 
 def _probe_aft() -> Decision:
-    from .linear import linear_rows, linear_transposed  # here: ops.linear imports this module
-
     b, n, c = _AFT_BATCH, _AFT_TOKENS, _AFT_WIDTH
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(b * n, c, generator=gen)
@@ -286,8 +284,9 @@ def _probe_aft() -> Decision:
         y_t = aft_full_channels(linear_transposed(qkv, x), b, w)
         return None if y_t is None else F.linear(y_t.t(), proj.weight, proj.bias)
 
-    def token_major() -> torch.Tensor:  # as the mixer: three products, each its own contiguous buffer
-        q, k, v = (linear_rows(qkv, x, i * c, (i + 1) * c).view(b, n, c) for i in range(3))
+    def token_major() -> torch.Tensor:  # as the mixer: three products (aten's), each its own contiguous buffer
+        q, k, v = (F.linear(x, qkv.weight[i * c : (i + 1) * c], qkv.bias[i * c : (i + 1) * c]) for i in range(3))
+        q, k, v = (t.view(b, n, c) for t in (q, k, v))
         return F.linear(aft_full(q, k, v, w).view(b * n, c), proj.weight, proj.bias)
 
     try:
