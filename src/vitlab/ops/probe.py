@@ -29,8 +29,8 @@ How AFT-full's inference lays out its operands on the CPU, :func:`aft_channel_ma
 products). The same FLOPs run through different BLAS shapes, and which is faster depends on the BLAS's kernels: on
 a Sapphire Rapids Xeon channel-major won (AFT-full against the community code, fresh processes: 0.92 -> 0.96 at
 T = 197), on an AVX2-only AMD EPYC it lost (mixer calls 1.14-1.26x the token-major core's time at T = 197, batch 8,
-in four probes). So the
-first inference call that could take it times both on a ViT's sequence and takes channel-major when it is faster.
+in four probes). So the first inference call that could take it times both on a ViT's sequence and takes
+channel-major when it is faster.
 
 Each probe runs in a thread of its own (the caller's autograd and tracing state stays out of it); the
 check of a cached answer runs in the caller's thread with the caller's modes set aside (:func:`_checked`). The answer is
