@@ -218,7 +218,9 @@ def test_inference_projects_q_k_v_apart_on_the_cpu(monkeypatch):
     """AFT-full's (and AFT-local's) CPU inference computes Q, K and V as three products, each its own contiguous
     buffer, where training and the plain path take views of the one fused projection: the same output and keys."""
     from vitlab.mixers import aft as aft_mixers
+    from vitlab.ops import switch
 
+    monkeypatch.setattr(switch, "_enabled", True)  # whatever VITLAB_FAST_PATHS says: a test of the path
     seen = []
     original = aft_mixers.linear_rows
     monkeypatch.setattr(aft_mixers, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
