@@ -242,6 +242,25 @@ def test_inference_projects_q_k_v_apart_on_the_cpu(monkeypatch):
         assert seen == []
 
 
+def test_simple_inference_projects_k_and_v_apart_then_q(monkeypatch):
+    """Non-causal AFT-simple's inference: K and V as two products (reduced to the context), then Q: the same
+    output as the fused projection under autograd."""
+    from vitlab.mixers import aft as aft_mixers
+    from vitlab.ops import switch
+
+    monkeypatch.setattr(switch, "_enabled", True)
+    seen = []
+    original = aft_mixers.linear_rows
+    monkeypatch.setattr(aft_mixers, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
+    m, x = make("simple", hidden_dim=16).eval(), torch.randn(2, 21, 24)
+    expected = m(x, GRID)
+    assert seen == []
+    with torch.inference_mode():
+        out = m(x, GRID)
+    assert seen == [(16, 32), (32, 48), (0, 16)]
+    assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
+
+
 def test_conv_matches_literal_eq6():
     """The exp(w) - 1 form of Eq. 6, summed literally, on a grid smaller than the kernel in one axis."""
     torch.manual_seed(1)
