@@ -13,10 +13,14 @@ import torch
 # the fast paths' decisions are cached per machine (vitlab.ops.probe): the suite keeps its own cache, never the user's
 os.environ["VITLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="vitlab-test-cache-")
 
+
 # the suite must pass with any thread count (reduction orders differ): VITLAB_TEST_THREADS picks it; by default
 # the CPU's cores shared among pytest-xdist's workers (scripts/test.sh runs one per core), at most 2 each
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-THREADS = int(os.environ.get("VITLAB_TEST_THREADS") or max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+def torch_threads(workers: int) -> int:
+    return int(os.environ.get("VITLAB_TEST_THREADS") or max(1, min(2, (os.cpu_count() or 1) // max(1, workers))))
+
+
+THREADS = torch_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
 torch.set_num_threads(THREADS)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,11 +83,11 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     """Name the test order and thread count, so that any failure can be replayed exactly."""
     seed = getattr(config.option, "randomly_seed", None)
     order = f"random order, --randomly-seed={seed}" if config.pluginmanager.hasplugin("randomly") else "file order"
-    workers = getattr(config.option, "numprocesses", None) or 0
+    workers = getattr(config.option, "numprocesses", None) or 0  # the controller: its workers' count
     where = f"{workers} pytest-xdist workers of " if workers else ""
-    threads = max(1, min(2, (os.cpu_count() or 1) // workers)) if workers else THREADS
-    threads = int(os.environ.get("VITLAB_TEST_THREADS") or threads)
-    terminalreporter.write_line(f"vitlab tests: {order}; {where}{threads} torch thread(s) (VITLAB_TEST_THREADS)")
+    terminalreporter.write_line(
+        f"vitlab tests: {order}; {where}{torch_threads(workers)} torch thread(s) (VITLAB_TEST_THREADS)"
+    )
 
 
 @pytest.fixture

@@ -108,6 +108,11 @@ def _check(dtype: torch.dtype, training: bool) -> None:
             raise RuntimeError("the primitive's result differs from aten's")
 
 
+def _failed(err: Exception) -> Decision:
+    """The answer for a path that raised ``err`` while probed: it does not work, the other path is taken."""
+    return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+
+
 def _ms(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -246,7 +251,7 @@ def _probe_stem() -> Decision:
         with torch.enable_grad():
             channels_last_ms, nchw_ms, ratio = _time(step(torch.channels_last), step(torch.contiguous_format))
     except Exception as err:  # a convolution that fails in one layout: the input's own layout, no conversion
-        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return _failed(err)
     # channels-last stays unless NCHW is faster by the margin: NCHW's time over channels-last's at most MARGIN
     taken = 1 / ratio > MARGIN
     verdict = "kept" if taken else "left for NCHW"
@@ -298,7 +303,7 @@ def _probe_aft() -> Decision:
                 raise RuntimeError("the channel-major core's result differs from the token-major core's")
             channel_ms, token_ms, ratio = _time(channel_major, token_major)
     except Exception as err:  # the token-major core is the reference path
-        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return _failed(err)
     taken = ratio < 1.0
     verdict = "taken" if taken else "not faster"
     return Decision(
@@ -424,7 +429,7 @@ def _probe(dtype: torch.dtype, training: bool) -> Decision:
         with torch.enable_grad() if training else torch.no_grad():
             fast_ms, plain_ms, ratio = _time(*_timed_pair(dtype, training))
     except Exception as err:  # any failure of the primitive on this CPU: the plain path
-        return Decision(False, False, reason=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        return _failed(err)
     return decide(fast_ms, plain_ms, ratio)
 
 
