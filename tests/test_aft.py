@@ -214,16 +214,23 @@ def test_no_autograd_path_equals_autograd_path(kind, kw, context):
     assert_rel(out, reference(m, x, GRID), 1e-5)
 
 
-def test_inference_projects_q_k_v_apart_on_the_cpu(monkeypatch):
-    """AFT-full's (and AFT-local's) CPU inference computes Q, K and V as three products, each its own contiguous
-    buffer, where training and the plain path take views of the one fused projection: the same output and keys."""
-    from vitlab.mixers import aft as aft_mixers
+@pytest.fixture
+def row_products(monkeypatch) -> list[tuple[int, int]]:
+    """The (start, stop) output rows of every separate product the AFT mixers make (``linear_rows``), with the
+    fast paths on whatever VITLAB_FAST_PATHS says (a test of the path)."""
     from vitlab.ops import switch
 
-    monkeypatch.setattr(switch, "_enabled", True)  # whatever VITLAB_FAST_PATHS says: a test of the path
-    seen = []
-    original = aft_mixers.linear_rows
-    monkeypatch.setattr(aft_mixers, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
+    monkeypatch.setattr(switch, "_enabled", True)
+    seen: list[tuple[int, int]] = []
+    original = aft_mod.linear_rows
+    monkeypatch.setattr(aft_mod, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
+    return seen
+
+
+def test_inference_projects_q_k_v_apart_on_the_cpu(row_products):
+    """AFT-full's (and AFT-local's) CPU inference computes Q, K and V as three products, each its own contiguous
+    buffer, where training and the plain path take views of the one fused projection: the same output and keys."""
+    seen = row_products
     for kind, kw in CASES[:6]:
         m = make(kind, **kw).eval()
         x = torch.randn(2, 21, 24)
@@ -242,16 +249,10 @@ def test_inference_projects_q_k_v_apart_on_the_cpu(monkeypatch):
         assert seen == []
 
 
-def test_simple_inference_projects_k_and_v_apart_then_q(monkeypatch):
+def test_simple_inference_projects_k_and_v_apart_then_q(row_products):
     """Non-causal AFT-simple's inference: K and V as two products (reduced to the context), then Q: the same
     output as the fused projection under autograd."""
-    from vitlab.mixers import aft as aft_mixers
-    from vitlab.ops import switch
-
-    monkeypatch.setattr(switch, "_enabled", True)
-    seen = []
-    original = aft_mixers.linear_rows
-    monkeypatch.setattr(aft_mixers, "linear_rows", lambda *a: seen.append(a[2:]) or original(*a))
+    seen = row_products
     m, x = make("simple", hidden_dim=16).eval(), torch.randn(2, 21, 24)
     expected = m(x, GRID)
     assert seen == []
