@@ -262,6 +262,82 @@ def test_simple_inference_projects_k_and_v_apart_then_q(row_products):
     assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
 
 
+CONV_APART = [
+    ({"num_heads": 4, "kernel_size": 3}, GRID),
+    ({"num_heads": 2, "kernel_size": 5, "query": False}, GRID),
+    ({"num_heads": 4, "kernel_size": 3, "outside": "-inf"}, TokenLayout(grid=(4, 5))),
+]
+
+
+@pytest.mark.parametrize(("kw", "layout"), CONV_APART, ids=["global", "no-query", "local"])
+def test_conv_inference_projects_k_and_v_apart_then_q(row_products, monkeypatch, kw, layout):
+    """AFT-conv's inference: K and V as two products (turned into the window sums and freed), then Q: the output
+    of the fused projection under autograd; with the keys asked for, the fused projection; under autocast, the
+    products in its precision as the fused one's."""
+    seen, dtypes = row_products, []
+    recorded = aft_mod.linear_rows
+    monkeypatch.setattr(aft_mod, "linear_rows", lambda *a: dtypes.append((y := recorded(*a)).dtype) or y)
+    m = make("conv", **kw).eval()
+    randomise_conv(m)
+    x = torch.randn(2, layout.num_prefix + 20, 24)
+    expected = m(x, layout)
+    assert seen == []
+    with torch.inference_mode():
+        out = m(x, layout)
+        m(x, layout, return_aux=True)
+    h, query = kw["num_heads"], kw.get("query", True)
+    start = 24 if query else 0
+    assert seen == [(start, start + h), (start + h, start + h + 24)] + ([(0, 24)] if query else [])
+    assert_rel(out, expected, 4 * torch.finfo(torch.float32).eps * (21 + 24))
+    dtypes.clear()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = m(x, layout)
+        cast_fused, _ = m.mix(x, layout, None, True)
+    assert dtypes == [torch.bfloat16] * (3 if query else 2)
+    assert cast.dtype == cast_fused.dtype == torch.float32
+    torch.testing.assert_close(cast, cast_fused, rtol=1e-2, atol=1e-2)
+
+
+def test_conv_inference_apart_falls_back_where_a_denominator_underflows(row_products, monkeypatch):
+    """Keys of magnitude 1e4 without the global context: some windows' denominators underflow in the keys-first
+    sums; the call then runs on the fused projection, whose composite form repairs them (the naive values)."""
+    counter = FallbackCounter(monkeypatch)
+    m = make("conv", num_heads=2, kernel_size=3, outside="-inf").eval()
+    layout = TokenLayout(grid=(4, 5))
+    with torch.no_grad():
+        m.qkv.weight[24:26].mul_(1e4)  # the key rows
+    x = torch.randn(2, 20, 24)
+    with torch.inference_mode():
+        out = m(x, layout)
+    assert counter.entries > 0
+    assert row_products[:2] == [(24, 26), (26, 50)]  # the keys-first sums ran first
+    with torch.no_grad():
+        q, k, v = m.qkv(x).double().split([24, 2, 24], -1)
+        want = m.proj(naive_conv_pairs(q, k, v, m.position_bias().double(), layout.grid, 0, float("-inf")).float())
+    assert_rel(out, want, 1e-5)
+
+
+@pytest.mark.usefixtures("fast_path")
+def test_conv_without_autograd_holds_no_query_beside_the_key_context():
+    """Inference projects K and V inside the window sums, which free them once the key context is built, and
+    projects Q after: at the peak e^K, the key context, the sums and one batch item's outside-window rows
+    (h/C + 2 (r + 1)/r + (r + 1)/(r B) = 3.08 activations for h = 4, r = 6, B = 2), where the fused [Q | K | V]
+    projection adds Q and V (exact allocation record); the values are those of the fused path."""
+    m = make("conv", num_heads=4, kernel_size=3).eval()
+    randomise_conv(m)
+    x = torch.randn(2, 1 + 16 * 16, 24)
+    layout = TokenLayout(grid=(16, 16), num_prefix=1)
+    unit = 4 * x.numel()
+    with torch.inference_mode():
+        peak = tensor_peak_bytes(lambda: m(x, layout))
+        fused_peak = tensor_peak_bytes(lambda: m.mix(x, layout, None, True))
+        keys_first = m(x, layout)
+        fused, _ = m.mix(x, layout, None, True)  # the keys asked for: the fused projection
+    assert peak is not None and fused_peak is not None
+    assert peak <= 3.2 * unit and peak <= fused_peak - 2 * unit, (peak / unit, fused_peak / unit)
+    torch.testing.assert_close(keys_first, fused, rtol=1e-5, atol=1e-6)
+
+
 def test_conv_matches_literal_eq6():
     """The exp(w) - 1 form of Eq. 6, summed literally, on a grid smaller than the kernel in one axis."""
     torch.manual_seed(1)
