@@ -40,7 +40,6 @@ from torch.utils.checkpoint import checkpoint
 from ..ops import aft_banded, probe
 from ..ops.aft import (
     aft_conv,
-    aft_conv_sums,
     aft_full,
     aft_full_channels,
     aft_local_banded,
@@ -51,7 +50,7 @@ from ..ops.aft import (
     mask_future,
     one_band,
 )
-from ..ops.aft_conv import gated_ratio, qkv_width, split_qkv
+from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.aft_decode import PrefixCache, RunningSums
 from ..ops.linear import fused_linear, fuses_linear, linear_rows
 from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
@@ -135,16 +134,6 @@ def _no_autocast(x: Tensor) -> AbstractContextManager:
     if x.device.type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(x.device.type):
         return nullcontext()
     return torch.autocast(device_type=x.device.type, enabled=False)
-
-
-def _inference_apart(mixer: nn.Module, x: Tensor) -> bool:
-    """Whether an AFT mixer's call may project Q, K and V as separate products (:func:`linear_rows`), each its own
-    contiguous buffer, and in the order its core reads them, instead of taking views of the one fused
-    projection: eager inference (nothing recorded by autograd) through a plain ``nn.Linear``. Training keeps the
-    fused product: separate ones would each add a full-size gradient of the shared weight in the backward pass."""
-    if fx_tracing():  # first: a torch.fx proxy has no device or flags to ask
-        return False
-    return type(mixer.qkv) is nn.Linear and eager_fast_path() and no_autograd(x, *mixer.parameters())
 
 
 class AFTFull(TokenMixer):
@@ -281,11 +270,19 @@ class AFTFull(TokenMixer):
 
     def _projects_apart(self, x: Tensor) -> bool:
         """Whether Q, K and V come from three products, each its own contiguous buffer, instead of views of one
-        fused projection: :func:`_inference_apart`, on the CPU. The core then reads contiguous rows (the sigmoid,
-        the keys' maxima and ``e^K`` ran 1.2-2.6x slower on the views' strided rows). AFT-full against the
-        community code (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 -> 1.04-1.06 of its
-        speed at T = 197, batch 8; 0.99 -> 1.04 at T = 1024, batch 2."""
-        return _inference_apart(self, x) and x.device.type == "cpu"
+        fused projection: eager inference on the CPU. The core then reads contiguous rows (the sigmoid, the keys'
+        maxima and ``e^K`` ran 1.2-2.6x slower on the views' strided rows). AFT-full against the community code
+        (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 -> 1.04-1.06 of its speed at T = 197,
+        batch 8; 0.99 -> 1.04 at T = 1024, batch 2. Training keeps the fused product: three would each add a
+        full-size gradient of the shared weight in the backward pass."""
+        if fx_tracing():  # first: a torch.fx proxy has no device to ask
+            return False
+        return (
+            x.device.type == "cpu"
+            and type(self.qkv) is nn.Linear
+            and eager_fast_path()
+            and no_autograd(x, *self.parameters())
+        )
 
     def _dense(self, tokens: int) -> bool:
         """Whether N = ``tokens`` runs the dense core on the (N, N) bias (AFT-local: not its band path)."""
@@ -479,7 +476,8 @@ class AFTSimple(TokenMixer):
                 y = aft_simple_triton(qkv, self.causal)
             out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
             return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
-        if not (self.causal or return_aux) and _inference_apart(self, x):
+        plain = type(self.qkv) is nn.Linear
+        if plain and not (self.causal or return_aux) and eager_fast_path() and no_autograd(x, *self.parameters()):
             return self._mix_keys_first(x), {}
         qkv = fused_linear(self.qkv, x)
         with _no_autocast(x):
@@ -635,10 +633,6 @@ class AFTConv(TokenMixer):
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         if self.outside == "-inf" and layout.num_prefix:
             raise ValueError("AFTConv(outside='-inf') has no pairs for prefix tokens: use it without a class token")
-        if not return_aux and x.device.type != "meta" and not triton_runs_on(x) and _inference_apart(self, x):
-            out = self._mix_keys_first(x, layout)
-            if out is not None:
-                return out, {}
         qkv = fused_linear(self.qkv, x)  # [Q | K | V]: the core takes it fused (one gradient buffer)
         with _no_autocast(x):
             w = self.position_bias()
@@ -651,33 +645,3 @@ class AFTConv(TokenMixer):
                 y = aft_conv(qkv.float(), *args)
         out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
         return out, ({"keys": split_qkv(qkv, self.num_heads, self.query)[1]} if return_aux else {})
-
-    def _mix_keys_first(self, x: Tensor, layout: TokenLayout) -> Tensor | None:
-        """Inference: K and V projected (each its own contiguous buffer) inside the window sums, which free them
-        once the key context holds ``e^K ⊙ V``; then Q projected and gated in place
-        (:func:`vitlab.ops.aft_conv.gated_ratio`). Q never coexists with V, the key context and the sums: at most
-        the key context, the sums and one batch item's outside-window rows alive (2.7 activations at a head
-        width of 32 and batch 2, against 4.7 with the fused projection, itself 2 of them). None when a
-        denominator underflowed (the fused path's composite form repairs it)."""
-        c, h = self.dim, self.num_heads
-        start = c if self.query else 0  # [Q | K | V] or [K | V]
-        device = x.device.type
-        callers = torch.autocast(device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
-        dtype: list[torch.dtype] = []  # the projections' (autocast's); the core runs in fp32
-
-        def keys_values() -> tuple[Tensor, Tensor]:
-            with callers:  # the products in the caller's autocast, inside the core's fp32 block
-                k, v = linear_rows(self.qkv, x, start, start + h), linear_rows(self.qkv, x, start + h, start + h + c)
-            dtype.append(v.dtype)
-            return k.float(), v.float()
-
-        with _no_autocast(x):
-            w = self.position_bias()
-            sums = aft_conv_sums(keys_values, w, layout.grid, layout.num_prefix, self.outside == "zero")
-        if sums is None:
-            return None
-        q = linear_rows(self.qkv, x, 0, c) if self.query else None
-        with _no_autocast(x):
-            y = gated_ratio(*sums, None if q is None else q.float(), layout.num_prefix)
-        del sums  # before the output projection's buffer
-        return fused_linear(self.proj, y.to(dtype[0])).to(x.dtype)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .aft_banded import banded_sums
-from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, keyed_sums, split_qkv, window_band
+from .aft_conv import AFTConvCore, conv_core, kernel_and_scale, split_qkv, window_band
 from .aft_simple import aft_simple_qkv, context
 from .switch import capturing_graph, eager_fast_path, fx_tracing, no_autograd, traced_or_exported
 
@@ -390,22 +390,6 @@ def aft_conv(
     if den_min < _UNDERFLOW:  # keys or biases of extreme magnitude: the composite form repairs
         return _aft_conv_composite(qkv, w, grid, num_prefix, global_context, query)
     return out
-
-
-def aft_conv_sums(
-    keys_values: Callable[[], tuple[Tensor, Tensor]],
-    w: Tensor,
-    grid: tuple[int, int],
-    num_prefix: int = 0,
-    global_context: bool = True,
-) -> tuple[Tensor, Tensor | None] | None:
-    """The numerators and denominators of :func:`aft_conv` from the keys (B, N, h) and values (B, N, C) alone,
-    fp32, made by ``keys_values()`` (:func:`vitlab.ops.aft_conv.keyed_sums`), for an eager inference that projects
-    Q afterwards (:func:`vitlab.ops.aft_conv.gated_ratio` finishes it): the patches' sums (B, H·W, h, r + 1) and
-    the prefix rows (B, h, r + 1) or None. None when a denominator underflowed: the caller then runs
-    :func:`aft_conv` on the fused projection, whose composite form repairs such entries."""
-    nd, nd_pre, den_min = keyed_sums(keys_values, w, grid, num_prefix, global_context, _UNDERFLOW)
-    return None if den_min < _UNDERFLOW else (nd, nd_pre)
 
 
 # ``patch_sums(x, x_pre, kernel, scale, per_chan, grid)``: L(x) of the patches (B, H·W, C + h) of

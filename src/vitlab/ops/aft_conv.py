@@ -24,7 +24,6 @@ denominators.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -160,52 +159,6 @@ def conv_core(
     return _forward(qkv, w, grid, num_prefix, global_context, query, floor, keep=False)[:2]
 
 
-def keyed_sums(
-    keys_values: Callable[[], tuple[Tensor, Tensor]],
-    w: Tensor,
-    grid: tuple[int, int],
-    num_prefix: int,
-    global_context: bool,
-    floor: float,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The first half of :func:`conv_core` from the keys (B, N, h) and values (B, N, C) alone, as
-    ``keys_values()`` makes them (called here, so that fresh projections are freed once the key context holds
-    ``e^K ⊙ V``): the sums of the patches (B, H·W, h, r + 1), of the prefix rows (B, h, r + 1) or None, and the
-    smallest denominator; the key context is freed on return. With :func:`gated_ratio`, an inference that projects
-    Q only after this holds no query beside the key context."""
-    return _sums(keys_values, w, grid, num_prefix, global_context, floor)[:3]
-
-
-def gated_ratio(nd: Tensor, nd_pre: Tensor | None, q: Tensor | None, num_prefix: int) -> Tensor:
-    """The second half of :func:`conv_core`: ``sigmoid(Q) ⊙ num / den`` (B, N, C) from :func:`keyed_sums`' sums,
-    written into ``q``'s own buffer (a fresh projection nobody else reads); ``q=None``: ``num / den``."""
-    return _gated_ratio(nd, nd_pre, None if q is None else q.sigmoid_(), num_prefix, in_place=True)
-
-
-def _sums(
-    keys_values: Callable[[], tuple[Tensor, Tensor]],
-    w: Tensor,
-    grid: tuple[int, int],
-    num_prefix: int,
-    global_context: bool,
-    floor: float,
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """``L`` of the key context: the patches' sums ``nd``, the prefix rows ``nd_pre``, the smallest denominator
-    (denominators below ``floor`` clamped to it), and the key context x, ``e^K``, the kernel and scale."""
-    kernel, scale = kernel_and_scale(w, global_context)
-    k, v = keys_values()
-    ek = (k - k.amax(1, keepdim=True)).exp()  # the shift cancels in the ratio
-    x, pre = key_context(ek, v, num_prefix)
-    del k, v  # the last references to fresh projections (views of a fused one stay alive with it)
-    nd, nd_pre = window_sums(x, pre, kernel, scale, grid)
-    den = nd[..., -1]
-    den_min = den.amin() if nd_pre is None else torch.minimum(den.amin(), nd_pre[..., -1].amin())
-    den.clamp_min_(floor)
-    if nd_pre is not None:
-        nd_pre[..., -1].clamp_min_(floor)
-    return nd, nd_pre, den_min, x, ek, kernel, scale
-
-
 def _forward(
     qkv: Tensor,
     w: Tensor,
@@ -219,7 +172,15 @@ def _forward(
     """:func:`conv_core`, and with ``keep`` the tensors :class:`AFTConvCore`'s backward needs (without, the
     gate's buffer becomes the output: one allocation fewer)."""
     q, k, v = split_qkv(qkv, w.shape[0], query)
-    nd, nd_pre, den_min, x, ek, kernel, scale = _sums(lambda: (k, v), w, grid, num_prefix, global_context, floor)
+    kernel, scale = kernel_and_scale(w, global_context)
+    ek = (k - k.amax(1, keepdim=True)).exp()  # the shift cancels in the ratio
+    x, pre = key_context(ek, v, num_prefix)
+    nd, nd_pre = window_sums(x, pre, kernel, scale, grid)
+    den = nd[..., -1]
+    den_min = den.amin() if nd_pre is None else torch.minimum(den.amin(), nd_pre[..., -1].amin())
+    den.clamp_min_(floor)
+    if nd_pre is not None:
+        nd_pre[..., -1].clamp_min_(floor)
     if not keep:
         del x
     sq = None if q is None else torch.sigmoid(q)
@@ -227,7 +188,7 @@ def _forward(
     if not keep:
         return out, den_min, None
     v_pre = v[:, :num_prefix].clone() if num_prefix else None
-    return out, den_min, (x, ek, v_pre, sq, out, nd[..., -1].clone(), nd_pre, kernel, scale)
+    return out, den_min, (x, ek, v_pre, sq, out, den.clone(), nd_pre, kernel, scale)
 
 
 class AFTConvCore(torch.autograd.Function):
