@@ -217,7 +217,7 @@ def test_no_autograd_path_equals_autograd_path(kind, kw, context):
 @pytest.fixture
 def row_products(monkeypatch) -> list[tuple[int, int]]:
     """The (start, stop) output rows of every separate product the AFT mixers make (``linear_rows``), with the
-    fast paths on whatever VITLAB_FAST_PATHS says (a test of the path)."""
+    fast paths on, whatever VITLAB_FAST_PATHS says (a test of the path)."""
     from vitlab.ops import switch
 
     monkeypatch.setattr(switch, "_enabled", True)

@@ -272,9 +272,10 @@ class AFTFull(TokenMixer):
         """Whether Q, K and V come from three products, each its own contiguous buffer, instead of views of one
         fused projection: eager inference on the CPU. The core then reads contiguous rows (the sigmoid, the keys'
         maxima and ``e^K`` ran 1.2-2.6x slower on the views' strided rows). AFT-full against the community code
-        (d = 256, one process, alternating calls, AVX2-only EPYC): 0.89-0.93 -> 1.04-1.06 of its speed at T = 197,
-        batch 8; 0.99 -> 1.04 at T = 1024, batch 2. Training keeps the fused product: three would each add a
-        full-size gradient of the shared weight in the backward pass."""
+        in fresh processes (docs/performance.md, d = 256, AVX2-only EPYC): 0.89 -> 0.97 of its speed at T = 197,
+        batch 8; 0.90 -> 1.02 at T = 1024, batch 2. Under glibc's default allocator, where oneDNN takes the
+        products, the three buffers page-faulted every call at T = 197 (the same page, open). Training keeps the
+        fused product: three would each add a full-size gradient of the shared weight in the backward pass."""
         if fx_tracing():  # first: a torch.fx proxy has no device to ask
             return False
         return (
@@ -490,8 +491,9 @@ class AFTSimple(TokenMixer):
         Q projected and gated in place. Q never coexists with K, V and ``e^K``: at most 3 activations alive instead
         of 5 (the fused projection, ``e^K``, the gate). K and V are two products, each its own contiguous buffer:
         the keys' maxima and ``e^K`` read contiguous rows, as in AFT-full (:meth:`AFTFull._projects_apart`); against
-        the community code in one process, alternating calls, AVX2-only EPYC: 0.92-0.97 -> 1.01-1.02 of its speed
-        at T = 1024, batch 2, 0.98-1.04 -> 1.05-1.07 at T = 4096."""
+        the community code in fresh processes (docs/performance.md, AVX2-only EPYC): 0.92 -> 1.00 of its speed at
+        T = 1024, batch 2, 0.97 -> 1.07 at T = 4096. Under glibc's default allocator the two buffers page-faulted
+        more than one (the same page, open)."""
         c = self.hidden_dim
         k, v = linear_rows(self.qkv, x, c, 2 * c), linear_rows(self.qkv, x, 2 * c, 3 * c)
         dtype = k.dtype  # the projections' (autocast's); the core runs in fp32
