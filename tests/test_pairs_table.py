@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,21 @@ def test_the_resident_table_gives_each_sides_median_sizes(tmp_path):
     out = _run("--resident", str(path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "| timm:deit_tiny | vitlab:deit_tiny | 317 / 353 | 390 / 425 | 530 / 570 |"
+
+
+def test_the_docs_pair_rows_are_rows_of_kept_results():
+    """Every side-by-side row in docs/performance.md is a row benchmarks/pairs_table.py renders from a JSON kept in
+    benchmarks/results, figure for figure: a typed or stale figure fails here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import pairs_table
+    finally:
+        sys.path.pop(0)
+    rendered = set()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("peer_*.json")):
+        rendered.update(line.strip() for line in pairs_table.table(json.loads(path.read_text())).splitlines())
+    pair_row = re.compile(r"^\|[^|]+\|[^|]+\| \d+ \|")  # peer | vitlab | rounds | ...
+    doc = (ROOT / "docs" / "performance.md").read_text().splitlines()
+    rows = [(n, line.strip()) for n, line in enumerate(doc, 1) if pair_row.match(line.strip())]
+    assert len(rows) > 100
+    assert [(n, row) for n, row in rows if row not in rendered] == []
