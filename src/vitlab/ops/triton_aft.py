@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .aft import _gate, _ratio, mask_future
+from .triton_support import launch
 
 _PAD = tl.constexpr(-1.0e30)  # the running maximum of a row before any pair: finite, so that _PAD - _PAD is 0, not NaN
 _INF = float("inf")
@@ -250,7 +251,8 @@ class _BiasedSums(torch.autograd.Function):
         num = k.new_empty(b, n, c, dtype=torch.float32)
         den, shift = torch.empty_like(num), k.new_empty(n, dtype=torch.float32)
         far = _far_sums(k, v, kmax, cfg) if cfg.far else (num, num)
-        _sums_fwd[cfg.grid(b, c)](k, v, kmax, *cfg.tiles, *far, num, den, shift, *cfg.args, cfg.n_tiles, **cfg.flags)
+        launch(_sums_fwd, cfg.grid(b, c), k, v, kmax, *cfg.tiles, *far, num, den, shift, *cfg.args, cfg.n_tiles,
+               **cfg.flags)  # fmt: skip
         ctx.cfg = cfg
         ctx.save_for_backward(k, v, kmax, u, vb, w, shift)
         ctx.mark_non_differentiable(shift)
@@ -263,16 +265,16 @@ class _BiasedSums(torch.autograd.Function):
         cfg, (b, n, c) = ctx.cfg, k.shape
         g_num, g_den = (shift.new_zeros(b, n, c) if g is None else g.float().contiguous() for g in (g_num, g_den))
         gk, gv = torch.empty_like(g_num), torch.empty_like(g_num)
-        _sums_bwd_kv[cfg.grid(b, c)](k, v, kmax, *cfg.tiles, shift, g_num, g_den, gk, gv, *cfg.args, cfg.n_tiles,
-                                     **cfg.flags)  # fmt: skip
+        launch(_sums_bwd_kv, cfg.grid(b, c), k, v, kmax, *cfg.tiles, shift, g_num, g_den, gk, gv, *cfg.args,
+               cfg.n_tiles, **cfg.flags)  # fmt: skip
         gu = gvb = gw = None
         if w is None:
             gu, gvb = torch.zeros(u.shape, device=k.device), torch.zeros(vb.shape, device=k.device)
         else:
             gw = torch.zeros(n, n, device=k.device)
         outs = (gu, gvb, gu) if w is None else (gw, gw, gw)
-        _sums_bwd_w[(cfg.n_tiles, cfg.n_tiles)](k, v, kmax, *cfg.tiles, shift, g_num, g_den, *outs, *cfg.args, b,
-                                                **cfg.flags)  # fmt: skip
+        launch(_sums_bwd_w, (cfg.n_tiles, cfg.n_tiles), k, v, kmax, *cfg.tiles, shift, g_num, g_den, *outs,
+               *cfg.args, b, **cfg.flags)  # fmt: skip
         if cfg.far:
             _add_far_grads(gk, gv, k, v, kmax, g_num, g_den, shift, cfg)
         grads = (gk, gv, None, gu, gvb, gw)

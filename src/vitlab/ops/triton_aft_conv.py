@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .aft import _aft_conv_composite, _outside_window_sum
+from .triton_support import launch
 
 
 @triton.jit
@@ -108,7 +109,8 @@ def _window_sums(x: Tensor, kernel: Tensor, far: Tensor | None, scale: Tensor | 
     bt, bc = _blocks(x)
     f = far if far is not None else out
     kernel = kernel.float().contiguous()
-    _window_fwd[(triton.cdiv(hw, bt), b, triton.cdiv(cx, bc))](
+    launch(
+        _window_fwd, (triton.cdiv(hw, bt), b, triton.cdiv(cx, bc)),
         x, kernel, f, kernel if scale is None else scale.float().contiguous(), out, x.stride(0), x.stride(1),
         *f.stride(), *grid, cx, cx - h, r, S=s, FLIP=flip, HAS_FAR=far is not None, BT=bt, BC=bc,
     )  # fmt: skip
@@ -138,9 +140,8 @@ class _WindowSums(torch.autograd.Function):
             s = kernel.shape[-1]
             per_channel = g.new_empty(b, cx, s, s)
             bt, bc = _blocks(x)
-            _window_grad_kernel[(b, triton.cdiv(cx, bc), s * s)](
-                x, g, per_channel, x.stride(0), x.stride(1), *ctx.grid, cx, S=s, BT=bt, BC=bc
-            )
+            launch(_window_grad_kernel, (b, triton.cdiv(cx, bc), s * s), x, g, per_channel, x.stride(0), x.stride(1),
+                   *ctx.grid, cx, S=s, BT=bt, BC=bc)  # fmt: skip
             gk = torch.zeros_like(kernel, dtype=torch.float32).index_add_(0, per_chan, per_channel.sum(0))
             gk = gk.to(kernel.dtype)
         gfar = g * scale[per_chan] if ctx.needs_input_grad[2] else None

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .triton_support import launch
+
 # the state's maximum before any token: finite, so that _PAD - _PAD is 0, not NaN, and e^{_PAD - K} is 0
 _PAD = tl.constexpr(-1.0e30)
 _PAD_VALUE = -1.0e30
@@ -127,7 +129,7 @@ def running_step(
     m, num, den = (x.float().contiguous() for x in (m, num, den))
     out = [torch.empty_like(m) for _ in range(4)]
     bc = _channel_block(c)
-    _running_step[(b, triton.cdiv(c, bc))](q, k, v, m, num, den, *out, k.stride(0), c, BC=bc)
+    launch(_running_step, (b, triton.cdiv(c, bc)), q, k, v, m, num, den, *out, k.stride(0), c, BC=bc)
     return out[1], out[2], out[3], out[0]
 
 
@@ -145,7 +147,6 @@ def prefix_step(
     row = row.contiguous()
     bt, bc = (16, _channel_block(c)) if k.device.type == "cpu" else (64, _channel_block(c))
     strides = (k.stride(0), ctx.stride(0), ctx.stride(1), raw_k.stride(0), raw_k.stride(1))
-    _prefix_step[(b, triton.cdiv(c, bc))](
-        k, v, row, m, ctx, raw_k, raw_v, num, den, m_out, t, *strides, c, margin, BT=bt, BC=bc
-    )
+    launch(_prefix_step, (b, triton.cdiv(c, bc)), k, v, row, m, ctx, raw_k, raw_v, num, den, m_out, t, *strides, c,
+           margin, BT=bt, BC=bc)  # fmt: skip
     return m_out, num, den

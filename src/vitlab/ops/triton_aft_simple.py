@@ -31,6 +31,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .triton_support import launch
+
 # a padded token's key: its weight e^{_PAD - m} is 0 for any real m, and (unlike -inf) _PAD - _PAD is 0, not NaN
 _PAD = tl.constexpr(-1.0e30)
 
@@ -187,7 +189,8 @@ def _launch(kernel, qkv: Tensor, extra: tuple, causal: bool | None, out: Tensor,
     b, t, c = q.shape
     bt, bc = _blocks(qkv)
     flag = () if causal is None else (causal,)
-    kernel[(b, triton.cdiv(c, bc))](
+    launch(
+        kernel, (b, triton.cdiv(c, bc)),
         q, k, v, *extra, *carries, qkv.stride(0), qkv.stride(1), *_strides(extra, out), t, c, triton.cdiv(t, bt),
         *flag, BT=bt, BC=bc,
     )  # fmt: skip

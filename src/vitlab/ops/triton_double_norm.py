@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .triton_support import launch
+
 #: the most memory slots one program holds in registers (a whole row of the map)
 MAX_SLOTS = 4096
 _TILE = 4096  # elements of one (tokens x slots) tile
@@ -144,7 +146,8 @@ class _Geometry(NamedTuple):
         part = torch.empty(2, self.p * self.q, self.chunks, self.s, device=x.device, dtype=torch.float32)
         grad = g is not None
         g, lse, n = (g, lse, n) if grad else (x, x, x)  # unread without GRAD
-        _columns_kernel[(self.p * self.q, self.chunks)](
+        launch(
+            _columns_kernel, (self.p * self.q, self.chunks),
             x, g, lse, n, part[0], part[1], self.t, self.q, self.s, self.rows, self.chunks,
             BLOCK_T=self.block_t, BLOCK_S=self.block_s, GRAD=grad,
         )  # fmt: skip
@@ -153,7 +156,8 @@ class _Geometry(NamedTuple):
     def rows_pass(self, x: Tensor, out: Tensor, lse: Tensor, n: Tensor | None, eps: float = 0.0, **grad) -> None:
         """The row pass: ``y`` (and ``n`` into ``n`` when given), or ``∂x`` with ``grad = dict(g=..., c=...)``."""
         g, c = grad.get("g", x), grad.get("c", lse)
-        _rows_kernel[(self.p * self.q, triton.cdiv(self.t, self.block_t))](
+        launch(
+            _rows_kernel, (self.p * self.q, triton.cdiv(self.t, self.block_t)),
             x, g, lse, x if n is None else n, c, out, self.t, self.q, self.s, eps,
             BLOCK_T=self.block_t, BLOCK_S=self.block_s, GRAD=bool(grad), SAVE=n is not None,
         )  # fmt: skip

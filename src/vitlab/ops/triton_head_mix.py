@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from .head_mix_terms import BatchNormTerms, function_args, token_rows
+from .triton_support import launch
 
 _BLOCK_L = 64  # map elements (rows of the heads-last view) per tile
 _MAX_PROGRAMS = 1024  # programs of a moments pass: the partial sums stay small (programs x C1 x C2 floats)
@@ -99,7 +100,8 @@ def moments(x: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
     split = max(1, min(triton.cdiv(length, _BLOCK_L), _MAX_PROGRAMS // b))
     xz = torch.empty(b * split, c1, c2, device=x.device, dtype=torch.float32)
     sx = torch.empty(b * split, c1, device=x.device, dtype=torch.float32)
-    _moments_kernel[(b, split)](
+    launch(
+        _moments_kernel, (b, split),
         x, z, xz, sx, length, c1, c2, *x.stride(), *z.stride(), split,
         BLOCK_L=_BLOCK_L, BC1=_channels_block(c1), BC2=_channels_block(c2),
     )  # fmt: skip
@@ -112,7 +114,8 @@ def mix(x: Tensor, wx: Tensor, c: Tensor, out: Tensor, z: Tensor | None = None, 
     g = wx.shape[0]
     two = z is not None
     z, wz = (z, wz.float().contiguous()) if two else (x, wx)
-    _mix_kernel[(b, triton.cdiv(length, _BLOCK_L))](
+    launch(
+        _mix_kernel, (b, triton.cdiv(length, _BLOCK_L)),
         x, wx.float().contiguous(), z, wz, c.float().contiguous(), out, length, cx, z.shape[-1], g,
         *x.stride(), *z.stride(), *out.stride(),
         BLOCK_L=_BLOCK_L, BCX=_channels_block(cx), BCZ=_channels_block(z.shape[-1]), BG=_channels_block(g), TWO=two,
