@@ -108,8 +108,11 @@ def test_kernel_exact_for_huge_keys_and_biases(triton_conv, monkeypatch):
     g = torch.randn(2, n, c)
     dqkv, dw = torch.autograd.grad(y, (x, wd), g.to(DEVICE))
     want = torch.autograd.grad(ref, ref_in, g.double())
+    # the kernel's gradient exact to fp32 round-off of the terms it sums (the biases' gradient is ~1e-111 here:
+    # the terms cancel, and an H200 left 7e-9 of them where the interpreter left 0)
+    top = max(b.norm() for b in want)
     for a, b in zip([*dqkv.cpu().split([c, h, c], -1), dw], want, strict=True):
-        assert rel(a, b) < 1e-4
+        assert (a.double().cpu() - b).norm() <= 1e-4 * b.norm() + 1e-7 * top
 
 
 def test_kernel_takes_bf16_projections_and_accumulates_in_fp32(triton_conv):

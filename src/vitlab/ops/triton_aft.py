@@ -214,11 +214,13 @@ def _blocks(k: Tensor, r: int) -> tuple[int, int, int]:
 
 def _precisions(k: Tensor) -> dict[str, str]:
     """``tl.dot``'s input precision: for the bias, fp32-accurate (3 TF32 passes on the GPU: a bias of magnitude
-    1e4 must keep its units); for the sums, the same for fp32 inputs and one TF32 pass for bf16/fp16 inputs (whose
-    own rounding is coarser). The interpreter computes in full fp32 whatever the name."""
+    1e4 must keep its units); for the sums, the same for fp32 and fp64 inputs and one TF32 pass for bf16/fp16
+    inputs (whose own rounding is coarser; a float64 model on one pass was 1.5e-4 off its CPU twin on an H200).
+    The interpreter computes in full fp32 whatever the name."""
     if k.device.type != "cuda":
         return {"PREC": "ieee", "BIAS_PREC": "ieee"}
-    return {"PREC": "tf32x3" if k.dtype == torch.float32 else "tf32", "BIAS_PREC": "tf32x3"}
+    low = k.dtype in (torch.bfloat16, torch.float16)
+    return {"PREC": "tf32" if low else "tf32x3", "BIAS_PREC": "tf32x3"}
 
 
 class _Config:
