@@ -315,8 +315,9 @@ def test_kernels_on_a_gpu_short_of_shared_memory_take_fewer_stages(kernels, fact
 @pytest.mark.parametrize("cls, kw", [(AFTFull, {}), (AFTLocal, dict(window=64))])
 def test_no_token_by_token_tensor_on_the_gpu(cls, kw):
     """A training step of AFT-full/local at T = 4096 with 32 channels: the activations are ~MBs, a (T, T) fp32
-    tensor alone would be 64 MiB. The step measured is the second: the first also takes cuBLAS's workspaces from
-    the allocator (tens of MiB on a Hopper GPU, whatever T; measured first, this test read 74 MB on an H200)."""
+    tensor alone would be 64 MiB. The step measured is the second: measured first, this test read 74 MB on an H200,
+    where the first step also takes one-time allocations whatever T (cuBLAS's workspaces are tens of MiB on a
+    Hopper GPU; that this was all of it is not yet confirmed on a GPU)."""
     n = 4096
     m = cls(32, max_len=n, bias_dim=16, **kw).cuda()
     x = torch.randn(1, n, 32, device="cuda", requires_grad=True)
