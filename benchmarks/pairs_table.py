@@ -24,17 +24,21 @@ def _speed(pair: dict, phase: str) -> str:
     return f"{pair[f'{key}_median']:.2f} ({pair[f'{key}_min']:.2f}-{pair[f'{key}_max']:.2f})"
 
 
-def _memory(pair: dict, phase: str) -> str:
-    value = pair.get(f"{phase}_peak_incr_ratio_median")
+def _memory(pair: dict, phase: str, kind: str) -> str:
+    value = pair.get(f"{phase}_{kind}_incr_ratio_median")
     return "-" if value is None else f"{value:.2f}"
 
 
 def table(doc: dict) -> str:
-    """The Markdown table of ``doc["pairs"]``."""
-    rows = ["| peer | vitlab | rounds | inference | training | peak-memory increment, inference / training |"]
+    """The Markdown table of ``doc["pairs"]``: on a GPU the memory column is the allocator's tensor peak (the
+    device memory a batch needs), on the CPU the process's peak resident memory."""
+    device = doc.get("meta", {}).get("device")  # a CPU run's is its name, a GPU run's the device's description
+    gpu = isinstance(device, dict) and device.get("type") == "cuda"
+    kind, what = ("tensor", "GPU tensor-peak increment") if gpu else ("peak", "peak-memory increment")
+    rows = [f"| peer | vitlab | rounds | inference | training | {what}, inference / training |"]
     rows.append("|---|---|---|---|---|---|")
     for pair in doc["pairs"]:
-        memory = f"{_memory(pair, 'infer')} / {_memory(pair, 'train')}"
+        memory = f"{_memory(pair, 'infer', kind)} / {_memory(pair, 'train', kind)}"
         vitlab = pair["vitlab"].split("@")[0]
         rows.append(
             f"| {pair['peer']} | {vitlab} | {len(pair['rounds'])} | {_speed(pair, 'infer')} | "

@@ -32,6 +32,18 @@ def test_a_pair_row_gives_the_median_and_range_of_its_rounds(tmp_path):
     )
 
 
+def test_a_gpu_runs_memory_column_is_the_tensor_peak(tmp_path):
+    """On a GPU the host's resident memory says little of what a batch needs: the column is the allocator's."""
+    pair = {"peer": "timm:deit_small", "vitlab": "vitlab:deit_small", "rounds": [{}]}
+    pair.update(infer_peak_incr_ratio_median=1.64, train_peak_incr_ratio_median=1.93)
+    pair.update(infer_tensor_incr_ratio_median=0.47, train_tensor_incr_ratio_median=0.79)
+    path = tmp_path / "run.json"
+    for device, memory in (("cuda", "0.47 / 0.79"), ("cpu", "1.64 / 1.93")):
+        path.write_text(json.dumps({"meta": {"device": {"type": device}}, "pairs": [pair]}))
+        out = _run(str(path)).stdout.splitlines()
+        assert out[-1].endswith(f"| {memory} |") and ("GPU tensor-peak" in out[0]) == (device == "cuda")
+
+
 def test_every_kept_result_renders():
     for path in sorted((ROOT / "benchmarks" / "results").glob("peer_*.json")):
         out = _run(str(path))
