@@ -69,11 +69,13 @@ def _bias(U, VB, W, t, tk, T, R, u_s, v_s, w_s, window,
           BR: tl.constexpr, BIAS_PREC: tl.constexpr):  # fmt: skip
     """The effective bias of the (queries t x keys tk) tile (-inf = pair excluded), and which pairs carry w."""
     valid = (t[:, None] < T) & (tk[None, :] < T)
-    if FACTORED:
-        r = tl.arange(0, BR)
-        u = tl.load(U + t[:, None] * u_s + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
-        vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=(tk[:, None] < T) & (r[None, :] < R), other=0.0)
-        w = tl.dot(u.to(tl.float32), tl.trans(vb.to(tl.float32)), input_precision=BIAS_PREC)
+    if FACTORED:  # u vᵀ over the rank in blocks of BR: a block of each factor's rows in shared memory, not all R
+        w = tl.zeros(valid.shape, tl.float32)
+        for r0 in range(0, R, BR):
+            r = r0 + tl.arange(0, BR)
+            u = tl.load(U + t[:, None] * u_s + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
+            vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=(tk[:, None] < T) & (r[None, :] < R), other=0.0)
+            w += tl.dot(u.to(tl.float32), tl.trans(vb.to(tl.float32)), input_precision=BIAS_PREC)
     else:
         w = tl.load(W + t[:, None] * w_s + tk[None, :], mask=valid, other=0.0).to(tl.float32)
     if CAUSAL:
@@ -193,23 +195,27 @@ def _sums_bwd_w(K, V, KMAX, U, VB, W, SHIFT, GN, GD, GU, GVB, GW,
                 g += tl.dot(tl.load(GD + at, mask=mask, other=0.0), tl.trans(e), input_precision=PREC)
         gw = tl.where(carries, a * g, 0.0)
         if FACTORED:  # ∂/∂u = ∂/∂w v, ∂/∂v = ∂/∂wᵀ u, summed over the key (query) tiles by atomic adds
-            r = tl.arange(0, BR)
-            u = tl.load(U + t[:, None] * u_s + r[None, :], mask=(t[:, None] < T) & (r[None, :] < R), other=0.0)
-            vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=(tk[:, None] < T) & (r[None, :] < R), other=0.0)
-            gu = tl.dot(gw, vb.to(tl.float32), input_precision=BIAS_PREC)
-            gv = tl.dot(tl.trans(gw), u.to(tl.float32), input_precision=BIAS_PREC)
-            tl.atomic_add(GU + t[:, None] * R + r[None, :], gu, mask=(t[:, None] < T) & (r[None, :] < R))
-            tl.atomic_add(GVB + tk[:, None] * R + r[None, :], gv, mask=(tk[:, None] < T) & (r[None, :] < R))
+            for r0 in range(0, R, BR):
+                r = r0 + tl.arange(0, BR)
+                u_at, v_at = (t[:, None] < T) & (r[None, :] < R), (tk[:, None] < T) & (r[None, :] < R)
+                u = tl.load(U + t[:, None] * u_s + r[None, :], mask=u_at, other=0.0)
+                vb = tl.load(VB + tk[:, None] * v_s + r[None, :], mask=v_at, other=0.0)
+                gu = tl.dot(gw, vb.to(tl.float32), input_precision=BIAS_PREC)
+                gv = tl.dot(tl.trans(gw), u.to(tl.float32), input_precision=BIAS_PREC)
+                tl.atomic_add(GU + t[:, None] * R + r[None, :], gu, mask=u_at)
+                tl.atomic_add(GVB + tk[:, None] * R + r[None, :], gv, mask=v_at)
         else:
             tl.store(GW + t[:, None] * T + tk[None, :], gw, mask=(t[:, None] < T) & (tk[None, :] < T))
 
 
 def _blocks(k: Tensor, r: int) -> tuple[int, int, int]:
-    """Token tile, channel block and bias-rank block (``tl.dot`` needs at least 16 of each); the interpreter (CPU
-    tensors) takes the smallest tiles, so that the tests' short sequences span several."""
+    """Token tile, channel block and bias-rank block (``tl.dot`` needs at least 16 of each; at most 64 of the
+    rank: the factors' whole rows of rank 256 asked 256 KiB of shared memory, unpipelined, for sm_90's 227); the
+    interpreter (CPU tensors) takes the smallest, so that the tests' short sequences and ranks span several."""
     n, c = k.shape[1:]
-    blk = 64 if n > 32 and k.device.type != "cpu" else 16
-    return blk, min(64, max(16, triton.next_power_of_2(c))), max(16, triton.next_power_of_2(r))
+    cpu = k.device.type == "cpu"
+    blk = 64 if n > 32 and not cpu else 16
+    return blk, min(64, max(16, triton.next_power_of_2(c))), 16 if cpu else min(64, max(16, triton.next_power_of_2(r)))
 
 
 def _precisions(k: Tensor) -> dict[str, str]:
