@@ -19,8 +19,9 @@
 # aft_cifar_fp32_fp16 aft_enwik8_fp32_fp16 aft_peers", and "suite").
 # TEST_WORKERS runs the test steps under pytest-xdist (Triton compiles on the CPU: 8 workers on a 16-core host),
 # PEER_ROUNDS sets the pairs' A/B rounds (default 2), WORK keeps the benchmarks' folders (default: a temporary one,
-# removed at the end). A lease of about 10 minutes fits STEPS="bench_fp32 bench_bf16 aft_cifar_bf16 aft_enwik8_bf16
-# aft_imagenet_bf16", then STEPS="cuda_tests aft_kernel_tests" with TEST_WORKERS=8, then one peers step.
+# removed at the end). Measured on one H200 (2026-11-29, 531 s in all): STEPS="bench_fp32 bench_bf16 aft_cifar_bf16
+# aft_enwik8_bf16 aft_imagenet_bf16" 3.5 min, then STEPS="cuda_tests aft_kernel_tests" with TEST_WORKERS=8 2.3 min,
+# then STEPS=peers_bf16 with PEER_ROUNDS=1 3.0 min (docs/performance.md, "On a GPU: the first measurements").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
