@@ -323,6 +323,21 @@ def test_decisions_are_kept_per_machine(monkeypatch, tmp_path):
     assert probe.cache_path() is None
 
 
+def test_only_a_probed_answer_is_kept_for_the_machine(monkeypatch, tmp_path):
+    """A decision set in the process by hand (a test, an A/B script forcing a path) stays in the process: the cache
+    file gets the answers the probe found, and the other entries already in it stay as they were."""
+    monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
+    earlier = probe.Decision(True, False, 2.0, 1.0, "aten faster")
+    probe.cache_path().write_text(json.dumps({"stem_channels_last,train": dataclasses.asdict(earlier)}))
+    forced = probe.Decision(True, True, reason="forced for an A/B")
+    monkeypatch.setattr(probe, "_DECISIONS", {probe._AFT: forced})
+    monkeypatch.setattr(probe, "_probe", lambda *a: probe.Decision(True, False, 1.0, 1.0, "probed"))
+    probe.onednn_linear(torch.float32, False)
+    kept = json.loads(probe.cache_path().read_text())
+    assert kept == {"stem_channels_last,train": dataclasses.asdict(earlier), "float32,infer": kept["float32,infer"]}
+    assert kept["float32,infer"]["reason"] == "probed"
+
+
 def test_a_cached_answer_that_no_longer_holds_is_probed_again(unsupported_cpu, monkeypatch, tmp_path):
     monkeypatch.setenv("VITLAB_CACHE_DIR", str(tmp_path))
     stale = probe.Decision(True, True, 1.0, 2.0, "oneDNN faster than aten")

@@ -212,7 +212,7 @@ def _remembered(
             _DECISIONS[key] = Decision(**cached)
         else:
             _DECISIONS[key] = _isolated(run_probe)
-            _write_cache()
+            _write_cache(key)
     return _DECISIONS[key]
 
 
@@ -395,13 +395,15 @@ def _read_cache() -> dict[str, dict]:
         return {}
 
 
-def _write_cache() -> None:
+def _write_cache(key: tuple[torch.dtype, bool] | str) -> None:
+    """Adds the answer this process probed under ``key`` to the machine's cache: that one only, so that a decision
+    set in the process by other means (a test, an A/B script forcing a path) never becomes the machine's."""
     path = cache_path()
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {**_read_cache(), **{_name(k): asdict(d) for k, d in _DECISIONS.items()}})
+        write_json_atomic(path, {**_read_cache(), _name(key): asdict(_DECISIONS[key])})
     except (OSError, WriteError):
         pass
 
