@@ -311,6 +311,15 @@ def test_kernels_on_a_gpu_short_of_shared_memory_take_fewer_stages(kernels, fact
     assert all(kernel.asked == [None, 2, 1, 1] for kernel in short.values())
 
 
+def test_a_kernel_that_fits_at_no_stage_count_is_one_clear_error():
+    from vitlab.ops.triton_support import launch
+
+    short = SharedMemoryShort(None, fits=0)
+    with pytest.raises(RuntimeError, match=r"does not fit this GPU even unpipelined.*VITLAB_FAST_PATHS=0"):
+        launch(short, (1,), torch.zeros(1))
+    assert short.asked == [None, 2, 1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the allocator's peak)")
 @pytest.mark.parametrize("cls, kw", [(AFTFull, {}), (AFTLocal, dict(window=64))])
 def test_no_token_by_token_tensor_on_the_gpu(cls, kw):
