@@ -90,3 +90,38 @@ def test_the_docs_pair_rows_are_rows_of_kept_results():
     rows = [(n, line.strip()) for n, line in enumerate(doc, 1) if pair_row.match(line.strip())]
     assert len(rows) > 100
     assert [(n, row) for n, row in rows if row not in rendered] == []
+
+
+def _three_figures(x: float) -> str:
+    """A figure as the docs' GPU section writes it: three significant digits (1,310; 46.0; 0.31)."""
+    text = f"{x:#.3g}".rstrip(".")
+    return f"{float(text):,.0f}" if "e" in text or float(text) >= 1000 else text
+
+
+def test_the_docs_gpu_figures_are_the_kept_results():
+    """The GPU section's training-step, AFT and ImageNet figures are those of the JSON kept beside it: a typed or
+    stale figure fails here (the pairs are checked above)."""
+    docs = (ROOT / "docs" / "performance.md").read_text()
+    results = ROOT / "benchmarks" / "results"
+
+    def cases(name: str) -> list[dict]:
+        return json.loads((results / f"gpu_h200_2026-11-29_{name}.json").read_text())["cases"]
+
+    for case in cases("fp32_bench") + cases("bf16_bench"):  # DeiT-S training
+        row = (
+            f"| {_three_figures(case['throughput'])} | {_three_figures(case['latency_ms'])} ms | "
+            f"{100 * case['util']:.0f} % of {_three_figures(case['gemm_run_flops_per_s'] / 1e12)} TFLOP/s |"
+        )
+        assert row in docs, row
+    for name in ("aft_cifar_bf16_lm_bench", "aft_enwik8_bf16_lm_bench"):
+        for r in json.loads((results / f"gpu_h200_2026-11-29_{name}.json").read_text())["ratios"]:
+            row = f"| {r['step_s']:.2f} s | {r['mem_mb']:,.0f} MB | {r['speed_ratio']:.2f}x | {r['mem_ratio']:.2f}x |"
+            assert row in docs, row
+    speed = {c["model"]: c["throughput"] for c in cases("aft_imagenet_bf16_bench")}
+    deit = speed.pop("deit_tiny_patch16_224")
+    assert f"DeiT-Ti {_three_figures(deit)}" in docs
+    for model, label in (("aft_full_tiny", "AFT-full-tiny"), ("aft_conv_tiny_32_11", "AFT-conv-tiny")):
+        assert f"{label} {_three_figures(speed[model])} " in docs, model
+    assert (
+        f"{speed['aft_full_tiny'] / deit:.2f}x and {speed['aft_conv_tiny_32_11'] / deit:.2f}x DeiT-Ti's speed" in docs
+    )
