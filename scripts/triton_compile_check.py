@@ -21,11 +21,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vitlab.ops import triton_aft, triton_aft_conv, triton_aft_decode, triton_aft_simple
+from vitlab.ops.triton_support import STAGE_LADDER  # the launch's: the default pipelining, then fewer
 
 SCALARS = ("T", "C", "R", "B", "H", "W", "CX")  # upper-case kernel arguments that are sizes, not tensors
 # shared memory a block may take (bytes, opt-in maximum) by compute capability x 10
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-STAGE_LADDER = (None, 2, 1)  # vitlab.ops.triton_support's: Triton's default pipelining, then fewer stages
 
 
 def signature_of(kernel, constexprs: dict, dtype: str) -> dict:

@@ -47,14 +47,14 @@ def triton_runs_on(*tensors: Tensor) -> bool:
 
 # Triton's default software pipelining (num_stages 3 on CUDA), then fewer stages: each stage buffers one more set
 # of a loop's tiles in shared memory. Seen on an H200 (227 KiB a block): AFT-full/local's sums asked 240-416 KiB
-_STAGE_LADDER: tuple[int | None, ...] = (None, 2, 1)
+STAGE_LADDER: tuple[int | None, ...] = (None, 2, 1)
 _STAGES_THAT_FIT: dict[tuple, int | None] = {}
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """``kernel[grid](*args, **meta)``, with fewer pipelining stages where the GPU's shared memory cannot hold the
     default's buffers. Triton raises ``OutOfResources`` when it loads such a binary, before anything runs, so the
-    next rung of :data:`_STAGE_LADDER` is tried at once; the stages that fit are kept per kernel, device and
+    next rung of :data:`STAGE_LADDER` is tried at once; the stages that fit are kept per kernel, device and
     compile-time flags, and later calls launch with them directly. The tiles and the results are the same on
     every rung (the stages change when loads are issued, not what is summed); the interpreter ignores them."""
     from triton.runtime.errors import OutOfResources
@@ -64,11 +64,11 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     if key in _STAGES_THAT_FIT:
         _launch_with(kernel, grid, args, meta, _STAGES_THAT_FIT[key])
         return
-    for stages in _STAGE_LADDER:
+    for stages in STAGE_LADDER:
         try:
             _launch_with(kernel, grid, args, meta, stages)
         except OutOfResources as e:
-            if stages == _STAGE_LADDER[-1]:
+            if stages == STAGE_LADDER[-1]:
                 name = getattr(kernel, "__name__", kernel)
                 raise RuntimeError(
                     f"the Triton kernel {name} does not fit this GPU even unpipelined ({e}); run vitlab's plain "
