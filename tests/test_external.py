@@ -108,6 +108,52 @@ def test_double_normalize_gradient_is_the_naive_formulas(dims, monkeypatch):
     torch.testing.assert_close(torch.autograd.grad(plain, logits, grad)[0], fast, rtol=1e-8, atol=1e-12)
 
 
+def test_double_normalize_overwrites_fresh_logits_under_autograd():
+    """``inplace`` while autograd records (the mixers' own logits): the map is the logits' buffer, and the map and
+    the gradients upstream of it are the paper's formulas' (autograd through the naive reference)."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(6, 5).double()
+    x = torch.randn(2, 7, 6, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 7, 5, dtype=torch.float64)
+    logits = lin(x)
+    out = double_normalize(logits, token_dim=1, memory_dim=2, inplace=True)
+    assert out.data_ptr() == logits.data_ptr()
+    got = torch.autograd.grad(out, (x, lin.weight, lin.bias), grad)
+    ref = naive_double_norm(lin(x))
+    want = torch.autograd.grad(ref, (x, lin.weight, lin.bias), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-14)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
+    # logits another node saved for its backward pass: overwriting them is an error there, never a wrong gradient
+    scale = torch.ones(5, dtype=torch.float64, requires_grad=True)
+    logits = lin(x)
+    scaled = logits * scale  # saves the logits for scale's gradient
+    double_normalize(logits, token_dim=1, memory_dim=2, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        scaled.sum().backward()
+
+
+def _map_allocations(fn, map_bytes: int) -> int:
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == map_bytes)
+
+
+def test_double_normalize_allocates_one_map_a_training_step():
+    """The claim of :class:`_DoubleNormalize`'s docstring: with the logits overwritten, the forward pass allocates no
+    map-sized buffer and the backward pass one, the gradient it returns (each such buffer above glibc's mmap
+    threshold is page-faulted anew on every call)."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 96, 8, 16, requires_grad=True)
+    logits = x.clone()  # a fresh non-leaf, as a projection's output (its backward allocates nothing)
+    map_bytes = logits.numel() * logits.element_size()
+    out = []
+    assert _map_allocations(lambda: out.append(double_normalize(logits, 1, -1, inplace=True)), map_bytes) == 0
+    g = torch.randn_like(out[0])
+    assert _map_allocations(lambda: torch.autograd.grad(out[0], x, g), map_bytes) == 1
+    assert _map_allocations(lambda: double_normalize(x, 1, -1), map_bytes) == 1  # not overwritten: the map
+
+
 def test_single_head_matches_naive_algorithm_1():
     torch.manual_seed(1)
     m = ExternalAttention(12, memory_size=9, bias=True).double()

@@ -150,7 +150,7 @@ class DoubleNormAttention(Attention):
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
         q, k, v = self.qkv_heads(x)
-        attn = double_normalize((q * self.scale) @ k.transpose(-2, -1), token_dim=-2, memory_dim=-1)
+        attn = double_normalize((q * self.scale) @ k.transpose(-2, -1), token_dim=-2, memory_dim=-1, inplace=True)
         out = self.project(self.attn_drop(attn) @ v)
         return out, ({"attn": attn} if return_aux else {})
 

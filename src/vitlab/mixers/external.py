@@ -114,7 +114,7 @@ class ExternalAttention(TokenMixer):
             self.mv.bias.zero_()
 
     def mix(self, x: Tensor, layout: TokenLayout, attn_prev: Tensor | None, return_aux: bool):
-        attn = normalize_memory(self.mk(x), self.memory_norm, token_dim=1, memory_dim=2, eps=self.eps)
+        attn = normalize_memory(self.mk(x), self.memory_norm, token_dim=1, memory_dim=2, eps=self.eps, inplace=True)
         out = self.mv(self.attn_drop(attn))
         return out, ({"memory_attn": attn} if return_aux else {})
 
@@ -177,7 +177,8 @@ class MultiHeadExternalAttention(TokenMixer):
             attn, out = self._memories_folded(t)
             out = F.linear(out.view(b, n, -1), self.proj.weight, self._proj_bias())
         else:
-            attn = normalize_memory(self.mk(t), self.memory_norm, token_dim=1, memory_dim=-1)
+            # the logits are this call's own: the map overwrites them (one map-sized buffer less a call)
+            attn = normalize_memory(self.mk(t), self.memory_norm, token_dim=1, memory_dim=-1, inplace=True)
             out = fused_linear(self.proj, self.mv(self.attn_drop(attn)).view(b, n, -1))
         return self.proj_drop(out), ({"memory_attn": attn.transpose(1, 2)} if return_aux else {})
 

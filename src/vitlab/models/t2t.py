@@ -80,8 +80,8 @@ class TokenExternalAttention(ElementwiseFlops, nn.Module):
 
     def forward(self, x: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
         t = self.q_linear(x)
-        # inference: normalise the fresh logits in place (no autograd to keep them for)
-        attn = double_normalize(self.mk(t), token_dim=1, memory_dim=2, inplace=not torch.is_grad_enabled())
+        # the fresh logits are this call's own: normalised in their buffer
+        attn = double_normalize(self.mk(t), token_dim=1, memory_dim=2, inplace=True)
         out = t + self.proj_drop(self.proj(self.mv(self.attn_drop(attn))))
         return (out, {"memory_attn": attn}) if return_aux else out
 
