@@ -227,6 +227,31 @@ def row_products(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
+def test_full_training_allocates_three_bias_sized_matrices():
+    """AFT-full's training step with a full (T, T) bias: the bias weights (forward), their gradient and w's
+    (backward), and no fourth: the whole-table slice w[0:T] cost a zero (T, T) matrix and a copy in its backward
+    pass. Each (T, T) matrix is 64 MB at T = 4096, above glibc's mmap threshold: page-faulted anew each time."""
+    torch.manual_seed(7)
+    t, c = 64, 16  # a (T, T) fp32 matrix is 16 KB; the activations (1, T, C..3C) are 4-12 KB
+    m = AFTFull(c, max_len=t, bias_dim=None)
+    x, g = torch.randn(1, t, c), torch.randn(1, t, c)
+    square = t * t * 4
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        m(x).backward(g)
+
+    step()
+    with torch.profiler.profile(profile_memory=True) as prof:
+        step()
+    made = [e.name for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == square]
+    assert len(made) == 3, made
+    naive = m.w.grad.clone()
+    with fast_paths(False):
+        step()
+    torch.testing.assert_close(naive, m.w.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_inference_projects_q_k_v_apart_on_the_cpu(row_products):
     """AFT-full's (and AFT-local's) CPU inference computes Q, K and V as three products, each its own contiguous
     buffer, where training and the plain path take views of the one fused projection: the same output and keys."""

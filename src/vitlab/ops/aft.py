@@ -146,7 +146,9 @@ def _key_context(k: Tensor, v: Tensor) -> Tensor:
 def _bias_weights(w: Tensor, start: int, stop: int, causal: bool) -> Tensor:
     """``e^{w[t, t'] - max_t' w[t, t']}`` for the query rows t = start .. stop-1 of ``w`` (T, T); causal: pairs
     t' > t are 0 and the columns stop at ``stop`` (the rest would be 0 too)."""
-    rows = w[start:stop, :stop] if causal else w[start:stop]
+    # the whole table as is, not w[0:T]: a slice's backward pass allocates a zero (T, T) matrix and copies into it
+    whole = start == 0 and stop == w.shape[0]
+    rows = w if whole else w[start:stop, :stop] if causal else w[start:stop]
     if causal:
         rows = mask_future(rows, torch.arange(start, stop, device=w.device))
     # the ratio does not depend on the shifts, so they carry no gradient
