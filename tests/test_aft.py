@@ -227,13 +227,15 @@ def row_products(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-def test_full_training_allocates_three_bias_sized_matrices():
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_training_allocates_three_bias_sized_matrices(causal):
     """AFT-full's training step with a full (T, T) bias: the bias weights (forward), their gradient and w's
-    (backward), and no fourth: the whole-table slice w[0:T] cost a zero (T, T) matrix and a copy in its backward
-    pass. Each (T, T) matrix is 64 MB at T = 4096, above glibc's mmap threshold: page-faulted anew each time."""
+    (backward), and causal one more, the mask's gradient; no more: the whole-table slice w[0:T] cost a zero (T, T)
+    matrix and a copy in its backward pass, and the causal rows were shifted into a buffer of their own. Each
+    (T, T) matrix is 64 MB at T = 4096, above glibc's mmap threshold: page-faulted anew each time."""
     torch.manual_seed(7)
     t, c = 64, 16  # a (T, T) fp32 matrix is 16 KB; the activations (1, T, C..3C) are 4-12 KB
-    m = AFTFull(c, max_len=t, bias_dim=None)
+    m = AFTFull(c, max_len=t, bias_dim=None, causal=causal)
     x, g = torch.randn(1, t, c), torch.randn(1, t, c)
     square = t * t * 4
 
@@ -245,7 +247,7 @@ def test_full_training_allocates_three_bias_sized_matrices():
     with torch.profiler.profile(profile_memory=True) as prof:
         step()
     made = [e.name for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == square]
-    assert len(made) == 3, made
+    assert len(made) == (4 if causal else 3), made
     naive = m.w.grad.clone()
     with fast_paths(False):
         step()

@@ -147,14 +147,18 @@ def _bias_weights(w: Tensor, start: int, stop: int, causal: bool) -> Tensor:
     """``e^{w[t, t'] - max_t' w[t, t']}`` for the query rows t = start .. stop-1 of ``w`` (T, T); causal: pairs
     t' > t are 0 and the columns stop at ``stop`` (the rest would be 0 too)."""
     # the whole table as is, not w[0:T]: a slice's backward pass allocates a zero (T, T) matrix and copies into it
-    whole = start == 0 and stop == w.shape[0]
+    # (torch.fx: the sizes are symbols, no values to compare; the graph records the slice)
+    whole = not fx_tracing() and start == 0 and stop == w.shape[0]
     rows = w if whole else w[start:stop, :stop] if causal else w[start:stop]
     if causal:
         rows = mask_future(rows, torch.arange(start, stop, device=w.device))
     # the ratio does not depend on the shifts, so they carry no gradient
     top = rows.detach().amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    return (rows - top).exp_()  # exp in place on a fresh difference: autograd saves the result either way
+    # exp in place on a fresh difference (autograd saves the result either way); causal rows are the mask's fresh
+    # output, whose backward pass needs only the mask: shifted in place too, one (T, T) buffer fewer
+    shifted = rows.sub_(top) if causal else rows - top
+    return shifted.exp_()
 
 
 # AFT-full without autograd forms ``e^{w - rowmax}`` a band of about this many elements (4 MB) at a time: the whole
