@@ -227,6 +227,7 @@ def row_products(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
+@pytest.mark.usefixtures("fast_path")
 @pytest.mark.parametrize("causal", [False, True])
 def test_full_training_allocates_three_bias_sized_matrices(causal):
     """AFT-full's training step with a full (T, T) bias: the bias weights (forward), their gradient and w's

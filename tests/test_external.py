@@ -108,6 +108,7 @@ def test_double_normalize_gradient_is_the_naive_formulas(dims, monkeypatch):
     torch.testing.assert_close(torch.autograd.grad(plain, logits, grad)[0], fast, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_double_normalize_overwrites_fresh_logits_under_autograd():
     """``inplace`` while autograd records (the mixers' own logits): the map is the logits' buffer, and the map and
     the gradients upstream of it are the paper's formulas' (autograd through the naive reference)."""
@@ -139,6 +140,7 @@ def _map_allocations(fn, map_bytes: int) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == map_bytes)
 
 
+@pytest.mark.usefixtures("fast_path")
 def test_double_normalize_allocates_one_map_a_training_step():
     """The claim of :class:`_DoubleNormalize`'s docstring: with the logits overwritten, the forward pass allocates no
     map-sized buffer and the backward pass one, the gradient it returns (each such buffer above glibc's mmap
