@@ -30,8 +30,8 @@ class _DoubleNormalize(torch.autograd.Function):
     out, never through PyTorch's softmax over a middle axis, whose strided kernels (forward and backward) are the
     slowest part of external attention at long sequences.
 
-    Each map-sized buffer is a fresh allocation, and a map above glibc's largest mmap threshold (32 MiB: multi-head
-    EA at T = 4096 holds 33.5 MB per sequence) is mapped and page-faulted anew on every call, at 2-3 µs a page,
+    Each map-sized buffer is a fresh allocation, and a map at or above glibc's largest mmap threshold (32 MiB, the
+    size of multi-head EA's map at T = 4096 per sequence) is mapped and page-faulted anew on every call, 2-3 µs a page,
     more than the arithmetic on it. So ``overwrite`` (logits the caller owns) normalises in the logits' buffer,
     and the backward pass allocates one buffer, the gradient it returns: the normalisation allocates one map-sized
     buffer a training step instead of four.
