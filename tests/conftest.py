@@ -72,6 +72,14 @@ def assert_close_to_golden(actual: torch.Tensor, expected: torch.Tensor, rtol: f
     assert err <= rtol * scale + 1e-7, f"max abs error {err:.3g} > {rtol} x {scale:.3g}"
 
 
+def allocations_of(fn, nbytes: int) -> list[str]:
+    """The aten operators that allocated a CPU block of exactly ``nbytes`` while ``fn`` ran (the profiler's record):
+    how the tests count the map- or matrix-sized buffers a fast path claims to allocate."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == nbytes]
+
+
 @pytest.fixture
 def data_dir() -> Path:
     if not DATA.exists():

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import allocations_of
 from vitlab.measure.process import tensor_peak_bytes
 from vitlab.mixers import AFTConv, AFTFull, AFTLocal, AFTSimple, TokenLayout, build
 from vitlab.mixers import aft as aft_mod
@@ -245,9 +246,7 @@ def test_full_training_allocates_three_bias_sized_matrices(causal):
         m(x).backward(g)
 
     step()
-    with torch.profiler.profile(profile_memory=True) as prof:
-        step()
-    made = [e.name for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == square]
+    made = allocations_of(step, square)
     assert len(made) == (4 if causal else 3), made
     naive = m.w.grad.clone()
     with fast_paths(False):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import vitlab.mixers.external
-from conftest import assert_close_to_golden, load_golden
+from conftest import allocations_of, assert_close_to_golden, load_golden
 from vitlab.mixers import ExternalAttention, MultiHeadExternalAttention, build
 from vitlab.mixers.base import split_heads
 from vitlab.ops.double_norm import double_normalize
@@ -134,12 +134,6 @@ def test_double_normalize_overwrites_fresh_logits_under_autograd():
         scaled.sum().backward()
 
 
-def _map_allocations(fn, map_bytes: int) -> int:
-    with torch.profiler.profile(profile_memory=True) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.self_cpu_memory_usage == map_bytes)
-
-
 @pytest.mark.usefixtures("fast_path")
 def test_double_normalize_allocates_one_map_a_training_step():
     """The claim of :class:`_DoubleNormalize`'s docstring: with the logits overwritten, the forward pass allocates no
@@ -150,10 +144,10 @@ def test_double_normalize_allocates_one_map_a_training_step():
     logits = x.clone()  # a fresh non-leaf, as a projection's output (its backward allocates nothing)
     map_bytes = logits.numel() * logits.element_size()
     out = []
-    assert _map_allocations(lambda: out.append(double_normalize(logits, 1, -1, inplace=True)), map_bytes) == 0
+    assert len(allocations_of(lambda: out.append(double_normalize(logits, 1, -1, inplace=True)), map_bytes)) == 0
     g = torch.randn_like(out[0])
-    assert _map_allocations(lambda: torch.autograd.grad(out[0], x, g), map_bytes) == 1
-    assert _map_allocations(lambda: double_normalize(x, 1, -1), map_bytes) == 1  # not overwritten: the map
+    assert len(allocations_of(lambda: torch.autograd.grad(out[0], x, g), map_bytes)) == 1
+    assert len(allocations_of(lambda: double_normalize(x, 1, -1), map_bytes)) == 1  # not overwritten: the map
 
 
 def test_single_head_matches_naive_algorithm_1():
