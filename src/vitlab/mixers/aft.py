@@ -52,7 +52,8 @@ from ..ops.aft import (
 )
 from ..ops.aft_conv import qkv_width, split_qkv
 from ..ops.aft_decode import PrefixCache, RunningSums
-from ..ops.linear import fused_linear, fuses_linear, linear_rows
+from ..ops.aft_simple import aft_simple_projected
+from ..ops.linear import fused_linear, fuses_linear, linear_rows, onednn_mode
 from ..ops.switch import eager_fast_path, fx_tracing, no_autograd
 from ..ops.triton_support import triton_runs_on
 from .base import TokenLayout, TokenMixer, check_divisible, token_count
@@ -478,8 +479,14 @@ class AFTSimple(TokenMixer):
             out = fused_linear(self.proj, y.to(qkv.dtype)).to(x.dtype)
             return out, ({"keys": qkv.chunk(3, -1)[1]} if return_aux else {})
         plain = type(self.qkv) is nn.Linear
-        if plain and not (self.causal or return_aux) and eager_fast_path() and no_autograd(x, *self.parameters()):
-            return self._mix_keys_first(x), {}
+        if plain and not self.causal and eager_fast_path():
+            if not return_aux and no_autograd(x, *self.parameters()):
+                return self._mix_keys_first(x), {}
+            if self._trains_projected(x):
+                out = fused_linear(self.proj, aft_simple_projected(x, self.qkv.weight, self.qkv.bias))
+                # the keys asked for: their product once more (the core's buffer became the softmax)
+                c = self.hidden_dim
+                return out, ({"keys": linear_rows(self.qkv, x, c, 2 * c)} if return_aux else {})
         qkv = fused_linear(self.qkv, x)
         with _no_autocast(x):
             y = aft_simple_fused(qkv.float(), self.causal)
@@ -504,6 +511,21 @@ class AFTSimple(TokenMixer):
         with _no_autocast(x):
             y = q.float().sigmoid_().mul_(s)  # q's own buffer (or its fp32 copy)
         return fused_linear(self.proj, y.to(dtype)).to(x.dtype)
+
+    def _trains_projected(self, x: Tensor) -> bool:
+        """Whether this training call runs :func:`~vitlab.ops.aft_simple.aft_simple_projected` (projection and core
+        in one function, Q, K and V apart): fp32 on the CPU where the projection would run aten's product (not
+        oneDNN's training primitive, :func:`vitlab.ops.linear.onednn_mode`). Against the fused form in one process,
+        (B, T, C) = (2, 1024, 256), forward and backward: see docs/performance.md."""
+        if fx_tracing():  # first: a torch.fx proxy has no device to ask
+            return False
+        return (
+            x.device.type == "cpu"
+            and x.dim() == 3
+            and x.dtype == self.qkv.weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu")
+            and onednn_mode(x, self.qkv.weight) is None
+        )
 
     def extra_flops(
         self, batch: int, tokens: int, layout: TokenLayout | None = None, *, with_attn_prev: bool = False

@@ -16,6 +16,7 @@ projection, which is what its own backward pass consumes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -65,3 +66,65 @@ def aft_simple_qkv(qkv: Tensor) -> Tensor:
     q, k, v = qkv.chunk(3, -1)
     s = context(k, v)[0]  # its (B, T, C) buffer is freed before the sigmoid's is allocated
     return torch.sigmoid(q).mul_(s)
+
+
+class _AFTSimpleProjected(torch.autograd.Function):
+    """The projection ``[Q | K | V] = x Wᵀ + b`` and the core in one function, the three products kept apart
+    (:func:`aft_simple_projected`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        wq, wk, wv = weight.chunk(3)  # row blocks of a contiguous weight: contiguous
+        bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3)
+        p = F.linear(x, wk, bk)
+        p.sub_(p.amax(1, keepdim=True)).exp_()
+        p.div_(p.sum(1, keepdim=True))  # softmax_t(K) in the keys' own buffer
+        v = F.linear(x, wv, bv)
+        s = torch.mul(p, v).sum(1, keepdim=True)
+        sig = F.linear(x, wq, bq).sigmoid_()
+        ctx.save_for_backward(x, weight, sig, p, v, s)
+        ctx.has_bias = bias is not None
+        return torch.mul(sig, s)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, weight, sig, p, v, s = ctx.saved_tensors
+        c = sig.shape[-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = torch.empty_like(x2) if need_x else None
+        gw = torch.empty_like(weight) if need_w else None
+        gb = weight.new_empty(3 * c) if ctx.has_bias and ctx.needs_input_grad[2] else None
+
+        def project_back(i: int, g: Tensor) -> None:
+            """Block i's gradient (B, T, C) into the weight's, the bias's and the input's gradients."""
+            g, rows = g.reshape(-1, c), slice(i * c, (i + 1) * c)
+            if gw is not None:
+                torch.mm(g.t(), x2, out=gw[rows])
+            if gb is not None:
+                torch.sum(g, 0, out=gb[rows])
+            if gx is not None:
+                torch.mm(g, weight[rows], out=gx) if i == 0 else gx.addmm_(g, weight[rows])
+
+        # one block's gradient alive at a time, each freed before the next is formed
+        gq = torch.mul(gy, sig)
+        gs = gq.sum(1, keepdim=True)
+        project_back(0, torch.ops.aten.sigmoid_backward.grad_input(torch.mul(gy, s, out=gq), sig, grad_input=gq))
+        del gq
+        project_back(1, torch.sub(v, s).mul_(p).mul_(gs))
+        project_back(2, torch.mul(p, gs))
+        return (None if gx is None else gx.view_as(x)), gw, gb
+
+
+def aft_simple_projected(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Non-causal AFT-simple of tokens ``x`` (B, T, d) through its fused projection ``weight`` (3C, d) and ``bias``
+    (3C): ``sigmoid(Q_t) ⊙ Σ_t' softmax_t'(K)_t' V_t'`` with ``[Q | K | V] = x Wᵀ + b``; (B, T, C).
+
+    The eager training form on the CPU. Q, K and V are three products, each its own contiguous buffer, and the
+    sigmoid and the softmax overwrite them: the elementwise passes read contiguous rows (on the fused projection's
+    strided thirds the sigmoid ran 2x slower), and what is saved for the backward pass is what it reads, ``σ(Q)``,
+    ``softmax_t(K)``, V, s and x: as much memory as the fused projection, with nothing recomputed. The backward pass
+    (this module's docstring's gradients) forms one block's gradient at a time and sends it through its third of
+    the weight, where the fused form held the whole (B, T, 3C) gradient of the projection."""
+    return _AFTSimpleProjected.apply(x, weight, bias)
