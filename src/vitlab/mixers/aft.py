@@ -515,8 +515,9 @@ class AFTSimple(TokenMixer):
     def _trains_projected(self, x: Tensor) -> bool:
         """Whether this training call runs :func:`~vitlab.ops.aft_simple.aft_simple_projected` (projection and core
         in one function, Q, K and V apart): fp32 on the CPU where the projection would run aten's product (not
-        oneDNN's training primitive, :func:`vitlab.ops.linear.onednn_mode`). Against the fused form in one process,
-        (B, T, C) = (2, 1024, 256), forward and backward: see docs/performance.md."""
+        oneDNN's training primitive, :func:`vitlab.ops.linear.onednn_mode`). A training step against the fused form,
+        one process, alternating (AVX2-only EPYC, d = 256): 1.11x faster at T = 197, batch 8; 1.13x at T = 1024,
+        batch 2; 1.04x at T = 4096, batch 1 (docs/performance.md has the side-by-side pairs)."""
         if fx_tracing():  # first: a torch.fx proxy has no device to ask
             return False
         return (
