@@ -7,6 +7,7 @@ import torch
 
 from conftest import allocations_of
 from vitlab.mixers import AFTSimple
+from vitlab.ops import fast_paths
 from vitlab.ops.aft import aft_simple
 from vitlab.ops.aft_simple import _AFTSimpleProjected, _AFTSimpleQKV, aft_simple_projected, aft_simple_qkv
 
@@ -60,18 +61,25 @@ def test_no_autograd_path_equals_the_composite(context):
     torch.testing.assert_close(out.double(), naive_simple(qkv), rtol=1e-5, atol=1e-6)
 
 
+def grad_fns(out: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes behind ``out``."""
+    walk, visited = [out.grad_fn], {}
+    while walk:
+        fn = walk.pop()
+        if fn is not None and id(fn) not in visited:
+            visited[id(fn)] = type(fn).__name__
+            walk += [f for f, _ in fn.next_functions]
+    return set(visited.values())
+
+
 @pytest.mark.usefixtures("fast_path")
 def test_module_trains_through_the_fused_core_with_the_plain_gradients():
     torch.manual_seed(3)
     m = AFTSimple(16, hidden_dim=12).double()
     x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
     out = m(x)
-    walk, found = [out.grad_fn], False
-    while walk and not found:  # the fused core is in the graph
-        fn = walk.pop()
-        found = "AFTSimpleQKV" in type(fn).__name__
-        walk += [f for f, _ in fn.next_functions if f is not None]
-    assert found, "AFT-simple's training step did not take the fused core"
+    # the fused core is in the graph
+    assert "_AFTSimpleQKVBackward" in grad_fns(out), "AFT-simple's training step did not take the fused core"
     grads = torch.autograd.grad(out.square().sum(), [x, *m.parameters()])
     # the same module through the composite operations (the core runs in fp32, as the module runs it)
     plain = m.proj(aft_simple(*m.qkv(x).float().chunk(3, -1)).double())
@@ -98,17 +106,6 @@ def aten_products(fast_path, monkeypatch):
 
     decision = probe.onednn_linear(torch.float32, True)
     monkeypatch.setitem(probe._DECISIONS, (torch.float32, True), replace(decision, taken=False))
-
-
-def grad_fns(out: torch.Tensor) -> set[str]:
-    """The names of the autograd nodes behind ``out``."""
-    walk, visited = [out.grad_fn], {}
-    while walk:
-        fn = walk.pop()
-        if fn is not None and id(fn) not in visited:
-            visited[id(fn)] = type(fn).__name__
-            walk += [f for f, _ in fn.next_functions]
-    return set(visited.values())
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -173,15 +170,14 @@ def test_fp32_module_trains_through_the_projected_core():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_projected_core_is_a_fast_path(aten_products, monkeypatch):
-    from vitlab.ops import switch
-
+@pytest.mark.usefixtures("aten_products")
+def test_projected_core_is_a_fast_path():
     m, x = AFTSimple(8), torch.randn(1, 6, 8, requires_grad=True)
     assert "_AFTSimpleProjectedBackward" in grad_fns(m(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's products: the fused projection
         assert "_AFTSimpleProjectedBackward" not in grad_fns(m(x))
-    monkeypatch.setattr(switch, "_enabled", False)
-    assert "_AFTSimpleProjectedBackward" not in grad_fns(m(x))
+    with fast_paths(False):
+        assert "_AFTSimpleProjectedBackward" not in grad_fns(m(x))
 
 
 def test_projected_backward_never_holds_the_whole_projection_gradient():

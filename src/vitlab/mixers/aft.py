@@ -513,15 +513,17 @@ class AFTSimple(TokenMixer):
         return fused_linear(self.proj, y.to(dtype)).to(x.dtype)
 
     def _trains_projected(self, x: Tensor) -> bool:
-        """Whether this training call runs :func:`~vitlab.ops.aft_simple.aft_simple_projected` (projection and core
-        in one function, Q, K and V apart): fp32 on the CPU where the projection would run aten's product (not
-        oneDNN's training primitive, :func:`vitlab.ops.linear.onednn_mode`). A training step against the fused form,
+        """Whether this call runs :func:`~vitlab.ops.aft_simple.aft_simple_projected` (projection and core in one
+        function, Q, K and V apart): a training call (inference asking for the keys keeps them a view of the fused
+        projection) in fp32 on the CPU where the projection would run aten's product (not oneDNN's training
+        primitive, :func:`vitlab.ops.linear.onednn_mode`). A training step against the fused form,
         one process, alternating (AVX2-only EPYC, d = 256): 1.11x faster at T = 197, batch 8; 1.13x at T = 1024,
         batch 2; 1.04x at T = 4096, batch 1 (docs/performance.md has the side-by-side pairs)."""
         if fx_tracing():  # first: a torch.fx proxy has no device to ask
             return False
         return (
-            x.device.type == "cpu"
+            torch.is_grad_enabled()
+            and x.device.type == "cpu"
             and x.dim() == 3
             and x.dtype == self.qkv.weight.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu")
